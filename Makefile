@@ -1,0 +1,72 @@
+# hpkit: `make demo` runs a 2-node training job on a local Slurm cluster; `make test` runs the suite.
+# Both install what they need on a Debian 12 machine (apt as root, pip into .venv).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(CURDIR)/$(VENV)/bin
+# Jobs inherit the submitting shell's PATH (sbatch --export=ALL), so the venv reaches the nodes.
+export PATH := $(BIN):$(PATH)
+
+DEV_CLUSTER_DIR ?= $(CURDIR)/.dev-cluster
+export HPKIT_DEV_CLUSTER_DIR := $(DEV_CLUSTER_DIR)
+export SLURM_CONF := $(DEV_CLUSTER_DIR)/etc/slurm.conf
+TEST_TMP ?= $(CURDIR)/.test-tmp
+SYSTEM_PACKAGES := slurm-wlm munge slurm-client
+
+.PHONY: help setup system-deps venv demo test test-unit lint cluster-up cluster-down bench clean
+
+help:
+	@echo "make demo         install, start the local Slurm cluster, run a 2-node training job"
+	@echo "make test         install and run the whole test suite (lint included)"
+	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2)"
+	@echo "make cluster-down stop it"
+	@echo "make lint         ruff + shellcheck"
+
+# Local development only: installs Debian packages when a command is missing.
+system-deps:
+	@missing=""; \
+	command -v slurmctld >/dev/null || missing="$$missing slurm-wlm"; \
+	command -v munged >/dev/null || missing="$$missing munge"; \
+	command -v sbatch >/dev/null || missing="$$missing slurm-client"; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" != 0 ]; then echo "missing Debian packages:$$missing; run: sudo apt-get install$$missing" >&2; exit 1; fi; \
+	  echo "installing Debian packages:$$missing"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends$$missing >/dev/null; \
+	fi
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[train,dev]'
+	touch $@
+
+venv: $(VENV)/.installed
+
+setup: system-deps venv
+
+cluster-up: system-deps
+	slurm/dev/up.sh
+
+cluster-down:
+	slurm/dev/down.sh
+
+demo: setup cluster-up
+	$(BIN)/hpkit submit slurm/jobs/demo.yaml --wait --show-output
+
+lint: venv
+	$(BIN)/ruff check python tests bench
+	$(BIN)/ruff format --check python tests bench
+	$(BIN)/shellcheck slurm/dev/*.sh scripts/*.sh .ci/run
+
+test: setup lint
+	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
+	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider tests
+
+test-unit: venv
+	$(BIN)/pytest -q -p no:cacheprovider tests/unit
+
+clean: cluster-down
+	rm -rf $(VENV) $(TEST_TMP) $(DEV_CLUSTER_DIR)

@@ -1,0 +1,3 @@
+from hpkit.cli import main
+
+raise SystemExit(main())

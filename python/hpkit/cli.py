@@ -1,0 +1,63 @@
+"""`hpkit` entry point: dispatches to one module per command, imported only when that command runs.
+
+Commands import their own dependencies lazily so that `hpkit check` on a login node starts fast
+and works without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# command -> (module, one-line help). Each module exposes main(argv, prog) -> exit code.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "check": ("hpkit.checks.cli", "check whether this node can run distributed training"),
+    "render": ("hpkit.commands.jobs", "render a job spec to an sbatch script (dry run)"),
+    "submit": ("hpkit.commands.jobs", "render and submit a job spec"),
+    "status": ("hpkit.commands.jobs", "show a job's state"),
+    "wait": ("hpkit.commands.jobs", "wait for a job to end, showing progress"),
+    "logs": ("hpkit.commands.jobs", "print (or follow) a job's output"),
+    "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
+    "train": ("hpkit.runtime.train", "run the training loop (inside a job)"),
+}
+
+USAGE_EXIT = 2
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: hpkit COMMAND [ARGS]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `hpkit COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hpkit.errors import HpkitError
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0 if argv else USAGE_EXIT
+    if argv[0] in ("-V", "--version"):
+        from hpkit import __version__
+
+        print(f"hpkit {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"hpkit: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return USAGE_EXIT
+    module = importlib.import_module(COMMANDS[name][0])
+    try:
+        return int(module.main([name, *rest], prog=f"hpkit {name}") or 0)
+    except HpkitError as exc:
+        print(f"hpkit {name}: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"hpkit {name}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
