@@ -22,7 +22,9 @@ from hpkit.errors import SpecError
 # quoted: they must be plain tokens.
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SLURM_NAME_LIST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(,[A-Za-z0-9][A-Za-z0-9._-]*)*$")
-_SLURM_TIME = re.compile(r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$")
+_SLURM_TIME = re.compile(
+    r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$"
+)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A directive path may not carry whitespace, quotes or '#': sbatch would split or truncate it.
 _DIRECTIVE_PATH = re.compile(r"^[^\s\"'#\\]+$")
@@ -45,9 +47,10 @@ class ContainerSpec(StrictModel):
     """A pyxis/enroot container for every task of the job."""
 
     image: str = Field(description="Registry reference (nvcr.io#nvidia/pytorch:24.07-py3) or a .sqsh path")
-    mounts: list[str] = Field(
-        default_factory=lambda: [VAR_LOG_MOUNT],
-        description="src:dst[:flags] bind mounts; /var/log/aws/clusters is added at run time where it exists",
+    mounts: list[str] = Field(default_factory=list, description="extra src:dst[:flags] bind mounts")
+    mount_var_log: bool = Field(
+        default=True,
+        description="mount the host's /var/log (and /var/log/aws/clusters where it exists): SMDDP and HyperPod need it",
     )
     workdir: str | None = None
 
@@ -109,7 +112,9 @@ class ParallelismSpec(StrictModel):
             if alias in data:
                 value = data.pop(alias)
                 if canonical in data and data[canonical] != value:
-                    raise ValueError(f"{alias}={value} conflicts with {canonical}={data[canonical]}: give one")
+                    raise ValueError(
+                        f"{alias}={value} conflicts with {canonical}={data[canonical]}: give one"
+                    )
                 data[canonical] = value
         if "ddp" in data:
             ddp = data.pop("ddp")
@@ -160,9 +165,16 @@ def _fmt(degrees: dict[str, int]) -> str:
 
 
 class ModelSpec(StrictModel):
+    """The reference Llama-style decoder: a named shape, optionally with some dimensions overridden."""
+
     name: Literal["debug", "125M", "1B", "8B"] = "debug"
     vocab_size: int | None = Field(default=None, ge=2, description="override the shape's vocabulary")
     seq_len: int = Field(default=256, ge=2)
+    dim: int | None = Field(default=None, ge=8, description="override the hidden size")
+    n_layers: int | None = Field(default=None, ge=1, description="override the number of blocks")
+    n_heads: int | None = Field(default=None, ge=1, description="override the number of attention heads")
+    n_kv_heads: int | None = Field(default=None, ge=1, description="override the key/value heads (GQA)")
+    ffn_dim: int | None = Field(default=None, ge=1, description="override the SwiGLU hidden size")
 
 
 class DataSpec(StrictModel):
@@ -189,7 +201,10 @@ class TrainSpec(StrictModel):
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     log_every: int = Field(default=1, ge=1)
-    metrics_file: str | None = Field(default=None, description="JSONL metrics path (default: <output_dir>)")
+    metrics_file: str | None = Field(
+        default=None, description="JSONL metrics path (default: under output_dir)"
+    )
+    tensorboard: bool = Field(default=True, description="also write TensorBoard events when it is installed")
     data: DataSpec = Field(default_factory=DataSpec)
 
 
@@ -199,6 +214,7 @@ class CheckpointSpec(StrictModel):
     keep: int = Field(default=2, ge=1, description="keep the newest k checkpoints")
     async_save: bool = False
     resume: bool = True
+    save_final: bool = Field(default=True, description="also save after the last step")
 
 
 class JobSpec(StrictModel):
@@ -206,7 +222,9 @@ class JobSpec(StrictModel):
 
     name: str
     nodes: int = Field(default=1, ge=1)
-    tasks_per_node: int | None = Field(default=None, ge=1, description="ranks per node (default: GPUs, else 1)")
+    tasks_per_node: int | None = Field(
+        default=None, ge=1, description="ranks per node (default: GPUs, else 1)"
+    )
     gpus_per_node: int = Field(default=0, ge=0)
     cpus_per_task: int | None = Field(default=None, ge=1)
     partition: str | None = None
@@ -229,7 +247,9 @@ class JobSpec(StrictModel):
     @classmethod
     def _name(cls, value: str) -> str:
         if not _SLURM_NAME.match(value):
-            raise ValueError("use letters, digits, '.', '_' and '-' (at most 128, starting with a letter or digit)")
+            raise ValueError(
+                "use letters, digits, '.', '_' and '-' (at most 128, starting with a letter or digit)"
+            )
         return value
 
     @field_validator("account", "qos")
@@ -243,7 +263,9 @@ class JobSpec(StrictModel):
     @classmethod
     def _partition(cls, value: str | None) -> str | None:
         if value is not None and not _SLURM_NAME_LIST.match(value):
-            raise ValueError("a partition name, or several separated by commas, of letters, digits, '.', '_', '-'")
+            raise ValueError(
+                "a partition name, or several separated by commas, of letters, digits, '.', '_', '-'"
+            )
         return value
 
     @field_validator("time_limit", mode="before")
@@ -259,7 +281,9 @@ class JobSpec(StrictModel):
     @classmethod
     def _directive_path(cls, value: str | None) -> str | None:
         if value is not None and not _DIRECTIVE_PATH.match(value):
-            raise ValueError("a path without whitespace, quotes, '#' or backslashes (sbatch reads it unquoted)")
+            raise ValueError(
+                "a path without whitespace, quotes, '#' or backslashes (sbatch reads it unquoted)"
+            )
         return value
 
     @field_validator("env")
@@ -277,7 +301,10 @@ class JobSpec(StrictModel):
     def _env_scalars(cls, value: Any) -> Any:
         # YAML turns `NCCL_DEBUG: 1` into an int; environment values are strings.
         if isinstance(value, dict):
-            return {k: (str(v).lower() if isinstance(v, bool) else str(v)) if v is not None else "" for k, v in value.items()}
+            return {
+                k: (str(v).lower() if isinstance(v, bool) else str(v)) if v is not None else ""
+                for k, v in value.items()
+            }
         return value
 
     @field_validator("command", mode="before")
@@ -287,7 +314,9 @@ class JobSpec(StrictModel):
             try:
                 return shlex.split(value)
             except ValueError as exc:
-                raise ValueError(f"cannot split the command string ({exc}): give a list of arguments") from exc
+                raise ValueError(
+                    f"cannot split the command string ({exc}): give a list of arguments"
+                ) from exc
         if isinstance(value, list):
             return [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
         return value
@@ -352,7 +381,9 @@ def _known_fields(model: type[BaseModel], path: list[str]) -> list[str]:
 def parse_spec(data: Any, source: str = "spec") -> JobSpec:
     """Validate a decoded spec; SpecError carries one line per problem, each naming its field."""
     if not isinstance(data, dict):
-        raise SpecError(f"{source}: a job spec is a mapping of keys (name, nodes, ...), not {type(data).__name__}")
+        raise SpecError(
+            f"{source}: a job spec is a mapping of keys (name, nodes, ...), not {type(data).__name__}"
+        )
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:

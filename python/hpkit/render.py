@@ -1,0 +1,170 @@
+"""Job spec → sbatch script.
+
+All decisions (which directives, which launcher arguments, which mounts) are made here in Python;
+the template only lays them out. Every value that reaches the shell passes through `shell_quote`,
+so a spec can carry any characters without them being executed.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+
+from hpkit import __version__
+from hpkit.spec import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, JobSpec
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+# Rendezvous ports are derived from the job id so that jobs sharing a node do not collide.
+PORT_BASE = 29500
+PORT_SPAN = 20000
+
+
+def shell_quote(value: object) -> str:
+    """Quote one word for bash: the only way a spec value reaches the shell."""
+    return shlex.quote(str(value))
+
+
+def _quote_words(words: list[str]) -> str:
+    return " ".join(shell_quote(w) for w in words)
+
+
+@dataclass(frozen=True)
+class Directive:
+    option: str
+    value: str | None = None
+
+    def line(self) -> str:
+        return f"#SBATCH --{self.option}" if self.value is None else f"#SBATCH --{self.option}={self.value}"
+
+
+def sbatch_directives(spec: JobSpec) -> list[Directive]:
+    out = Path(spec.output_dir)
+    directives = [
+        Directive("job-name", spec.name),
+        Directive("nodes", str(spec.nodes)),
+        # torchrun starts one agent per node that forks the ranks; srun starts every rank itself.
+        Directive("ntasks-per-node", str(1 if spec.launcher == "torchrun" else spec.ranks_per_node)),
+        Directive("output", str(out / "%x-%j.out")),
+    ]
+    if spec.launcher == "torchrun":
+        directives.append(Directive("cpus-per-task", str((spec.cpus_per_task or 1) * spec.ranks_per_node)))
+    elif spec.cpus_per_task:
+        directives.append(Directive("cpus-per-task", str(spec.cpus_per_task)))
+    if spec.gpus_per_node:
+        directives.append(Directive("gpus-per-node", str(spec.gpus_per_node)))
+    for option, value in (
+        ("partition", spec.partition),
+        ("account", spec.account),
+        ("qos", spec.qos),
+        ("time", spec.time_limit),
+        ("chdir", spec.workdir),
+    ):
+        if value is not None:
+            directives.append(Directive(option, value))
+    if spec.exclusive:
+        directives.append(Directive("exclusive"))
+    return directives
+
+
+def launch_words(spec: JobSpec) -> list[str]:
+    """The program each srun task runs, before the user's command (already shell-quoted words)."""
+    if spec.launcher == "torchrun":
+        return [
+            "torchrun",
+            f"--nnodes={spec.nodes}",
+            f"--nproc-per-node={spec.ranks_per_node}",
+            "--rdzv-backend=c10d",
+            '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
+            '--rdzv-id="$SLURM_JOB_ID"',
+            "--no-python",
+            "--",
+        ]
+    # One task per rank: torch.distributed reads these names, Slurm sets their sources per task.
+    export = 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec "$@"'
+    return ["bash", "-c", shell_quote(export), "hpkit-task"]
+
+
+def container_mounts(container: ContainerSpec) -> list[str]:
+    mounts = list(container.mounts)
+    if container.mount_var_log and not any(m.split(":")[1] == "/var/log" for m in mounts):
+        mounts.insert(0, VAR_LOG_MOUNT)
+    return mounts
+
+
+def threads_expression(spec: JobSpec) -> str:
+    """Shell arithmetic for OMP_NUM_THREADS: the node's CPUs shared among its ranks.
+
+    srun does not set it, and torchrun's default of 1 starves CPU-side work.
+    """
+    if spec.launcher == "torchrun":
+        per_rank = f"SLURM_CPUS_ON_NODE / {spec.ranks_per_node}"
+        return f"$(( {per_rank} > 0 ? {per_rank} : 1 ))"
+    return "${SLURM_CPUS_PER_TASK:-1}"
+
+
+@dataclass(frozen=True)
+class RenderContext:
+    """Everything the template needs, already decided and quoted."""
+
+    version: str
+    script_name: str
+    spec_path: str | None
+    directives: list[str]
+    env: list[tuple[str, str]]
+    launcher: str
+    launch: str
+    command: str
+    container_image: str | None
+    container_mounts: str | None
+    container_workdir: str | None
+    hyperpod_log_mount: str | None
+    threads: str
+    world_size: int
+    ranks_per_node: int
+    nodes: int
+
+
+def build_context(
+    spec: JobSpec, script_name: str = "job.sbatch", spec_path: str | None = None
+) -> RenderContext:
+    container = spec.container
+    return RenderContext(
+        version=__version__,
+        script_name=shell_quote(script_name),
+        spec_path=shell_quote(spec_path) if spec_path else None,
+        directives=[d.line() for d in sbatch_directives(spec)],
+        env=[(key, shell_quote(value)) for key, value in sorted(spec.env.items())],
+        launcher=spec.launcher,
+        launch=" ".join(launch_words(spec)),
+        command=_quote_words(spec.command),
+        container_image=shell_quote(container.image) if container else None,
+        container_mounts=shell_quote(",".join(container_mounts(container))) if container else None,
+        container_workdir=shell_quote(container.workdir) if container and container.workdir else None,
+        hyperpod_log_mount=shell_quote(f"{HYPERPOD_LOG_DIR}:{HYPERPOD_LOG_DIR}")
+        if container and container.mount_var_log
+        else None,
+        threads=threads_expression(spec),
+        world_size=spec.world_size,
+        ranks_per_node=spec.ranks_per_node,
+        nodes=spec.nodes,
+    )
+
+
+def _environment() -> jinja2.Environment:
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+        undefined=jinja2.StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,
+    )
+
+
+def render(spec: JobSpec, script_name: str = "job.sbatch", spec_path: str | None = None) -> str:
+    """Render the sbatch script for `spec`. `spec_path` is exported as HPKIT_SPEC for `hpkit train`."""
+    context = build_context(spec, script_name=script_name, spec_path=spec_path)
+    return _environment().get_template("train.sbatch.j2").render(ctx=context)

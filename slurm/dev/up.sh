@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Bring up a real Slurm cluster on this one machine: munged, slurmctld and N emulated nodes
+# (one `slurmd -N nodeN` each, on its own port). All state lives under one directory.
+# Idempotent: daemons already running from this directory are left as they are.
+#
+#   HPKIT_DEV_CLUSTER_DIR  state directory            (default: <repo>/.dev-cluster)
+#   NODES                  emulated nodes             (default: 2)
+#   CPUS                   CPUs per node              (default: 2)
+#   HPKIT_DEV_PORT         slurmctld port; slurmd ports follow it (default: 6817)
+#   FIRST_JOB_ID           first job id; a second cluster on the same host should start elsewhere,
+#                          since job scripts derive their rendezvous port from the job id (default: 1)
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+dir=${HPKIT_DEV_CLUSTER_DIR:-$(cd "$here/../.." && pwd)/.dev-cluster}
+nodes=${NODES:-2}
+cpus=${CPUS:-2}
+port=${HPKIT_DEV_PORT:-6817}
+first_job_id=${FIRST_JOB_ID:-1}
+
+die() { echo "cluster-up: $*" >&2; exit 1; }
+[[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, not '$nodes'"
+[[ $cpus =~ ^[1-9][0-9]*$ ]] || die "CPUS must be a positive integer, not '$cpus'"
+if ! [[ $port =~ ^[0-9]+$ ]] || ((port < 1024 || port + nodes > 65535)); then
+  die "HPKIT_DEV_PORT must be a port in 1024..65535"
+fi
+[[ $first_job_id =~ ^[1-9][0-9]*$ ]] || die "FIRST_JOB_ID must be a positive integer, not '$first_job_id'"
+for cmd in munged slurmctld slurmd scontrol sinfo; do
+  command -v "$cmd" >/dev/null || die "$cmd not found: install Debian's slurm-wlm and munge (make system-deps)"
+done
+[[ $(id -u) == 0 ]] || die "run as root: slurmd must be able to start jobs as any user"
+
+alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
+
+mkdir -p "$dir"/{etc,state,run,log,munge,spool,tmp}
+chmod 0755 "$dir/munge"
+conf=$dir/etc/slurm.conf
+export SLURM_CONF=$conf
+
+# A running cluster keeps its config: rewriting it under live daemons would split their view.
+if ! alive "$dir/run/slurmctld.pid"; then
+  node_lines=""
+  for ((i = 1; i <= nodes; i++)); do
+    mkdir -p "$dir/spool/node$i" "$dir/tmp/node$i"
+    node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((port + i)) CPUs=$cpus RealMemory=2048 State=UNKNOWN"$'\n'
+  done
+  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" "$here/slurm.conf.in" >"$conf.tmp"
+  # The node lines hold newlines, which sed's replacement cannot carry portably.
+  awk -v nodes="$node_lines" '{ if ($0 == "@NODES@") printf "%s", nodes; else print }' "$conf.tmp" >"$conf"
+  rm -f "$conf.tmp"
+fi
+
+if ! alive "$dir/run/munged.pid"; then
+  if [[ ! -s $dir/munge/munge.key ]]; then
+    (umask 077 && head -c 1024 /dev/urandom >"$dir/munge/munge.key")
+  fi
+  chmod 0600 "$dir/munge/munge.key"
+  munged --force \
+    --socket="$dir/munge/munge.socket.2" \
+    --key-file="$dir/munge/munge.key" \
+    --pid-file="$dir/run/munged.pid" \
+    --log-file="$dir/log/munged.log" \
+    --seed-file="$dir/munge/munged.seed"
+fi
+
+if ! alive "$dir/run/slurmctld.pid"; then
+  # -i: ignore state from an earlier run whose nodes may have changed.
+  slurmctld -i -f "$conf"
+fi
+
+mapfile -t node_names < <(sed -n 's/^NodeName=\([^ ]*\).*/\1/p' "$conf")
+for name in "${node_names[@]}"; do
+  if ! alive "$dir/run/slurmd-$name.pid"; then
+    slurmd -N "$name" -f "$conf"
+  fi
+done
+
+# Ready means every node is idle (or busy with jobs) in the controller's view.
+for _ in $(seq 1 60); do
+  states=$(sinfo -h -N -o '%N %t' 2>/dev/null || true)
+  ready=$(awk '$2 ~ /^(idle|alloc|mix|comp)$/' <<<"$states" | wc -l)
+  if ((ready == ${#node_names[@]})); then
+    echo "cluster-up: ${#node_names[@]} nodes ready (SLURM_CONF=$conf)"
+    exit 0
+  fi
+  down=$(awk '$2 ~ /^(down|drain|drng|fail)/ {print $1}' <<<"$states")
+  for name in $down; do scontrol update NodeName="$name" State=RESUME 2>/dev/null || true; done
+  sleep 0.5
+done
+echo "cluster-up: nodes not ready after 30 s:" >&2
+sinfo -N -l >&2 || true
+tail -n 20 "$dir/log/slurmctld.log" >&2 || true
+exit 1

@@ -1,0 +1,56 @@
+"""Shared fixtures: the repository root, and a real local Slurm cluster for integration tests."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "python"))
+
+# The test cluster must not collide with a developer's `make cluster-up` cluster: its own
+# directory, ports, and job ids (job scripts derive their rendezvous port from the job id).
+TEST_CLUSTER_PORT = "7817"
+TEST_FIRST_JOB_ID = "5000"
+
+
+@pytest.fixture(scope="session")
+def repo() -> Path:
+    return REPO
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory) -> dict[str, str]:
+    """Start a 2-node x 2-CPU cluster for this test session; returns the environment for clients."""
+    if shutil.which("slurmctld") is None:
+        pytest.fail("slurmctld not found: `make test` installs slurm-wlm; run it, or `make system-deps`")
+    state = tmp_path_factory.mktemp("slurm-cluster")
+    env = dict(os.environ)
+    env.update(
+        HPKIT_DEV_CLUSTER_DIR=str(state),
+        HPKIT_DEV_PORT=TEST_CLUSTER_PORT,
+        FIRST_JOB_ID=TEST_FIRST_JOB_ID,
+        NODES="2",
+        CPUS="2",
+        SLURM_CONF=str(state / "etc" / "slurm.conf"),
+        # Jobs import hpkit from this checkout whichever Python runs them.
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p),
+    )
+    up = subprocess.run([str(REPO / "slurm/dev/up.sh")], env=env, capture_output=True, text=True, timeout=120)
+    if up.returncode != 0:
+        pytest.fail(f"cluster did not come up:\n{up.stdout}\n{up.stderr}")
+    saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}
+    os.environ["SLURM_CONF"] = env["SLURM_CONF"]
+    os.environ["PYTHONPATH"] = env["PYTHONPATH"]
+    yield env
+    subprocess.run([str(REPO / "slurm/dev/down.sh")], env=env, capture_output=True, timeout=120)
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -1,0 +1,173 @@
+"""Rendered jobs submitted to the real local Slurm cluster (slurm/dev): launchers, failures, cancel."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpkit.slurm import CliBackend, JobState, wait
+
+pytestmark = pytest.mark.cluster
+
+
+def hpkit(*args: str, cwd: Path, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hpkit", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def submit(spec: dict, workdir: Path, env: dict[str, str]) -> str:
+    path = workdir / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = hpkit("submit", str(path), cwd=workdir, env=env)
+    assert proc.returncode == 0, proc.stderr
+    match = re.search(r"submitted job (\d+)", proc.stdout)
+    assert match, proc.stdout
+    return match.group(1)
+
+
+def output_of(info, timeout: float = 10) -> str:
+    # slurmd can flip the state a moment before the last bytes reach the file system.
+    deadline = time.monotonic() + timeout
+    while not Path(info.stdout).exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return Path(info.stdout).read_text()
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_two_nodes_join_one_process_group(slurm_cluster, tmp_path, launcher):
+    spec = {
+        "name": f"allreduce-{launcher}",
+        "nodes": 2,
+        "tasks_per_node": 2,
+        "launcher": launcher,
+        "command": [sys.executable, "-m", "hpkit.examples.allreduce"],
+    }
+    job_id = submit(spec, tmp_path, slurm_cluster)
+    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=180)
+    log = output_of(info)
+    assert info.state == JobState.COMPLETED, log
+    assert info.exit_code == 0
+    records = [
+        json.loads(line.split(" ", 1)[1]) for line in log.splitlines() if line.startswith("allreduce {")
+    ]
+    assert len(records) == 4, log
+    assert sorted(r["rank"] for r in records) == [0, 1, 2, 3]
+    for r in records:
+        assert r["sum"] == 6.0  # 0 + 1 + 2 + 3, summed by the real collective
+        assert r["world_size"] == 4 and r["env_world_size"] == "4"
+        assert r["env_rank"] == str(r["rank"])
+    by_node: dict[str, list[dict]] = {}
+    for r in records:
+        by_node.setdefault(r["node"], []).append(r)
+    assert sorted(by_node) == ["node1", "node2"], "ranks must spread over both nodes"
+    for node_records in by_node.values():
+        assert sorted(r["env_local_rank"] for r in node_records) == ["0", "1"]
+        # Ranks of one node are contiguous: local rank = rank mod ranks per node.
+        assert all(int(r["env_local_rank"]) == r["rank"] % 2 for r in node_records)
+    addrs = {r["master_addr"] for r in records}
+    assert len(addrs) == 1 and "" not in addrs and None not in addrs
+    if launcher == "srun":
+        # The script resolves the first node's NodeAddr, not its (unresolvable) name.
+        assert addrs == {"127.0.0.1"}
+        assert sorted(r["rank"] for r in by_node["node1"]) == [0, 1]
+
+
+def test_failing_job_is_reported_failed_with_its_exit_code(slurm_cluster, tmp_path):
+    spec = {
+        "name": "fails",
+        "launcher": "srun",
+        "command": [sys.executable, "-c", "import sys; print('about to fail'); sys.exit(1)"],
+    }
+    job_id = submit(spec, tmp_path, slurm_cluster)
+    proc = hpkit("wait", job_id, "--poll", "0.5", "--timeout", "120", cwd=tmp_path, env=slurm_cluster)
+    assert proc.returncode == 1, proc.stderr
+    assert "FAILED, exit code 1" in proc.stderr
+    info = CliBackend().info(job_id)
+    assert (info.state, info.exit_code) == (JobState.FAILED, 1)
+    status = hpkit("status", job_id, "--json", cwd=tmp_path, env=slurm_cluster)
+    assert json.loads(status.stdout)["state"] == "FAILED"
+    logs = hpkit("logs", job_id, cwd=tmp_path, env=slurm_cluster)
+    assert "about to fail" in logs.stdout
+
+
+def test_cancel_ends_the_job_and_its_steps(slurm_cluster, tmp_path):
+    pid_file = tmp_path / "step.pid"
+    spec = {
+        "name": "sleeper",
+        "nodes": 2,
+        "launcher": "srun",
+        "command": ["bash", "-c", f"echo $$ >> {pid_file}; exec sleep 300"],
+    }
+    job_id = submit(spec, tmp_path, slurm_cluster)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if pid_file.exists() and len(pid_file.read_text().split()) == 2:
+            break
+        time.sleep(0.2)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    assert len(pids) == 2 and all(_alive(p) for p in pids)
+
+    proc = hpkit("cancel", job_id, cwd=tmp_path, env=slurm_cluster)
+    assert proc.returncode == 0, proc.stderr
+    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=60)
+    assert info.state == JobState.CANCELLED
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids), "the job's step processes outlived the cancel"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is dead for our purposes: it only waits for its parent to reap it.
+    stat = Path(f"/proc/{pid}/stat")
+    return not (stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] == "Z")
+
+
+HOSTILE = [
+    "$(touch {canary})",
+    "`touch {canary}`",
+    "'; touch {canary}; '",
+    '"; touch {canary}; "',
+    "a\ntouch {canary}",
+]
+
+
+def test_hostile_strings_reach_the_program_literally(slurm_cluster, tmp_path):
+    canary = tmp_path / "canary"
+    payloads = [p.format(canary=canary) for p in HOSTILE]
+    spec = {
+        "name": "hostile",
+        "launcher": "srun",
+        "env": {"HOSTILE": payloads[0] + payloads[2]},
+        "command": [
+            sys.executable,
+            "-c",
+            "import json, os, sys; print('ARGS ' + json.dumps([sys.argv[1:], os.environ['HOSTILE']]))",
+            *payloads,
+        ],
+    }
+    job_id = submit(spec, tmp_path, slurm_cluster)
+    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=120)
+    log = output_of(info)
+    assert info.state == JobState.COMPLETED, log
+    line = next(line for line in log.splitlines() if line.startswith("ARGS "))
+    assert json.loads(line[5:]) == [payloads, payloads[0] + payloads[2]]
+    assert not canary.exists()

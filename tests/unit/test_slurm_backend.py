@@ -1,0 +1,98 @@
+"""Parsing what the Slurm tools print, and choosing a backend."""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+
+from hpkit import slurm
+from hpkit.errors import SlurmError
+from hpkit.slurm import CliBackend, JobState, _json_int, _json_state, parse_scontrol_record
+
+# A record as 22.05's `scontrol show job -o` prints it (trimmed), with spaces inside Command=.
+SCONTROL = (
+    "JobId=12 JobName=train UserId=root(0) JobState=FAILED Reason=NonZeroExitCode Dependency=(null) "
+    "ExitCode=3:0 NodeList=node[1-2] Command=/tmp/run job.sbatch --flag WorkDir=/tmp/w "
+    "StdOut=/tmp/w/logs/train-12.out"
+)
+
+
+def test_parse_scontrol_record_keeps_values_with_spaces():
+    fields = parse_scontrol_record(SCONTROL)
+    assert fields["JobState"] == "FAILED"
+    assert fields["ExitCode"] == "3:0"
+    assert fields["Command"] == "/tmp/run job.sbatch --flag"
+    assert fields["StdOut"] == "/tmp/w/logs/train-12.out"
+    assert fields["UserId"] == "root(0)"
+
+
+@pytest.mark.parametrize(
+    ("text", "state"),
+    [
+        ("RUNNING", JobState.RUNNING),
+        ("CANCELLED by 0", JobState.CANCELLED),
+        ("CD", JobState.COMPLETED),
+        ("OUT_OF_MEMORY", JobState.OUT_OF_MEMORY),
+        ("WEIRD", JobState.UNKNOWN),
+        ("", JobState.UNKNOWN),
+    ],
+)
+def test_state_parsing(text, state):
+    assert JobState.parse(text) == state
+
+
+def test_finished_states():
+    assert JobState.FAILED.finished and JobState.TIMEOUT.finished and JobState.COMPLETED.finished
+    assert not JobState.RUNNING.finished and not JobState.PENDING.finished and not JobState.REQUEUED.finished
+
+
+def test_json_numbers_across_openapi_versions():
+    assert _json_int(768) == 768  # v0.0.38: a wait status
+    assert _json_int({"set": True, "infinite": False, "number": 5}) == 5  # v0.0.39+
+    assert _json_int({"set": False, "number": 0}) is None
+    assert (
+        _json_int(
+            {
+                "status": ["ERROR"],
+                "return_code": {"set": True, "number": 3},
+                "signal": {"id": {"set": True, "number": 0}},
+            }
+        )
+        == 3 << 8
+    )
+    assert slurm._split_exit(768) == (3, 0)
+    assert slurm._split_exit(9) == (0, 9)
+    assert _json_state(["FAILED", "REQUEUED"]) == "FAILED"
+    assert _json_state("RUNNING") == "RUNNING"
+
+
+def test_auto_backend_is_cli_without_pyslurm(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyslurm", None)  # makes `import pyslurm` raise ImportError
+    module, why = slurm.pyslurm_status()
+    assert module is None and "not installed" in why
+    assert isinstance(slurm.get_backend("auto"), CliBackend)
+    with pytest.raises(SlurmError, match="pyslurm backend is unavailable: pyslurm is not installed"):
+        slurm.get_backend("pyslurm")
+
+
+def test_mismatched_pyslurm_is_refused(monkeypatch):
+    # PyPI's pyslurm (25.11) against this machine's Slurm (22.05) is exactly this case.
+    fake = types.ModuleType("pyslurm")
+    fake.__version__ = "25.11.2"
+    monkeypatch.setitem(sys.modules, "pyslurm", fake)
+    monkeypatch.setattr(slurm, "slurm_version", lambda: (22, 5))
+    module, why = slurm.pyslurm_status()
+    assert module is None
+    assert (
+        why
+        == "pyslurm 25.11.2 is built for Slurm 25.11, the cluster runs 22.05: install a matching pyslurm or use the CLI backend"
+    )
+    assert isinstance(slurm.get_backend("auto"), CliBackend)
+
+
+def test_missing_slurm_tools_say_what_to_do(monkeypatch):
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(SlurmError, match="sbatch not found: run on a Slurm login node"):
+        CliBackend().submit(__import__("pathlib").Path("x.sbatch"))

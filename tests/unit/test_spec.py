@@ -1,0 +1,149 @@
+"""Job spec validation: impossible values are refused with one line naming the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from hpkit.errors import SpecError
+from hpkit.spec import load_spec, parse_spec
+
+BASE = {"name": "job", "nodes": 2, "tasks_per_node": 2}
+
+
+def error_of(data: dict) -> str:
+    with pytest.raises(SpecError) as info:
+        parse_spec(data, "job.yaml")
+    return str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "field", "words"),
+    [
+        ({**BASE, "nodez": 2}, "nodez", "did you mean 'nodes'"),
+        ({**BASE, "nodes": 0}, "nodes", "greater than or equal to 1"),
+        ({**BASE, "parallelism": {"tp": 3}}, "parallelism", "does not divide the world size 4"),
+        (
+            {**BASE, "parallelism": {"dp_shard": 1, "tp": 2}},
+            "parallelism",
+            "multiply to 2, not the world size 4",
+        ),
+        ({**BASE, "parallelism": {"tp": -1, "pp": -1}}, "parallelism", "only one of"),
+        ({**BASE, "parallelism": {"tp": 0}}, "parallelism", "tp=0"),
+        (
+            {**BASE, "parallelism": {"tp": 2, "tensor_parallel_degree": 4}},
+            "parallelism",
+            "conflicts with tp=2",
+        ),
+        (
+            {**BASE, "parallelism": {"pp": 2, "microbatches": 1}},
+            "parallelism",
+            "microbatches=1 must be >= pp=2",
+        ),
+        ({**BASE, "parallelism": {"tpp": 2}}, "parallelism.tpp", "did you mean 'tp'"),
+        ({**BASE, "env": {"A B": "1"}}, "env", "not a valid environment variable name"),
+        ({**BASE, "name": "a b"}, "name", "letters, digits"),
+        ({**BASE, "name": "x$(id)"}, "name", "letters, digits"),
+        ({**BASE, "time_limit": "1 hour"}, "time_limit", "not a Slurm time"),
+        ({**BASE, "partition": "p5;rm"}, "partition", "partition name"),
+        ({**BASE, "output_dir": "my logs"}, "output_dir", "without whitespace"),
+        ({**BASE, "launcher": "mpirun"}, "launcher", "'torchrun' or 'srun'"),
+        ({**BASE, "container": {"image": "i", "mounts": ["relative:/x"]}}, "container.mounts", "absolute"),
+        (
+            {**BASE, "container": {"image": "i", "mounts": ["/a"]}},
+            "container.mounts",
+            "/host/path:/container/path",
+        ),
+        ({**BASE, "container": {"image": "i", "mounts": ["/a:/b,/c:/d"]}}, "container.mounts", "','"),
+        ({**BASE, "container": {"image": ""}}, "container.image", "must not be empty"),
+        ({**BASE, "gpus_per_node": 8, "tasks_per_node": 4}, "tasks_per_node=4", "one rank per GPU"),
+        ({**BASE, "command": "python 'unclosed"}, "command", "give a list of arguments"),
+        ({**BASE, "command": []}, "command", "at least 1"),
+    ],
+)
+def test_bad_values_name_their_field(data, field, words):
+    message = error_of(data)
+    assert message.startswith(f"job.yaml: {field}"), message
+    assert words in message
+    assert "Traceback" not in message
+
+
+def test_each_problem_is_one_line():
+    message = error_of({**BASE, "nodes": 0, "qos": "a b", "bogus": 1})
+    lines = message.splitlines()
+    assert len(lines) == 3
+    assert {line.split(":")[1].strip() for line in lines} == {"nodes", "qos", "bogus"}
+
+
+def test_sagemaker_aliases_and_ddp():
+    spec = parse_spec(
+        {
+            "name": "j",
+            "nodes": 2,
+            "gpus_per_node": 8,
+            "parallelism": {
+                "tensor_parallel_degree": 4,
+                "pipeline_parallel_degree": 2,
+                "microbatches": 4,
+                "ddp": True,
+            },
+        }
+    )
+    assert spec.parallelism.resolve(spec.world_size) == {"dp_replicate": 2, "dp_shard": 1, "tp": 4, "pp": 2}
+    spec = parse_spec(
+        {"name": "j", "nodes": 1, "tasks_per_node": 4, "parallelism": {"partitions": 2, "microbatches": 2}}
+    )
+    assert spec.parallelism.resolve(4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
+
+
+def test_defaults_infer_fsdp_over_all_ranks():
+    spec = parse_spec({"name": "j", "nodes": 2, "tasks_per_node": 2})
+    assert spec.world_size == 4
+    assert spec.parallelism.resolve(spec.world_size) == {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "pp": 1}
+
+
+def test_scalars_become_strings():
+    spec = parse_spec(
+        {"name": "j", "time_limit": 30, "env": {"N": 1, "B": True}, "command": "python -c 'print(1)'"}
+    )
+    assert spec.time_limit == "30"
+    assert spec.env == {"N": "1", "B": "true"}
+    assert spec.command == ["python", "-c", "print(1)"]
+
+
+def test_yaml_errors_point_at_the_line(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: j\nnodes: [1\n")
+    with pytest.raises(SpecError, match=r"job.yaml: line \d+ is not valid YAML"):
+        load_spec(path)
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(SpecError, match="a job spec is a mapping"):
+        load_spec(path)
+    with pytest.raises(SpecError, match="no such file"):
+        load_spec(tmp_path / "missing.yaml")
+
+
+def test_cli_prints_one_line_and_exits_1(tmp_path, repo):
+    path = tmp_path / "job.yaml"
+    path.write_text("name: j\nnodes: 0\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpkit", "render", str(path)],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(repo / "python"), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert (
+        proc.stderr.strip()
+        == f"hpkit render: error: {path}: nodes: Input should be greater than or equal to 1"
+    )
+
+
+def test_example_job_specs_are_valid(repo):
+    specs = sorted((repo / "slurm" / "jobs").glob("*.yaml"))
+    assert specs, "slurm/jobs holds the example specs users copy"
+    for path in specs:
+        load_spec(path)
