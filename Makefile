@@ -13,7 +13,8 @@ export PATH := $(BIN):$(PATH)
 DEV_CLUSTER_DIR ?= $(CURDIR)/.dev-cluster
 export HPKIT_DEV_CLUSTER_DIR := $(DEV_CLUSTER_DIR)
 export SLURM_CONF := $(DEV_CLUSTER_DIR)/etc/slurm.conf
-TEST_TMP ?= $(CURDIR)/.test-tmp
+# Short and outside the checkout: munge's socket path must fit in a sockaddr_un (108 bytes).
+TEST_TMP ?= /tmp/hpkit-test
 SYSTEM_PACKAGES := slurm-wlm munge slurm-client
 
 .PHONY: help setup system-deps venv demo test test-unit lint cluster-up cluster-down bench clean
@@ -31,6 +32,7 @@ system-deps:
 	command -v slurmctld >/dev/null || missing="$$missing slurm-wlm"; \
 	command -v munged >/dev/null || missing="$$missing munge"; \
 	command -v sbatch >/dev/null || missing="$$missing slurm-client"; \
+	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" != 0 ]; then echo "missing Debian packages:$$missing; run: sudo apt-get install$$missing" >&2; exit 1; fi; \
 	  echo "installing Debian packages:$$missing"; \
@@ -54,7 +56,7 @@ cluster-down:
 	slurm/dev/down.sh
 
 demo: setup cluster-up
-	$(BIN)/hpkit submit slurm/jobs/demo.yaml --wait --show-output
+	$(BIN)/hpkit submit slurm/jobs/demo.yaml --wait --follow
 
 lint: venv
 	$(BIN)/ruff check python tests bench

@@ -1,0 +1,69 @@
+"""slurm/dev/up.sh and down.sh: idempotent start, and a stop that touches only what it started."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+
+def run(script: Path, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([str(script)], env=env, capture_output=True, text=True, timeout=120)
+
+
+def pids(state: Path) -> dict[str, int]:
+    return {p.stem: int(p.read_text()) for p in sorted((state / "run").glob("*.pid"))}
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_up_is_idempotent_and_down_stops_only_its_own_daemons(repo, tmp_path):
+    state = tmp_path / "c"
+    env = {**os.environ, "HPKIT_DEV_CLUSTER_DIR": str(state), "HPKIT_DEV_PORT": "7917", "NODES": "3",
+           "CPUS": "1", "FIRST_JOB_ID": "9000", "SLURM_CONF": str(state / "etc/slurm.conf")}
+    # A process that merely carries a daemon's name must survive the tear-down.
+    decoy = subprocess.Popen(["bash", "-c", "exec -a slurmd sleep 120"])
+    try:
+        first = run(repo / "slurm/dev/up.sh", env)
+        assert first.returncode == 0, first.stderr
+        assert "3 nodes ready" in first.stdout
+        started = pids(state)
+        assert set(started) == {"munged", "slurmctld", "slurmd-node1", "slurmd-node2", "slurmd-node3"}
+        assert all(alive(p) for p in started.values())
+        sinfo = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %c"], env=env, capture_output=True, text=True)
+        assert sinfo.stdout.split("\n")[:3] == ["node1 1", "node2 1", "node3 1"]
+
+        again = run(repo / "slurm/dev/up.sh", env)
+        assert again.returncode == 0, again.stderr
+        assert pids(state) == started, "a second up must leave the running daemons alone"
+
+        down = run(repo / "slurm/dev/down.sh", env)
+        assert down.returncode == 0, down.stderr
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in started.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in started.values())
+        assert pids(state) == {}
+        assert decoy.poll() is None, "down.sh killed a process it did not start"
+    finally:
+        decoy.kill()
+        run(repo / "slurm/dev/down.sh", env)
+
+
+def test_bad_settings_are_refused_with_the_fix(repo, tmp_path):
+    env = {**os.environ, "HPKIT_DEV_CLUSTER_DIR": str(tmp_path / "c"), "NODES": "two"}
+    proc = run(repo / "slurm/dev/up.sh", env)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == "cluster-up: NODES must be a positive integer, not 'two'"
+    assert not (tmp_path / "c").exists()
