@@ -1,0 +1,16 @@
+"""`python -m hpkit.checks`: the checker without the rest of hpkit (used by scripts/check-prereqs.sh)."""
+
+import sys
+
+# Before anything else is imported: on an interpreter this old the checks themselves cannot run, and
+# saying so, as the python check would, is the whole answer. (hpkit targets 3.10; this file must not.)
+if sys.version_info < (3, 8):  # noqa: UP036
+    version = ".".join(map(str, sys.version_info[:3]))
+    print(f"FAIL  python  Python {version} at {sys.executable}; hpkit needs ≥ 3.10")
+    print("              fix: set PYTHON=/path/to/python3.10-or-newer (or create the venv from one)")
+    sys.exit(1)
+
+from hpkit.checks.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:], prog="check-prereqs.sh"))
