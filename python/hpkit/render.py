@@ -48,6 +48,11 @@ def sbatch_directives(spec: JobSpec) -> list[Directive]:
         # torchrun starts one agent per node that forks the ranks; srun starts every rank itself.
         Directive("ntasks-per-node", str(1 if spec.launcher == "torchrun" else spec.ranks_per_node)),
         Directive("output", str(out / "%x-%j.out")),
+        # A requeued job writes to the same file: append, or the first run's log is lost.
+        Directive("open-mode", "append"),
+        # B: signals the batch shell, which forwards to the step and then decides about requeueing.
+        Directive("signal", f"B:USR1@{spec.resilience.signal_grace_s}"),
+        Directive("requeue" if spec.resilience.max_restarts else "no-requeue"),
     ]
     if spec.launcher == "torchrun":
         directives.append(Directive("cpus-per-task", str((spec.cpus_per_task or 1) * spec.ranks_per_node)))
@@ -74,6 +79,8 @@ def launch_words(spec: JobSpec) -> list[str]:
     if spec.launcher == "torchrun":
         return [
             "torchrun",
+            # The agents pass USR1 on to the ranks instead of dying of it.
+            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             f"--nnodes={spec.nodes}",
             f"--nproc-per-node={spec.ranks_per_node}",
             "--rdzv-backend=c10d",
@@ -122,6 +129,9 @@ class RenderContext:
     container_workdir: str | None
     hyperpod_log_mount: str | None
     threads: str
+    signal_grace_s: int
+    max_restarts: int
+    collective_timeout_s: int
     world_size: int
     ranks_per_node: int
     nodes: int
@@ -147,6 +157,9 @@ def build_context(
         if container and container.mount_var_log
         else None,
         threads=threads_expression(spec),
+        signal_grace_s=spec.resilience.signal_grace_s,
+        max_restarts=spec.resilience.max_restarts,
+        collective_timeout_s=spec.resilience.collective_timeout_s,
         world_size=spec.world_size,
         ranks_per_node=spec.ranks_per_node,
         nodes=spec.nodes,

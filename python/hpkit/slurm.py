@@ -143,9 +143,14 @@ def _run(
         ) from None
     if check and proc.returncode != 0:
         message = (proc.stderr or proc.stdout).strip().splitlines()
-        raise SlurmError(
-            f"{' '.join(args[:2])} failed: {message[-1] if message else f'exit {proc.returncode}'}"
-        )
+        last = message[-1] if message else f"exit {proc.returncode}"
+        hint = ""
+        if "configuration source" in last:
+            hint = (
+                "; point SLURM_CONF at the cluster's slurm.conf "
+                "(the local cluster's is .dev-cluster/etc/slurm.conf after `make cluster-up`)"
+            )
+        raise SlurmError(f"{' '.join(args[:2])} failed: {last}{hint}")
     return proc
 
 

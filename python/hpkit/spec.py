@@ -197,7 +197,10 @@ class TrainSpec(StrictModel):
     weight_decay: float = Field(default=0.1, ge=0)
     grad_clip: float | None = Field(default=1.0, gt=0)
     seed: int = 0
-    mixed_precision: Literal["bf16", "fp32"] = "bf16"
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto",
+        description="auto: bf16 on GPUs; fp32 on CPUs, where bf16 matmuls are slower, not faster",
+    )
     activation_checkpoint: Literal["none", "full", "selective"] = "none"
     compile: bool = False
     log_every: int = Field(default=1, ge=1)
@@ -215,6 +218,25 @@ class CheckpointSpec(StrictModel):
     async_save: bool = False
     resume: bool = True
     save_final: bool = Field(default=True, description="also save after the last step")
+
+
+class ResilienceSpec(StrictModel):
+    """Preemption, time limits and lost peers: turn each into a resume from the last checkpoint."""
+
+    signal_grace_s: int = Field(
+        default=120,
+        ge=5,
+        le=65535,
+        description="Slurm sends USR1 this long before a time-limit or preemption kill",
+    )
+    max_restarts: int = Field(
+        default=3, ge=0, description="requeue the job at most this many times (0: never)"
+    )
+    collective_timeout_s: int = Field(
+        default=600,
+        ge=10,
+        description="a collective waiting this long on a dead peer ends the job instead of hanging it",
+    )
 
 
 class JobSpec(StrictModel):
@@ -242,6 +264,7 @@ class JobSpec(StrictModel):
     model: ModelSpec = Field(default_factory=ModelSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
 
     @field_validator("name")
     @classmethod
