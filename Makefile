@@ -15,7 +15,6 @@ export HPKIT_DEV_CLUSTER_DIR := $(DEV_CLUSTER_DIR)
 export SLURM_CONF := $(DEV_CLUSTER_DIR)/etc/slurm.conf
 # Short and outside the checkout: munge's socket path must fit in a sockaddr_un (108 bytes).
 TEST_TMP ?= /tmp/hpkit-test
-SYSTEM_PACKAGES := slurm-wlm munge slurm-client
 
 .PHONY: help setup system-deps venv demo test test-unit lint cluster-up cluster-down bench clean
 
@@ -32,6 +31,8 @@ system-deps:
 	command -v slurmctld >/dev/null || missing="$$missing slurm-wlm"; \
 	command -v munged >/dev/null || missing="$$missing munge"; \
 	command -v sbatch >/dev/null || missing="$$missing slurm-client"; \
+	command -v mpirun >/dev/null || missing="$$missing openmpi-bin libopenmpi-dev"; \
+	ls /usr/lib/*/libpmix.so >/dev/null 2>&1 || missing="$$missing libpmix-dev"; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" != 0 ]; then echo "missing Debian packages:$$missing; run: sudo apt-get install$$missing" >&2; exit 1; fi; \
@@ -42,7 +43,7 @@ system-deps:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[train,dev]'
+	$(BIN)/pip install -q -e '.[train,dev,mpi,lightning,image]'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -19,6 +19,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("hpkit.commands.jobs", "print (or follow) a job's output"),
     "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
     "train": ("hpkit.runtime.train", "run the training loop (inside a job)"),
+    "import-sagemaker": (
+        "hpkit.sagemaker.importer",
+        "turn a SageMaker estimator description into a job spec",
+    ),
 }
 
 USAGE_EXIT = 2

@@ -7,9 +7,10 @@ so a spec can carry any characters without them being executed.
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import jinja2
 
@@ -74,10 +75,26 @@ def sbatch_directives(spec: JobSpec) -> list[Directive]:
     return directives
 
 
+def task_exports(spec: JobSpec) -> list[str]:
+    """Variables each task sets from its own Slurm variables (they differ per task, so not in the batch shell)."""
+    exports = []
+    if spec.launcher in ("srun", "mpi"):
+        # One task per rank: torch.distributed reads these names, Slurm sets their sources per task.
+        exports += ["RANK=$SLURM_PROCID", "LOCAL_RANK=$SLURM_LOCALID", "WORLD_SIZE=$SLURM_NTASKS"]
+    if spec.sagemaker_env is not None:
+        exports += ["SM_CURRENT_HOST=$SLURMD_NODENAME", "SM_NUM_CPUS=${SLURM_CPUS_ON_NODE:-1}"]
+    return exports
+
+
 def launch_words(spec: JobSpec) -> list[str]:
     """The program each srun task runs, before the user's command (already shell-quoted words)."""
+    exports = task_exports(spec)
+    wrapper = (
+        ["bash", "-c", shell_quote(f'export {" ".join(exports)}; exec "$@"'), "hpkit-task"] if exports else []
+    )
     if spec.launcher == "torchrun":
         return [
+            *wrapper,
             "torchrun",
             # The agents pass USR1 on to the ranks instead of dying of it.
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
@@ -89,9 +106,37 @@ def launch_words(spec: JobSpec) -> list[str]:
             "--no-python",
             "--",
         ]
-    # One task per rank: torch.distributed reads these names, Slurm sets their sources per task.
-    export = 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS; exec "$@"'
-    return ["bash", "-c", shell_quote(export), "hpkit-task"]
+    return wrapper
+
+
+def srun_options(spec: JobSpec) -> list[str]:
+    """Options of the step's srun, before the container's."""
+    options = ["--kill-on-bad-exit=1"]
+    if spec.launcher == "mpi":
+        # Open MPI (and mpi4py on it) wires up through Slurm's PMIx server: no mpirun, no hostfile.
+        options.append("--mpi=pmix")
+    return options
+
+
+def _job_path(path: str) -> str:
+    """A path for the job's environment, absolute as SageMaker's are: relative ones start at the job's cwd."""
+    return shell_quote(path) if PurePosixPath(path).is_absolute() else f'"$PWD"/{shell_quote(path)}'
+
+
+def sagemaker_exports(spec: JobSpec) -> list[tuple[str, str]]:
+    """SM_* variables that are the same for every task (name, shell word)."""
+    sm = spec.sagemaker_env
+    if sm is None:
+        return []
+    out = Path(spec.output_dir)
+    exports = [
+        ("SM_NUM_GPUS", str(spec.gpus_per_node)),
+        ("SM_MODEL_DIR", _job_path(sm.model_dir or str(out / "model"))),
+        ("SM_OUTPUT_DATA_DIR", _job_path(sm.output_data_dir or str(out / "output"))),
+        ("SM_CHANNELS", shell_quote(json.dumps(sorted(sm.channels)))),
+    ]
+    exports += [(f"SM_CHANNEL_{name.upper()}", _job_path(path)) for name, path in sorted(sm.channels.items())]
+    return exports
 
 
 def container_mounts(container: ContainerSpec) -> list[str]:
@@ -122,7 +167,10 @@ class RenderContext:
     directives: list[str]
     env: list[tuple[str, str]]
     launcher: str
+    srun_options: list[str]
     launch: str
+    sagemaker: bool
+    sagemaker_env: list[tuple[str, str]]
     command: str
     container_image: str | None
     container_mounts: str | None
@@ -148,7 +196,10 @@ def build_context(
         directives=[d.line() for d in sbatch_directives(spec)],
         env=[(key, shell_quote(value)) for key, value in sorted(spec.env.items())],
         launcher=spec.launcher,
+        srun_options=srun_options(spec),
         launch=" ".join(launch_words(spec)),
+        sagemaker=spec.sagemaker_env is not None,
+        sagemaker_env=sagemaker_exports(spec),
         command=_quote_words(spec.command),
         container_image=shell_quote(container.image) if container else None,
         container_mounts=shell_quote(",".join(container_mounts(container))) if container else None,

@@ -26,6 +26,8 @@ _SLURM_TIME = re.compile(
     r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$"
 )
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A SageMaker channel becomes SM_CHANNEL_<NAME>: the name must make a valid variable name.
+_CHANNEL_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 # A directive path may not carry whitespace, quotes or '#': sbatch would split or truncate it.
 _DIRECTIVE_PATH = re.compile(r"^[^\s\"'#\\]+$")
 
@@ -239,6 +241,63 @@ class ResilienceSpec(StrictModel):
     )
 
 
+class SageMakerEnvSpec(StrictModel):
+    """Export the variables SageMaker training scripts read, so that they run unchanged under Slurm.
+
+    SM_HOSTS (JSON list of the allocation's nodes) and SM_CURRENT_HOST (each task's node) are computed
+    at run time; SM_NUM_GPUS is gpus_per_node; the directories are created before the step starts.
+    """
+
+    model_dir: str | None = Field(default=None, description="SM_MODEL_DIR (default: <output_dir>/model)")
+    output_data_dir: str | None = Field(
+        default=None, description="SM_OUTPUT_DATA_DIR (default: <output_dir>/output)"
+    )
+    channels: dict[str, str] = Field(
+        default_factory=dict, description="data channels: name -> path, exported as SM_CHANNEL_<NAME>"
+    )
+
+    @field_validator("model_dir", "output_data_dir")
+    @classmethod
+    def _dir(cls, value: str | None) -> str | None:
+        if value is not None:
+            if not value.strip():
+                raise ValueError("a directory path must not be empty")
+            _check_no_control_chars(value, "a directory path")
+        return value
+
+    @field_validator("channels")
+    @classmethod
+    def _channels(cls, value: dict[str, str]) -> dict[str, str]:
+        for name, path in value.items():
+            if not _CHANNEL_NAME.match(name):
+                raise ValueError(
+                    f"channel {name!r}: use letters, digits and '_' (it becomes SM_CHANNEL_{name.upper()})"
+                )
+            if not str(path).strip():
+                raise ValueError(f"channel {name!r}: give the path of its data")
+            _check_no_control_chars(str(path), f"channel {name!r}")
+        upper = [n.upper() for n in value]
+        clash = sorted({n for n in upper if upper.count(n) > 1})
+        if clash:
+            raise ValueError(
+                f"channels {', '.join(clash)} differ only in case: SM_CHANNEL_ names would clash"
+            )
+        return value
+
+
+class CollectivesSpec(StrictModel):
+    """Which collective library `hpkit train` uses on GPUs (CPUs always use gloo)."""
+
+    backend: Literal["auto", "smddp"] = Field(
+        default="auto",
+        description="auto: NCCL; smddp: SageMaker's data-parallel library where it imports and the type supports it",
+    )
+    smddp_fallback: bool = Field(
+        default=False,
+        description="when SMDDP cannot be used: run with NCCL (true) or stop with the reason (false)",
+    )
+
+
 class JobSpec(StrictModel):
     """One training job: resources, placement, container, launcher, command and training blocks."""
 
@@ -258,13 +317,21 @@ class JobSpec(StrictModel):
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     container: ContainerSpec | None = None
-    launcher: Literal["torchrun", "srun"] = "torchrun"
+    # mpi: one task per rank started by `srun --mpi=pmix` (Open MPI, mpi4py, Horovod-style programs).
+    launcher: Literal["torchrun", "srun", "mpi"] = "torchrun"
     command: list[str] = Field(default_factory=lambda: ["hpkit", "train"], min_length=1)
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     model: ModelSpec = Field(default_factory=ModelSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
+    sagemaker_env: SageMakerEnvSpec | None = Field(
+        default=None, description="export SM_HOSTS, SM_CURRENT_HOST, SM_CHANNEL_* ... for SageMaker scripts"
+    )
+    instance_type: str | None = Field(
+        default=None, description="the EC2/SageMaker type the nodes are (ml.p4d.24xlarge): informs SMDDP"
+    )
+    collectives: CollectivesSpec = Field(default_factory=CollectivesSpec)
 
     @field_validator("name")
     @classmethod
@@ -273,6 +340,13 @@ class JobSpec(StrictModel):
             raise ValueError(
                 "use letters, digits, '.', '_' and '-' (at most 128, starting with a letter or digit)"
             )
+        return value
+
+    @field_validator("instance_type")
+    @classmethod
+    def _instance_type(cls, value: str | None) -> str | None:
+        if value is not None and not _SLURM_NAME.match(value):
+            raise ValueError("an instance type such as ml.p4d.24xlarge or p5.48xlarge")
         return value
 
     @field_validator("account", "qos")
@@ -355,10 +429,16 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> JobSpec:
-        if self.tasks_per_node and self.gpus_per_node and self.tasks_per_node != self.gpus_per_node:
+        # tasks_per_node: 1 is one process driving all the node's GPUs, as SageMaker runs a script
+        # that has no distribution (torch.nn.DataParallel).
+        if (
+            self.tasks_per_node not in (None, 1)
+            and self.gpus_per_node
+            and self.tasks_per_node != self.gpus_per_node
+        ):
             raise ValueError(
                 f"tasks_per_node={self.tasks_per_node} differs from gpus_per_node={self.gpus_per_node}: "
-                "hpkit runs one rank per GPU, so drop tasks_per_node"
+                "hpkit runs one rank per GPU (or 1 per node driving all), so drop tasks_per_node"
             )
         try:
             self.parallelism.resolve(self.world_size)

@@ -48,6 +48,8 @@ if ! alive "$dir/run/slurmctld.pid"; then
   # The node lines hold newlines, which sed's replacement cannot carry portably.
   awk -v nodes="$node_lines" '{ if ($0 == "@NODES@") printf "%s", nodes; else print }' "$conf.tmp" >"$conf"
   rm -f "$conf.tmp"
+  sed -e "s|@DIR@|$dir|g" "$here/task-prolog.sh" >"$dir/etc/task-prolog.sh"
+  chmod 0755 "$dir/etc/task-prolog.sh"
 fi
 
 if ! alive "$dir/run/munged.pid"; then

@@ -49,7 +49,7 @@ def error_of(data: dict) -> str:
         ({**BASE, "time_limit": "1 hour"}, "time_limit", "not a Slurm time"),
         ({**BASE, "partition": "p5;rm"}, "partition", "partition name"),
         ({**BASE, "output_dir": "my logs"}, "output_dir", "without whitespace"),
-        ({**BASE, "launcher": "mpirun"}, "launcher", "'torchrun' or 'srun'"),
+        ({**BASE, "launcher": "mpirun"}, "launcher", "'torchrun', 'srun' or 'mpi'"),
         ({**BASE, "container": {"image": "i", "mounts": ["relative:/x"]}}, "container.mounts", "absolute"),
         (
             {**BASE, "container": {"image": "i", "mounts": ["/a"]}},

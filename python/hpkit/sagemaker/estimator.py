@@ -1,0 +1,83 @@
+"""A SageMaker estimator description, as a user writes it down from their `PyTorch(...)` call.
+
+JSON or YAML with the estimator's keyword arguments (entry_point, instance_count, instance_type,
+distribution, hyperparameters, ...). Only the shape is checked here; what each key means on Slurm is
+decided in convert.py. Keys this model does not name are kept, so that each can be warned about.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from hpkit.errors import SpecError
+
+
+class Estimator(BaseModel):
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    entry_point: str = Field(min_length=1)
+    source_dir: str | None = None
+    instance_count: int = Field(default=1, ge=1)
+    instance_type: str = Field(min_length=1)
+    distribution: dict[str, Any] = Field(default_factory=dict)
+    hyperparameters: dict[str, Any] = Field(default_factory=dict)
+    environment: dict[str, Any] = Field(default_factory=dict)
+    base_job_name: str | None = None
+    max_run: int | None = Field(default=None, ge=1, description="seconds")
+    max_retry_attempts: int | None = Field(default=None, ge=0)
+    inputs: str | dict[str, str] | None = Field(
+        default=None,
+        description="what was passed to fit(): one URI (the 'training' channel) or channel -> URI",
+    )
+
+    @field_validator("distribution", "hyperparameters", "environment", mode="before")
+    @classmethod
+    def _none_is_empty(cls, value: Any) -> Any:
+        return {} if value is None else value
+
+    def extra_keys(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+
+def parse_estimator(data: Any, source: str) -> Estimator:
+    if not isinstance(data, dict):
+        raise SpecError(
+            f"{source}: an estimator description is a mapping (entry_point, instance_type, ...), "
+            f"not {type(data).__name__}"
+        )
+    try:
+        return Estimator.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            field = ".".join(str(p) for p in err["loc"])
+            msg = err["msg"].removeprefix("Value error, ")
+            if err["type"] == "missing":
+                msg = "missing: copy it from the estimator's arguments"
+            lines.append(f"{source}: {field}: {msg}")
+        raise SpecError("\n".join(lines)) from None
+
+
+def load_estimator(path: str | Path) -> Estimator:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read: {exc}") from None
+    try:
+        # YAML is a superset of JSON, but JSON's own parser gives the better message for JSON files.
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path}: line {exc.lineno} is not valid JSON: {exc.msg}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}:{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    return parse_estimator(data, str(path))

@@ -1,0 +1,45 @@
+"""`hpkit import-sagemaker ESTIMATOR [-o SPEC]`: a SageMaker estimator description → an hpkit job spec.
+
+Warnings (what did not carry over, and what to do instead) go to stderr and into the spec's header,
+so that they travel with the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from hpkit.sagemaker.convert import Imported, convert
+from hpkit.sagemaker.estimator import load_estimator
+
+
+def spec_text(imported: Imported, source: str) -> str:
+    header = [f"# Imported from the SageMaker estimator {source} by `hpkit import-sagemaker`."]
+    if imported.warnings:
+        header.append("# Not carried over (review before submitting):")
+        header += [f"#   - {w.line()}" for w in imported.warnings]
+    body = yaml.safe_dump(imported.data, sort_keys=False, default_flow_style=None, width=100)
+    return "\n".join(header) + "\n" + body
+
+
+def main(argv: list[str], prog: str = "hpkit import-sagemaker") -> int:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    parser.add_argument("estimator", help="the estimator's arguments as JSON or YAML")
+    parser.add_argument("-o", "--output", help="write the job spec here (default: print it)")
+    parser.add_argument("--name", help="the job name (default: base_job_name, else the entry point's name)")
+    args = parser.parse_args(argv[1:])
+    imported = convert(load_estimator(args.estimator), source=args.estimator, name=args.name)
+    text = spec_text(imported, args.estimator)
+    for warning in imported.warnings:
+        print(f"{prog}: warning: {warning.line()}", file=sys.stderr)
+    if args.output:
+        out = Path(args.output)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text, encoding="utf-8")
+        print(f"wrote {out} ({len(imported.warnings)} warning(s))", file=sys.stderr)
+    else:
+        sys.stdout.write(text)
+    return 0

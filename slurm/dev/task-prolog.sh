@@ -1,0 +1,8 @@
+#!/bin/bash
+# TaskProlog of the development cluster (up.sh fills in the cluster directory): slurmstepd adds each
+# `export NAME=value` line printed here to the task's environment.
+#
+# The emulated nodes share one host and one hostname, so Open MPI's shared-memory segments, named
+# after the hostname, the job and the local rank, collide between node1's and node2's local rank 0
+# and the ranks crash. Each node gets its own directory for them (its TmpFS). Real nodes need none.
+echo "export OMPI_MCA_btl_vader_backing_directory=@DIR@/tmp/${SLURMD_NODENAME:-unknown}"
