@@ -24,6 +24,9 @@ help:
 	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2)"
 	@echo "make cluster-down stop it"
 	@echo "make lint         ruff + shellcheck"
+	@echo "make bench        benchmarks that print ratios measured side by side"
+	@echo "make image        build the GPU training image through the Docker Engine API (image-cpu: CPU image)"
+	@echo "make image-sqsh   export the image as an enroot squashfs for pyxis"
 
 # Local development only: installs Debian packages when a command is missing.
 system-deps:
@@ -62,14 +65,19 @@ demo: setup cluster-up
 lint: venv
 	$(BIN)/ruff check python tests bench
 	$(BIN)/ruff format --check python tests bench
-	$(BIN)/shellcheck slurm/dev/*.sh scripts/*.sh .ci/run
+	$(BIN)/shellcheck slurm/dev/*.sh scripts/*.sh docker/*.sh .ci/run
 
-test: setup lint
+test: setup lint image-test-deps
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
 	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider tests
 
 test-unit: venv
 	$(BIN)/pytest -q -p no:cacheprovider tests/unit
 
+bench: venv
+	$(BIN)/python bench/run_all.py
+
+include docker/image.mk
+
 clean: cluster-down
-	rm -rf $(VENV) $(TEST_TMP) $(DEV_CLUSTER_DIR)
+	rm -rf $(VENV) $(TEST_TMP) $(DEV_CLUSTER_DIR) docker/wheelhouse

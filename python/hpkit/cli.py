@@ -19,6 +19,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("hpkit.commands.jobs", "print (or follow) a job's output"),
     "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
     "train": ("hpkit.runtime.train", "run the training loop (inside a job)"),
+    "bench": ("hpkit.bench.cli", "benchmarks: collective bandwidth; nccl-tests scripts and their output"),
+    "image": ("hpkit.image", "build, tag and export the training image through the Docker Engine API"),
     "import-sagemaker": (
         "hpkit.sagemaker.importer",
         "turn a SageMaker estimator description into a job spec",

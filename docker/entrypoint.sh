@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Image entry point: run the checker's container profile (is /var/log the host's? does IMDSv2 answer?), then
+# exec the command. A container that cannot write the host's logs or reach instance metadata fails here, with
+# the fix, instead of an hour into a job.
+#
+#   HPKIT_SKIP_STARTUP_CHECK=1        do not run the check at all
+#   HPKIT_STARTUP_CHECK_WARN_ONLY=1   run it, but only warn when it fails
+#   HPKIT_STARTUP_CHECK_ARGS          extra arguments for `hpkit check` (word-split)
+set -euo pipefail
+
+if [ "${HPKIT_SKIP_STARTUP_CHECK:-0}" != 1 ]; then
+  # shellcheck disable=SC2086  # the extra arguments are meant to be split into words
+  if report=$(hpkit check --profile container --plain ${HPKIT_STARTUP_CHECK_ARGS:-} 2>&1); then
+    # One line per container is enough when all is well; the last line is the checker's summary.
+    printf 'hpkit-entrypoint: %s\n' "${report##*$'\n'}" >&2
+  else
+    if [ "${HPKIT_STARTUP_CHECK_WARN_ONLY:-0}" = 1 ]; then
+      printf '%s\n' "$report" >&2
+      echo "hpkit-entrypoint: warning: the container start-up check failed (see above); going on because" \
+        "HPKIT_STARTUP_CHECK_WARN_ONLY=1" >&2
+    else
+      printf '%s\n' "$report" >&2
+      echo "hpkit-entrypoint: the container start-up check failed (see above): fix it, or set" \
+        "HPKIT_STARTUP_CHECK_WARN_ONLY=1 to go on anyway, or HPKIT_SKIP_STARTUP_CHECK=1 to skip it" >&2
+      exit 1
+    fi
+  fi
+fi
+
+if [ $# -eq 0 ]; then
+  set -- bash
+fi
+exec "$@"

@@ -1,0 +1,290 @@
+"""Real image builds through the Docker Engine API served by podman, then real runs of the CPU image.
+
+The test starts its own podman service (socket, config and image storage under the test's TMPDIR), makes the
+base image with mmdebstrap from Debian's mirror (no registry is reachable here; the tarball is cached across
+runs), builds docker/Dockerfile.cpu with `hpkit image build --cpu`, and runs it with and without /var/log
+bind-mounted. It skips, saying why, only where podman cannot run at all (not installed, not root).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hpkit import image
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "tests" / "unit"))
+from _imds_server import imds_server  # noqa: E402  (the IMDSv2 stand-in shared with the checker's tests)
+
+pytestmark = pytest.mark.image
+
+BASE_TAG = "hpkit-base:bookworm"
+RUN_TIMEOUT_S = 300
+CACHE = Path(os.environ.get("HPKIT_IMAGE_CACHE") or Path.home() / ".cache" / "hpkit")
+
+
+@dataclass(frozen=True)
+class Engine:
+    host: str
+    state: Path
+    env: dict[str, str]  # for the podman CLI: the same config and storage as the service
+    client: object
+
+
+def _unusable_reason() -> str | None:
+    missing = [tool for tool in ("podman", "runc", "mmdebstrap") if shutil.which(tool) is None]
+    if missing:
+        return (
+            f"podman cannot run here: {' '.join(missing)} not installed "
+            f"(`make image-test-deps` as root installs them: apt-get install {' '.join(missing)})"
+        )
+    if os.geteuid() != 0:
+        return "podman cannot run here: the image tests need root (rootful podman, mmdebstrap root mode)"
+    return None
+
+
+def _unmount_under(folder: Path) -> None:
+    # A container that died mid-run can leave overlay mounts, and a mounted folder cannot be removed.
+    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    points = [line.split()[4] for line in lines if line.split()[4].startswith(str(folder) + "/")]
+    for point in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Iterator[Engine]:
+    reason = _unusable_reason()
+    if reason:
+        pytest.skip(reason)
+    state = tmp_path_factory.mktemp("podman")
+    if len(str(state / "podman.sock")) > 100:  # AF_UNIX paths are limited to 108 bytes
+        state = Path(tempfile.mkdtemp(prefix="hpkit-podman-"))
+    env = dict(os.environ, HPKIT_PODMAN_OWN_STORAGE="1")
+    script = str(REPO / "scripts/podman-service.sh")
+    start = subprocess.run(
+        [script, "start", str(state)], env=env, capture_output=True, text=True, timeout=120
+    )
+    if start.returncode != 0:
+        pytest.fail(f"podman's Docker API service did not start:\n{start.stdout}{start.stderr}")
+    host = f"unix://{state}/podman.sock"
+    saved = os.environ.get("DOCKER_HOST")
+    os.environ["DOCKER_HOST"] = host
+    cli_env = dict(
+        os.environ,
+        CONTAINERS_CONF=str(state / "containers.conf"),
+        CONTAINERS_STORAGE_CONF=str(state / "storage.conf"),
+    )
+    try:
+        yield Engine(host, state, cli_env, image.connect())
+    finally:
+        if saved is None:
+            os.environ.pop("DOCKER_HOST", None)
+        else:
+            os.environ["DOCKER_HOST"] = saved
+        subprocess.run([script, "stop", str(state)], env=env, capture_output=True, timeout=120)
+        _unmount_under(state)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def base_image(engine: Engine) -> str:
+    recipe = (REPO / "docker/mkbase.sh").read_bytes() + Path(
+        "/etc/ssl/certs/ca-certificates.crt"
+    ).read_bytes()
+    tarball = CACHE / f"base-bookworm-{hashlib.sha256(recipe).hexdigest()[:12]}.tar"
+    if not tarball.is_file():
+        started = time.monotonic()
+        made = subprocess.run(
+            [str(REPO / "docker/mkbase.sh"), str(tarball), "bookworm"],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if made.returncode != 0:
+            pytest.fail(
+                f"mmdebstrap could not make the base image:\n{made.stdout[-3000:]}{made.stderr[-3000:]}"
+            )
+        print(f"base tarball made in {time.monotonic() - started:.0f} s")
+    image.import_base(engine.client, tarball, BASE_TAG)
+    return BASE_TAG
+
+
+@pytest.fixture(scope="module")
+def cpu_image(engine: Engine, base_image: str) -> str:
+    started = time.monotonic()
+    code = image.main(
+        ["image", "build", "--cpu", "--quiet", "--base-image", base_image, "--context", str(REPO)]
+    )
+    assert code == 0
+    print(f"CPU image built in {time.monotonic() - started:.0f} s")
+    return "hpkit:cpu"
+
+
+def _run(
+    engine: Engine,
+    ref: str,
+    command: list[str],
+    *,
+    var_log: Path | None = None,
+    env: dict[str, str] | None = None,
+    extra_volumes: dict[str, dict[str, str]] | None = None,
+    network_mode: str | None = None,
+) -> tuple[int, str]:
+    """Run a container to completion; (exit status, stdout+stderr). The container is removed either way."""
+    volumes = dict(extra_volumes or {})
+    if var_log is not None:
+        var_log.mkdir(parents=True, exist_ok=True)
+        volumes[str(var_log)] = {"bind": "/var/log", "mode": "rw"}
+    container = engine.client.containers.run(
+        ref,
+        command,
+        environment={"AWS_EC2_METADATA_DISABLED": "true", **(env or {})},
+        volumes=volumes,
+        network_mode=network_mode,
+        detach=True,
+    )
+    try:
+        status = container.wait(timeout=RUN_TIMEOUT_S)["StatusCode"]
+        output = container.logs(stdout=True, stderr=True).decode(errors="replace")
+    finally:
+        container.remove(force=True)
+    return status, output
+
+
+def test_cpu_image_is_tagged_and_labelled_with_its_versions(engine: Engine, cpu_image: str) -> None:
+    versions = image.read_versions(REPO / image.VERSIONS_FILE)
+    built = engine.client.images.get(cpu_image)
+    labels = built.labels
+    assert labels["io.hpkit.versions.torch"] == versions["TORCH_VERSION"]
+    assert labels["io.hpkit.versions.debian"] == versions["DEBIAN_RELEASE"]
+    assert labels["org.opencontainers.image.version"] == image.__version__
+    version_tag = image.image_tags(image.VARIANTS["cpu"], versions)[0]
+    assert engine.client.images.get(version_tag).id == built.id
+
+
+def test_container_profile_passes_with_var_log_mounted(
+    engine: Engine, cpu_image: str, tmp_path: Path
+) -> None:
+    # IMDSv2 for real: the stand-in speaks the protocol on the host's loopback, so the container shares it.
+    with imds_server() as (endpoint, behaviour):
+        status, output = _run(
+            engine,
+            cpu_image,
+            ["python", "-c", "print('COMMAND-RAN')"],
+            var_log=tmp_path / "var-log",
+            env={"AWS_EC2_METADATA_DISABLED": "false", "AWS_EC2_METADATA_SERVICE_ENDPOINT": endpoint},
+            network_mode="host",
+        )
+    assert status == 0, output
+    assert "COMMAND-RAN" in output
+    assert "hpkit-entrypoint: profile container:" in output and "0 failed" in output, output
+    assert ("PUT", "/latest/api/token") in [(method, path) for method, path, _ in behaviour.requests]
+
+
+def test_without_var_log_mount_the_check_stops_the_container_with_the_fix(
+    engine: Engine, cpu_image: str
+) -> None:
+    status, output = _run(engine, cpu_image, ["python", "-c", "print('COMMAND-RAN')"])
+    assert status == 1, output
+    assert "COMMAND-RAN" not in output
+    assert "var-log-mount" in output and "not the host's" in output, output
+    assert "-v /var/log:/var/log" in output  # the fix, as the checker words it
+    assert "hpkit-entrypoint: the container start-up check failed" in output
+
+
+def test_the_check_can_be_downgraded_or_skipped(engine: Engine, cpu_image: str) -> None:
+    status, output = _run(engine, cpu_image, ["true"], env={"HPKIT_STARTUP_CHECK_WARN_ONLY": "1"})
+    assert status == 0 and "hpkit-entrypoint: warning:" in output, output
+    status, output = _run(engine, cpu_image, ["sh", "-c", "exit 7"], env={"HPKIT_SKIP_STARTUP_CHECK": "1"})
+    assert status == 7 and "var-log-mount" not in output, output
+
+
+def test_gloo_all_reduce_and_a_ddp_step_run_in_the_image(
+    engine: Engine, cpu_image: str, tmp_path: Path
+) -> None:
+    tests = {str(REPO / "tests/integration"): {"bind": "/tests", "mode": "ro"}}
+    command = ["torchrun", "--standalone", "--nproc-per-node=2", "/tests/image_dist_step.py"]
+    status, output = _run(engine, cpu_image, command, var_log=tmp_path / "var-log", extra_volumes=tests)
+    assert status == 0, output
+    assert "IMAGE-DIST-STEP world=2 allreduce=3 expected=3" in output, output
+    assert "in_sync=True" in output
+
+
+def test_a_failing_build_names_its_step_and_leaves_no_containers(
+    engine: Engine, base_image: str, tmp_path: Path
+) -> None:
+    (tmp_path / "Dockerfile").write_text(
+        f"FROM {base_image}\nRUN echo preparing\nRUN ls /no-such-dir\nRUN true\n"
+    )
+    request = image.BuildRequest(context=tmp_path, dockerfile="Dockerfile", tags=["hpkit-test-broken:1"])
+    with pytest.raises(image.ImageError) as err:
+        image.build(engine.client, request, show=lambda line: None)
+    message = str(err.value)
+    assert "\n" not in message
+    assert "ls /no-such-dir" in message and "No such file or directory" in message, message
+    # Build containers are buildah's, not the API's: only the podman CLI with --external lists them.
+    listed = subprocess.run(
+        ["podman", "ps", "--all", "--external", "--quiet"],
+        env=engine.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.strip() == "", f"containers left behind: {listed.stdout}"
+
+
+def test_docker_run_helper_mounts_var_log_and_keeps_the_exit_status(engine: Engine, cpu_image: str) -> None:
+    env = dict(os.environ, AWS_EC2_METADATA_DISABLED="true", DOCKER_HOST=engine.host)
+    if shutil.which("docker") is None:
+        env = dict(engine.env, AWS_EC2_METADATA_DISABLED="true", HPKIT_ENGINE="podman")
+    run = subprocess.run(
+        [
+            str(REPO / "scripts/docker-run.sh"),
+            cpu_image,
+            "sh",
+            "-c",
+            "grep ' /var/log ' /proc/self/mountinfo; exit 3",
+        ],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert run.returncode == 3, run.stdout + run.stderr
+    assert " /var/log " in run.stdout
+    assert "hpkit-entrypoint: profile container:" in run.stderr
+
+
+def test_hpkit_train_runs_two_processes_in_the_image(engine: Engine, cpu_image: str, tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "spec.yaml").write_text(
+        "name: image-smoke\nnodes: 1\ntasks_per_node: 2\noutput_dir: /job/out\n"
+        "model: {name: debug, seq_len: 32}\n"
+        "train: {steps: 2, local_batch_size: 2, mixed_precision: fp32}\n"
+    )
+    command = ["torchrun", "--standalone", "--nproc-per-node=2", "--no-python"]
+    command += ["hpkit", "train", "--config", "/job/spec.yaml"]
+    status, output = _run(
+        engine,
+        cpu_image,
+        command,
+        var_log=tmp_path / "var-log",
+        extra_volumes={str(job): {"bind": "/job", "mode": "rw"}},
+    )
+    assert status == 0, output
+    assert "hpkit train: done steps=2" in output and "world=2" in output, output
+    assert list((job / "out").glob("image-smoke-*.metrics.jsonl")), "no metrics file reached the host"
