@@ -49,11 +49,6 @@ def sbatch_directives(spec: JobSpec) -> list[Directive]:
         # torchrun starts one agent per node that forks the ranks; srun starts every rank itself.
         Directive("ntasks-per-node", str(1 if spec.launcher == "torchrun" else spec.ranks_per_node)),
         Directive("output", str(out / "%x-%j.out")),
-        # A requeued job writes to the same file: append, or the first run's log is lost.
-        Directive("open-mode", "append"),
-        # B: signals the batch shell, which forwards to the step and then decides about requeueing.
-        Directive("signal", f"B:USR1@{spec.resilience.signal_grace_s}"),
-        Directive("requeue" if spec.resilience.max_restarts else "no-requeue"),
     ]
     if spec.launcher == "torchrun":
         directives.append(Directive("cpus-per-task", str((spec.cpus_per_task or 1) * spec.ranks_per_node)))
@@ -84,6 +79,17 @@ def task_exports(spec: JobSpec) -> list[str]:
     if spec.sagemaker_env is not None:
         exports += ["SM_CURRENT_HOST=$SLURMD_NODENAME", "SM_NUM_CPUS=${SLURM_CPUS_ON_NODE:-1}"]
     return exports
+
+
+def resilience_directives(spec: JobSpec) -> list[Directive]:
+    """For scripts that trap the warning signal and requeue themselves (the train template)."""
+    return [
+        # A requeued job writes to the same file: append, or the first run's log is lost.
+        Directive("open-mode", "append"),
+        # B: signals the batch shell, which forwards to the step and then decides about requeueing.
+        Directive("signal", f"B:USR1@{spec.resilience.signal_grace_s}"),
+        Directive("requeue" if spec.resilience.max_restarts else "no-requeue"),
+    ]
 
 
 def launch_words(spec: JobSpec) -> list[str]:
@@ -193,7 +199,7 @@ def build_context(
         version=__version__,
         script_name=shell_quote(script_name),
         spec_path=shell_quote(spec_path) if spec_path else None,
-        directives=[d.line() for d in sbatch_directives(spec)],
+        directives=[d.line() for d in (*sbatch_directives(spec), *resilience_directives(spec))],
         env=[(key, shell_quote(value)) for key, value in sorted(spec.env.items())],
         launcher=spec.launcher,
         srun_options=srun_options(spec),

@@ -1,0 +1,145 @@
+"""Distributed checkpoint speed: DCP save throughput vs `dd` to the same directory, and async vs sync stall.
+
+Runs the runtime's own Trainer and Checkpointer (FSDP2 over all ranks, model + AdamW state) and, in
+alternating rounds so that a noisy machine slows both alike:
+  1. a sync DCP save vs `dd if=/dev/zero bs=1M conv=fsync` of the same byte count (rank 0, while the
+     others wait): throughput ratio, target >= 0.7;
+  2. training with saves every few steps, alternating an async and a sync Checkpointer: the time the
+     loop is blocked per save (for async: the call plus waiting for that save to finish before the
+     next one), target async / sync <= 0.1.
+
+    torchrun --nproc-per-node 2 bench/bench_checkpoint.py [--dir /tmp/hpkit-bench/ckpt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "hpkit-bench-ckpt"))
+    p.add_argument("--dim", type=int, default=768)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--interval", type=int, default=2, help="training steps between saves")
+    return p.parse_args()
+
+
+def _du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def main() -> int:
+    args = _parse()
+    import torch.distributed as dist
+
+    from hpkit.runtime.checkpoint import Checkpointer, committed
+    from hpkit.runtime.env import choose_device, configure_threads, init_distributed, read_launch_env
+    from hpkit.runtime.train import RunConfig, Trainer
+    from hpkit.spec import ModelSpec, ParallelismSpec, TrainSpec
+
+    launch = read_launch_env()
+    configure_threads(launch)
+    device = choose_device(launch)
+    init_distributed(launch, device)
+    rank0 = launch.rank == 0
+    root = Path(args.dir)
+    if rank0:
+        shutil.rmtree(root, ignore_errors=True)
+        root.mkdir(parents=True)
+    dist.barrier()
+    cfg = RunConfig(
+        name="ckpt-bench",
+        output_dir=str(root / "logs"),
+        parallelism=ParallelismSpec(dp_shard=-1),
+        model=ModelSpec(
+            name="debug", dim=args.dim, n_layers=args.layers, ffn_dim=args.dim * 8 // 3, seq_len=64
+        ),
+        train=TrainSpec(local_batch_size=1, tensorboard=False),
+    )
+    sync_ck = Checkpointer(root / "sync", keep=1, async_save=False, rank=launch.rank)
+    async_ck = Checkpointer(root / "async", keep=1, async_save=True, rank=launch.rank)
+    trainer = Trainer(cfg, device, checkpointer=sync_ck)
+    trainer.train_step()  # optimizer state exists from here on, as in a real checkpoint
+
+    # 1. throughput: sync DCP save vs dd of the same bytes, alternating which goes first.
+    dcp_bps, dd_bps, nbytes = [], [], 0
+    for i in range(args.rounds):
+        for which in ("dcp", "dd") if i % 2 == 0 else ("dd", "dcp"):
+            dist.barrier()
+            start = time.perf_counter()
+            if which == "dcp":
+                trainer.checkpointer = sync_ck
+                trainer.save()
+                seconds = time.perf_counter() - start
+                nbytes = _du(committed(root / "sync")[-1][1])
+                dcp_bps.append(nbytes / seconds)
+            else:
+                if rank0:
+                    target = root / "dd.bin"
+                    count = max(1, nbytes // 2**20) if nbytes else 512
+                    subprocess.run(
+                        ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={count}", "conv=fsync"],
+                        check=True, capture_output=True,
+                    )  # fmt: skip
+                    seconds = time.perf_counter() - start
+                    dd_bps.append(count * 2**20 / seconds)
+                    target.unlink()
+                dist.barrier()
+    # Round 0 starts with the DCP save, so dd always knows the byte count to match.
+
+    # 2. stall: saves every `interval` steps, async and sync alternating.
+    stall = {"async": [], "sync": []}
+    for i in range(2 * args.rounds):
+        kind = "async" if i % 2 == 0 else "sync"
+        for _ in range(args.interval):
+            trainer.train_step()
+        trainer.checkpointer = async_ck if kind == "async" else sync_ck
+        start = time.perf_counter()
+        trainer.save()
+        blocked = time.perf_counter() - start
+        if kind == "async":
+            # The runtime waits for this save at its next one; train until then, then time that wait.
+            for _ in range(args.interval):
+                trainer.train_step()
+            start = time.perf_counter()
+            async_ck.wait()
+            blocked += time.perf_counter() - start
+        stall[kind].append(blocked)
+    async_ck.close()
+
+    if rank0:
+        dcp_med, dd_med = statistics.median(dcp_bps), statistics.median(dd_bps)
+        a_med, s_med = statistics.median(stall["async"]), statistics.median(stall["sync"])
+        print(
+            f"checkpoint: {launch.world_size} rank(s), {nbytes / 1e6:.0f} MB per checkpoint (model + AdamW), "
+            f"dir {root}"
+        )
+        print(
+            f"checkpoint save throughput: dcp {dcp_med / 1e6:.0f} MB/s (runs {[round(b / 1e6) for b in dcp_bps]}) "
+            f"vs dd {dd_med / 1e6:.0f} MB/s (runs {[round(b / 1e6) for b in dd_bps]})"
+        )
+        print(f"RATIO checkpoint_save_vs_dd = {dcp_med / dd_med:.3f} (target >= 0.7)")
+        print(
+            f"checkpoint stall: async {a_med * 1000:.0f} ms (runs {[round(s * 1000) for s in stall['async']]}) "
+            f"vs sync {s_med * 1000:.0f} ms (runs {[round(s * 1000) for s in stall['sync']]})"
+        )
+        print(f"RATIO checkpoint_async_stall_vs_sync = {a_med / s_med:.3f} (target <= 0.1)")
+        shutil.rmtree(root, ignore_errors=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Cluster validation benchmarks: collective bandwidth (torch.distributed, nccl-tests) with nccl-tests' formulas."""

@@ -1,0 +1,157 @@
+"""`hpkit bench collectives | nccl-tests render | nccl-tests parse`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from hpkit.errors import HpkitError, SpecError
+
+USAGE = """usage: hpkit bench SUBCOMMAND [ARGS]
+
+subcommands:
+  collectives         time all_reduce, all_gather, reduce_scatter, broadcast, all_to_all (this process group)
+  nccl-tests render   write an sbatch script that runs nccl-tests with srun --mpi=pmix
+  nccl-tests parse    turn nccl-tests output into the same table, CSV and JSON
+
+Run `hpkit bench SUBCOMMAND --help` for its options."""
+
+
+def main(argv: list[str], prog: str = "hpkit bench") -> int:
+    rest = argv[1:] if argv and argv[0] == "bench" else argv
+    if not rest or rest[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if rest else 2
+    sub, rest = rest[0], rest[1:]
+    if sub == "collectives":
+        from hpkit.bench.collectives import main as collectives_main
+
+        return collectives_main(rest, prog=f"{prog} collectives")
+    if sub == "nccl-tests":
+        if rest[:1] == ["render"]:
+            return _render(rest[1:], f"{prog} nccl-tests render")
+        if rest[:1] == ["parse"]:
+            return _parse(rest[1:], f"{prog} nccl-tests parse")
+        print(f"{prog} nccl-tests: give `render` or `parse`\n\n{USAGE}", file=sys.stderr)
+        return 2
+    print(f"{prog}: unknown subcommand {sub!r}\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+def _size(text: str) -> int:
+    from hpkit.bench.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _env_pair(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE")
+    return key, value
+
+
+def _render(argv: list[str], prog: str) -> int:
+    from hpkit.bench.nccl_job import DEFAULT_TESTS, NcclTestsArgs, render_nccl_tests
+    from hpkit.spec import parse_spec
+
+    parser = argparse.ArgumentParser(prog=prog, description="Render an sbatch script that runs nccl-tests.")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--name", default="nccl-tests")
+    parser.add_argument("--partition")
+    parser.add_argument("--account")
+    parser.add_argument("--time", default="00:30:00", help="Slurm time limit (default 00:30:00)")
+    parser.add_argument("--no-exclusive", action="store_true", help="share the nodes (default: exclusive)")
+    parser.add_argument("--output-dir", default="logs")
+    parser.add_argument("--container-image", help="pyxis image (.sqsh or registry reference)")
+    parser.add_argument("--mount", action="append", default=[], help="container mount src:dst (repeatable)")
+    parser.add_argument("--env", action="append", type=_env_pair, default=[], help="KEY=VALUE (repeatable)")
+    parser.add_argument("--bin-dir", default="/opt/nccl-tests/build", help="where all_reduce_perf etc. are")
+    parser.add_argument(
+        "--tests", default=",".join(DEFAULT_TESTS), help="comma-separated nccl-tests binaries"
+    )
+    parser.add_argument("-b", "--min-bytes", type=_size, default=_size("8"))
+    parser.add_argument("-e", "--max-bytes", type=_size, default=_size("8G"))
+    parser.add_argument("-f", "--factor", type=int, default=2)
+    parser.add_argument("-n", "--iters", type=int, default=20)
+    parser.add_argument("-w", "--warmup", type=int, default=5)
+    parser.add_argument("-o", "--output", help="write the script here instead of printing it")
+    args = parser.parse_args(argv)
+
+    data: dict = {
+        "name": args.name,
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+        "launcher": "srun",
+        "time_limit": args.time,
+        "exclusive": not args.no_exclusive,
+        "output_dir": args.output_dir,
+        "env": dict(args.env),
+        "command": ["all_reduce_perf"],
+        "parallelism": {"dp_shard": -1},
+        "resilience": {"max_restarts": 0},  # a benchmark is rerun by hand, not requeued
+    }
+    for key, value in (("partition", args.partition), ("account", args.account)):
+        if value:
+            data[key] = value
+    if args.container_image:
+        data["container"] = {"image": args.container_image, "mounts": args.mount}
+    spec = parse_spec(data, source="options")
+    tests = tuple(t.strip() for t in args.tests.split(",") if t.strip())
+    nccl_args = NcclTestsArgs(
+        tests, args.min_bytes, args.max_bytes, args.factor, args.iters, args.warmup, bin_dir=args.bin_dir
+    )
+    script = render_nccl_tests(spec, nccl_args, script_name=args.output or f"{args.name}.sbatch")
+    if args.output:
+        path = Path(args.output)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(script, encoding="utf-8")
+        path.chmod(0o755)
+        print(f"wrote {path}: submit it with sbatch {path}", file=sys.stderr)
+    else:
+        sys.stdout.write(script)
+    return 0
+
+
+def _parse(argv: list[str], prog: str) -> int:
+    from hpkit.bench.nccl_tests import parse, rows_of
+    from hpkit.bench.results import table, write_outputs
+
+    parser = argparse.ArgumentParser(
+        prog=prog, description="Read nccl-tests output into a table, CSV and JSON."
+    )
+    parser.add_argument("log", help="nccl-tests output (a job's .out file); - for stdin")
+    parser.add_argument(
+        "--op", help="the collective, for nccl-tests before 2.13 (their output does not name it)"
+    )
+    parser.add_argument("--csv", help="write the rows as CSV here")
+    parser.add_argument("--json", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    if args.log == "-":
+        text = sys.stdin.read()
+    else:
+        try:
+            text = Path(args.log).read_text(encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise SpecError(f"{args.log}: cannot read: {exc.strerror}") from None
+    runs = parse(text, op=args.op, source=args.log)
+    rows = rows_of(runs)
+    sys.stdout.write(table(rows))
+    for run in runs:
+        avg = f"{run.avg_busbw_gbps:g}" if run.avg_busbw_gbps is not None else "n/a"
+        print(f"# {run.op}: {run.ranks} rank(s), {len(run.rows)} row(s), nccl-tests' avg busbw {avg} GB/s")
+    write_outputs(rows, args.csv, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(sys.argv[1:], prog="python -m hpkit.bench.cli"))
+    except HpkitError as exc:
+        print(f"hpkit bench: error: {exc}", file=sys.stderr)
+        sys.exit(1)
