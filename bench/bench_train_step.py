@@ -1,0 +1,129 @@
+"""hpkit's training step against a bare, hand-written FSDP2 loop: same model, mesh, batch and optimizer.
+
+Both run in the same processes, in alternating rounds, so that a noisy machine slows both alike;
+the ratio of median step times is printed at the end (target: hpkit / bare <= 1.02).
+
+    torchrun --nproc-per-node 2 bench/bench_train_step.py [--model debug] [--seq-len 256] [--batch 4]
+
+On CPU this uses gloo and fp32; on GPUs, NCCL and bf16 (FSDP2's mixed precision in both loops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+
+def _parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="debug")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round, each loop")
+    p.add_argument("--warmup", type=int, default=3)
+    return p.parse_args()
+
+
+def main() -> int:
+    args = _parse()
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard
+
+    from hpkit.models.llama import build_model
+    from hpkit.runtime.env import choose_device, configure_threads, init_distributed, read_launch_env
+    from hpkit.runtime.fsdp import mixed_precision_policy
+    from hpkit.runtime.train import RunConfig, Trainer, quiet_known_warnings, resolve_mixed_precision
+
+    quiet_known_warnings()
+    launch = read_launch_env()
+    configure_threads(launch)
+    device_info = choose_device(launch)
+    init_distributed(launch, device_info)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    precision = resolve_mixed_precision("auto", device_info.type)
+    cfg = RunConfig.from_blocks(
+        {
+            "parallelism": {"dp_shard": -1},
+            "model": {"name": args.model, "seq_len": args.seq_len},
+            "train": {
+                "local_batch_size": args.batch,
+                "lr": 1e-4,
+                "grad_clip": 1.0,
+                "mixed_precision": precision,
+                "tensorboard": False,
+            },
+        }
+    )
+    hp = Trainer(cfg, device_info)
+    device = hp.device
+
+    # The bare loop: what someone writes by hand from the FSDP2 tutorial, on the same mesh.
+    mesh = hp.coords.fsdp_mesh
+    bare = build_model(hp.model_cfg, "meta")
+    mp = mixed_precision_policy(precision)
+    for block in bare.layers.values():
+        fully_shard(block, mesh=mesh, mp_policy=mp)
+    fully_shard(bare, mesh=mesh, mp_policy=mp)
+    bare.to_empty(device=device)
+    bare.init_weights(0)
+    opt = torch.optim.AdamW(bare.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    vocab = hp.model_cfg.vocab_size
+
+    def bare_step() -> float:
+        start = time.perf_counter()
+        rows = torch.randint(0, vocab, (args.batch, args.seq_len + 1), generator=gen).to(device)
+        logits = bare(rows[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten())
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(bare.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()  # a hand-written loop reads the loss to print it
+        return time.perf_counter() - start
+
+    def hp_step() -> float:
+        return hp.train_step().step_time_s
+
+    for _ in range(args.warmup):
+        hp_step()
+        bare_step()
+    times: dict[str, list[float]] = {"hpkit": [], "bare": []}
+    for r in range(args.rounds):
+        # Step by step in alternation (first one, then the other, then the reverse), so that load from
+        # other processes on a shared machine falls on both loops alike.
+        order = [("hpkit", hp_step), ("bare", bare_step)]
+        for i in range(args.steps):
+            for name, fn in order if (r + i) % 2 == 0 else order[::-1]:
+                times[name].append(fn())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    ratio = med["hpkit"] / med["bare"]
+    if rank == 0:
+        tokens = args.batch * args.seq_len * world
+        print(
+            f"model {args.model} seq {args.seq_len} batch {args.batch}/rank, FSDP2 over {world} "
+            f"{device_info.type} rank(s), {precision}, {args.rounds} rounds x {args.steps} steps each"
+        )
+        for name in ("hpkit", "bare"):
+            best = min(times[name])
+            print(
+                f"  {name:<6} median step {med[name] * 1000:8.2f} ms (best {best * 1000:8.2f} ms)  "
+                f"{tokens / med[name]:10,.0f} tokens/s"
+            )
+        verdict = "ok" if ratio <= 1.02 else "ABOVE TARGET"
+        print(f"ratio hpkit/bare = {ratio:.3f} (target <= 1.02: {verdict})")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

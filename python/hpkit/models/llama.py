@@ -1,0 +1,239 @@
+"""The reference decoder: Llama 3 style (RMSNorm, RoPE, grouped-query attention, SwiGLU), untied embeddings.
+
+Written so that every parallelism can be applied from outside: blocks live in a ModuleDict keyed by
+their index (pipeline stages delete blocks and keep the others' names, so checkpoints reshard across
+stage layouts), and a stage without embeddings or output head takes and returns hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int = 2048
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def num_params(self, embeddings: bool = True) -> int:
+        attn = self.dim * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
+        mlp = 3 * self.dim * self.ffn_dim
+        block = attn + mlp + 2 * self.dim
+        emb = 2 * self.vocab_size * self.dim if embeddings else 0
+        return self.n_layers * block + self.dim + emb
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 per weight (forward + backward) plus causal attention's score math.
+
+        The embedding lookup is not a matmul, so it is left out; the output projection is.
+        """
+        dense = 6 * (self.num_params(embeddings=False) + self.vocab_size * self.dim)
+        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
+        return float(dense + attention)
+
+
+# `debug` is torchtitan's llama3 debug shape, so throughput compares with torchtitan directly.
+SHAPES: dict[str, LlamaConfig] = {
+    "debug": LlamaConfig(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=768, vocab_size=2048),
+    "125M": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
+    "1B": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256),
+    "8B": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
+}
+
+
+def config_for(
+    name: str,
+    seq_len: int,
+    *,
+    vocab_size: int | None = None,
+    dim: int | None = None,
+    n_layers: int | None = None,
+    n_heads: int | None = None,
+    n_kv_heads: int | None = None,
+    ffn_dim: int | None = None,
+) -> LlamaConfig:
+    if name not in SHAPES:
+        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(SHAPES)}")
+    base = SHAPES[name]
+    heads = n_heads or base.n_heads
+    overrides = {
+        "vocab_size": vocab_size,
+        "dim": dim,
+        "n_layers": n_layers,
+        "n_heads": n_heads,
+        # Overriding the heads alone keeps plain multi-head attention unless kv heads are given too.
+        "n_kv_heads": n_kv_heads or (heads if n_heads else None),
+        "ffn_dim": ffn_dim,
+    }
+    cfg = replace(
+        base, max_seq_len=max(seq_len, base.max_seq_len), **{k: v for k, v in overrides.items() if v}
+    )
+    if cfg.dim % cfg.n_heads:
+        raise ValueError(f"dim={cfg.dim} is not divisible by n_heads={cfg.n_heads}")
+    if cfg.n_heads % cfg.n_kv_heads:
+        raise ValueError(f"n_heads={cfg.n_heads} is not divisible by n_kv_heads={cfg.n_kv_heads}")
+    if cfg.head_dim % 2:
+        raise ValueError(f"head dimension {cfg.head_dim} must be even for rotary embeddings")
+    return cfg
+
+
+def rope_tables(cfg: LlamaConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    # Real cos/sin tables rather than complex numbers: complex tensors are poorly supported by
+    # some collectives and by compile.
+    half = cfg.head_dim // 2
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    t = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(t, inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (batch, seq, heads, head_dim); rotate pairs (2i, 2i+1) as Llama does.
+    seq = x.shape[1]
+    cos = cos[:seq].view(1, seq, 1, -1)
+    sin = sin[:seq].view(1, seq, 1, -1)
+    xf = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return out.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.n_kv_heads
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bs, seq, _ = x.shape
+        # -1 heads: under tensor parallel each rank holds a slice of the heads.
+        q = self.wq(x).view(bs, seq, -1, self.head_dim)
+        k = self.wk(x).view(bs, seq, -1, self.head_dim)
+        v = self.wv(x).view(bs, seq, -1, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+        )
+        return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        cos, sin = rope_tables(cfg)
+        # Not persistent: derived from the config, so checkpoints need not carry them.
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        for block in self.layers.values():
+            h = block(h, self.rope_cos, self.rope_sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        if self.output is not None:
+            h = self.output(h)
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Initialise every parameter from a generator seeded by (seed, its name).
+
+        The values therefore do not depend on how the model was split or sharded: a parameter that is
+        a DTensor gets its slice of the same full tensor a single-process run would draw. The full tensor
+        is drawn on the parameter's device, one parameter at a time, so peak extra memory is one tensor.
+        """
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        depth_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
+        for name, param in _named_parameters_unwrapped(self):
+            full_shape = param.shape
+            device = param.to_local().device if isinstance(param, DTensor) else param.device
+            gen = torch.Generator(device=device)
+            gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+            if name.endswith("norm.weight"):
+                full = torch.ones(full_shape, device=device)
+            else:
+                if name.startswith("tok_embeddings"):
+                    std = 1.0
+                elif name.startswith("output"):
+                    std = self.cfg.dim**-0.5
+                elif name.endswith(("wo.weight", "w2.weight")):
+                    std = depth_std
+                else:
+                    std = 0.02
+                full = torch.empty(full_shape, device=device).normal_(0.0, std, generator=gen)
+                full.clamp_(-3 * std, 3 * std)
+            if isinstance(param, DTensor):
+                local = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None)
+                param.to_local().copy_(local.to_local())
+            else:
+                param.copy_(full)
+
+
+def _named_parameters_unwrapped(model: nn.Module):
+    # Activation checkpointing and compile insert wrapper modules; the init seed uses the plain name
+    # so that wrapped and unwrapped models draw the same values.
+    for name, param in model.named_parameters():
+        clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        yield clean, param
+
+
+def build_model(cfg: LlamaConfig, device: torch.device | str = "meta") -> Llama:
+    with torch.device(device):
+        return Llama(cfg)

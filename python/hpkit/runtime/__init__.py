@@ -1,0 +1,1 @@
+"""What runs inside the job: environment, parallelisms, data, checkpoints, metrics and the loop."""

@@ -1,0 +1,203 @@
+"""Distributed checkpoints (torch.distributed.checkpoint): model, optimizer, step, data position, RNG.
+
+Layout under the checkpoint directory:
+    step-00000100/     a complete checkpoint (DCP files + .metadata)
+    step-00000200.tmp/ one being written; never read, removed at the next start
+    latest             the name of the newest complete checkpoint
+
+Every rank writes into the .tmp directory; only when all have finished does rank 0 rename it and then
+replace `latest` (both atomic renames), so a crash at any point leaves the previous checkpoint as the
+one a restart finds. Model and optimizer state are keyed by parameter name with DTensor placements,
+so DCP can load them into a different parallel layout or world size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from hpkit.runtime.data import DataLoader
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class ModelState:
+    """DCP Stateful for this rank's model part(s): keys are the full model's parameter names."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        self.parts = parts
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part in self.parts:
+            merged.update(get_model_state_dict(part, options=_OPTIONS))
+        return merged
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part in self.parts:
+            set_model_state_dict(part, state, options=StateDictOptions(strict=False))
+
+
+class OptimizerState:
+    def __init__(self, parts: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
+        self.parts, self.optimizers = parts, optimizers
+
+    def state_dict(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for part, opt in zip(self.parts, self.optimizers, strict=True):
+            merged.update(get_optimizer_state_dict(part, opt, options=_OPTIONS))
+        return merged
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for part, opt in zip(self.parts, self.optimizers, strict=True):
+            set_optimizer_state_dict(part, opt, state, options=_OPTIONS)
+
+
+@dataclass
+class TrainState:
+    """Step, data position and RNG. Every rank seeds alike and draws in lockstep, so one copy suffices."""
+
+    step: int
+    loader: DataLoader
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {
+            "step": torch.tensor(self.step),
+            "data_position": torch.tensor(self.loader.position),
+            "rng_cpu": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["rng_cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.loader.position = int(state["data_position"])
+        torch.set_rng_state(state["rng_cpu"])
+        if "rng_cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng_cuda"])
+
+
+def step_dir_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def committed(root: Path) -> list[tuple[int, Path]]:
+    if not root.is_dir():
+        return []
+    found = []
+    for entry in root.iterdir():
+        m = _STEP_DIR.match(entry.name)
+        if m and entry.is_dir() and (entry / ".metadata").is_file():
+            found.append((int(m.group(1)), entry))
+    return sorted(found)
+
+
+def find_latest(root: Path) -> Path | None:
+    pointer = root / "latest"
+    if pointer.is_file():
+        target = root / pointer.read_text(encoding="utf-8").strip()
+        if _STEP_DIR.match(target.name) and (target / ".metadata").is_file():
+            return target
+    # `latest` lags the rename by one atomic write; a committed directory is complete by construction.
+    done = committed(root)
+    return done[-1][1] if done else None
+
+
+class Checkpointer:
+    def __init__(self, root: str | Path, keep: int, async_save: bool, rank: int) -> None:
+        self.root = Path(root)
+        self.keep = keep
+        self.async_save = async_save
+        self.is_rank0 = rank == 0
+        # A separate gloo group: DCP's coordination runs on CPU, and an async save's collectives run in a
+        # background thread, where they must not interleave with training's collectives.
+        self.group = dist.new_group(backend="gloo")
+        self._pending: tuple[Any, Path, Path] | None = None
+        if self.is_rank0:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("step-*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier(group=self.group)
+
+    def latest(self) -> Path | None:
+        return find_latest(self.root)
+
+    def load(self, state: dict[str, Any], path: Path) -> None:
+        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+
+    def save(self, step: int, state: dict[str, Any]) -> None:
+        self.wait()
+        final = self.root / step_dir_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if self.is_rank0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier(group=self.group)
+        if self.async_save:
+            # The state is staged to host memory before this returns, so training may change it at once.
+            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
+            self._pending = (future, tmp, final)
+        else:
+            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+            self._commit(tmp, final)
+
+    def wait(self) -> None:
+        """Finish an async save (if any) and commit it."""
+        if self._pending is None:
+            return
+        future, tmp, final = self._pending
+        self._pending = None
+        future.result()
+        self._commit(tmp, final)
+
+    def _commit(self, tmp: Path, final: Path) -> None:
+        dist.barrier(group=self.group)  # every rank's shards and rank 0's .metadata are on disk
+        if self.is_rank0:
+            if final.exists():
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            pointer = self.root / "latest.tmp"
+            pointer.write_text(final.name + "\n", encoding="utf-8")
+            _fsync(pointer)
+            os.replace(pointer, self.root / "latest")
+            _fsync_dir(self.root)
+            for _, old in committed(self.root)[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        self.wait()
+
+
+def _fsync(path: Path) -> None:
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,131 @@
+"""Token data: synthetic or a memory-mapped file of token ids, as one global stream of samples.
+
+Step s uses the global samples [s*G, (s+1)*G) for a global batch G; data-parallel rank r takes its
+contiguous slice of them. The stream therefore does not depend on the layout: a run resumed with a
+different data-parallel degree continues with exactly the samples the old run would have seen.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hpkit.errors import SpecError
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser: a counter-based hash, so any sample's randomness comes from its index alone."""
+    with np.errstate(over="ignore"):
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+class SyntheticTokens:
+    """Learnable sequences (a random start and stride per sample, modulo the vocabulary): the loss
+    falls, so a demo shows training working. A batch is a few vectorised integer operations, so data
+    costs nothing next to a step even on a GPU."""
+
+    def __init__(self, vocab_size: int, seq_len: int, seed: int) -> None:
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+
+    def __len__(self) -> int:
+        return 2**62
+
+    def batch(self, first: int, count: int) -> torch.Tensor:
+        golden = np.uint64(0x9E3779B97F4A7C15)
+        index = np.arange(first, first + count, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            seed_key = _mix64(np.array([self.seed % 2**64], dtype=np.uint64) + golden)
+            key = _mix64((index + np.uint64(1)) * golden + seed_key)
+        start = (key % np.uint64(self.vocab_size)).astype(np.int64)
+        stride = 1 + ((key >> np.uint64(32)) % np.uint64(min(15, self.vocab_size - 1))).astype(np.int64)
+        rows = (start[:, None] + stride[:, None] * np.arange(self.seq_len + 1)) % self.vocab_size
+        return torch.from_numpy(rows)
+
+    def sample(self, index: int) -> torch.Tensor:
+        return self.batch(index, 1)[0]
+
+
+class TokenFile:
+    """A flat binary file of uint16/uint32 token ids, read through a memory map.
+
+    Sample i is a window of seq_len+1 tokens; windows are visited in a seeded permutation per epoch,
+    so the order is shuffled yet reproducible from (seed, position) alone.
+    """
+
+    def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab_size: int) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise SpecError(f"train.data.path: {path} is not a file")
+        item = np.dtype(dtype).itemsize
+        size = path.stat().st_size
+        if size % item:
+            raise SpecError(f"train.data.path: {path} has {size} bytes, not a whole number of {dtype} tokens")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        self.seq_len, self.seed, self.vocab_size = seq_len, seed, vocab_size
+        self.windows = (len(self.tokens) - 1) // seq_len
+        if self.windows < 1:
+            raise SpecError(f"train.data.path: {path} holds {len(self.tokens)} tokens, fewer than seq_len+1")
+        self._perm_epoch = -1
+        self._perm: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.windows
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
+            self._perm_epoch = epoch
+        return self._perm
+
+    def sample(self, index: int) -> torch.Tensor:
+        epoch, i = divmod(index, self.windows)
+        w = int(self._order(epoch)[i])
+        chunk = np.asarray(
+            self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1], dtype=np.int64
+        )
+        if chunk.max(initial=0) >= self.vocab_size:
+            raise SpecError(
+                f"train.data.path holds token id {int(chunk.max())} but the model's vocabulary is {self.vocab_size}"
+            )
+        return torch.from_numpy(chunk)
+
+
+@dataclass
+class DataLoader:
+    """This rank's batches. `position` counts global samples consumed; it is all a resume needs."""
+
+    source: SyntheticTokens | TokenFile
+    local_batch: int
+    dp_rank: int
+    dp_degree: int
+    position: int = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.local_batch * self.dp_degree
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        first = self.position + self.dp_rank * self.local_batch
+        if isinstance(self.source, SyntheticTokens):
+            rows = self.source.batch(first, self.local_batch)
+        else:
+            rows = torch.stack([self.source.sample(first + j) for j in range(self.local_batch)])
+        self.position += self.global_batch
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = int(state["position"])
+
+
+def build_source(kind: str, path: str | None, dtype: str, seq_len: int, seed: int, vocab_size: int):
+    if kind == "synthetic":
+        return SyntheticTokens(vocab_size, seq_len, seed)
+    return TokenFile(path, dtype, seq_len, seed, vocab_size)

@@ -1,0 +1,221 @@
+"""Who this process is: rank, world, local rank and rendezvous address, from torchrun or from Slurm.
+
+torchrun (and the srun launch of our sbatch template) export RANK/WORLD_SIZE/LOCAL_RANK/MASTER_*;
+a bare `srun hpkit train` only has SLURM_* variables, so those are the fallback. Reading the
+environment needs no torch; choosing the device does.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from hpkit.errors import HpkitError
+
+SCONTROL_TIMEOUT_S = 20
+
+
+class LaunchError(HpkitError):
+    """The process was started without enough information to join the job's process group."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun", "slurm" or "single"
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise LaunchError(f"{name}={env[name]!r} is not an integer") from None
+
+
+def read_launch_env(
+    env: Mapping[str, str] | None = None, resolve_host: Callable[[str], str] | None = None
+) -> LaunchEnv:
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else _slurm_local_world(env)
+        source = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID") if "SLURM_LOCALID" in env else 0
+        local_world = _slurm_local_world(env)
+        source = "slurm"
+    else:
+        return LaunchEnv(
+            0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "single"
+        )
+    if not 0 <= rank < world:
+        raise LaunchError(f"rank {rank} is outside the world of {world} processes")
+    if world == 1:
+        addr = env.get("MASTER_ADDR", "127.0.0.1")
+    elif "MASTER_ADDR" in env:
+        addr = env["MASTER_ADDR"]
+    else:
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        if not nodelist:
+            raise LaunchError(
+                "MASTER_ADDR is not set and SLURM_JOB_NODELIST is missing: launch with torchrun, or with srun "
+                "inside a Slurm allocation, or export MASTER_ADDR/MASTER_PORT"
+            )
+        addr = (resolve_host or slurm_first_node_addr)(nodelist)
+    if "MASTER_PORT" in env:
+        port = _int(env, "MASTER_PORT")
+    else:
+        # Every task of a job must agree on the port without talking first: derive it from the job id.
+        job = env.get("SLURM_JOB_ID", "0")
+        port = 20000 + int(job) % 20000 if job.isdigit() else 29500
+    return LaunchEnv(rank, world, local_rank, max(local_world, local_rank + 1), addr, port, source)
+
+
+def _slurm_local_world(env: Mapping[str, str]) -> int:
+    if "SLURM_NTASKS_PER_NODE" in env and env["SLURM_NTASKS_PER_NODE"].isdigit():
+        return int(env["SLURM_NTASKS_PER_NODE"])
+    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+    if tasks:
+        node = int(env.get("SLURM_NODEID", "0") or 0)
+        counts = expand_tasks_per_node(tasks)
+        if node < len(counts):
+            return counts[node]
+    return 1
+
+
+def expand_tasks_per_node(value: str) -> list[int]:
+    """Slurm's compressed form `2(x3),1` -> [2, 2, 2, 1]."""
+    counts: list[int] = []
+    for part in value.split(","):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if not m:
+            raise LaunchError(f"cannot read the tasks-per-node value {value!r}")
+        counts += [int(m.group(1))] * int(m.group(2) or 1)
+    return counts
+
+
+def _scontrol(*args: str) -> str:
+    try:
+        done = subprocess.run(
+            ["scontrol", *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S, check=False
+        )
+    except FileNotFoundError:
+        raise LaunchError("scontrol is not on PATH: export MASTER_ADDR and MASTER_PORT instead") from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(f"scontrol {' '.join(args)} took over {SCONTROL_TIMEOUT_S} s") from None
+    if done.returncode != 0:
+        raise LaunchError(f"scontrol {' '.join(args)} failed: {done.stderr.strip() or done.returncode}")
+    return done.stdout
+
+
+def slurm_first_node_addr(nodelist: str) -> str:
+    # A node name need not resolve in DNS; the node's NodeAddr is what slurmd itself is reached at.
+    hosts = _scontrol("show", "hostnames", nodelist).split()
+    if not hosts:
+        raise LaunchError(f"scontrol expanded the node list {nodelist!r} to nothing")
+    return node_addr(hosts[0], _scontrol("show", "node", "-o", hosts[0]))
+
+
+def node_addr(name: str, scontrol_node_output: str) -> str:
+    m = re.search(r"\bNodeAddr=(\S+)", scontrol_node_output)
+    return m.group(1) if m and m.group(1) not in ("(null)", "") else name
+
+
+def threads_per_process(
+    local_world_size: int, cpu_count: int | None = None, affinity: int | None = None
+) -> int:
+    """Intra-op threads for one rank: the cores it may use, shared among the ranks of its node.
+
+    When a launcher has already bound the process to fewer cores than the machine has (srun
+    --cpu-bind, cgroups), those cores are its own; otherwise the node's cores are split evenly.
+    """
+    cpu_count = cpu_count or os.cpu_count() or 1
+    if affinity is None:
+        affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpu_count
+    if affinity < cpu_count:
+        return max(1, affinity)
+    return max(1, cpu_count // max(1, local_world_size))
+
+
+def configure_threads(launch: LaunchEnv, env: dict[str, str] | None = None) -> int:
+    """Set OMP_NUM_THREADS (and torch's thread count) unless the user or torchrun already chose one."""
+    env = os.environ if env is None else env
+    if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
+        threads = int(env["OMP_NUM_THREADS"])
+    else:
+        threads = threads_per_process(launch.local_world_size)
+        env["OMP_NUM_THREADS"] = str(threads)
+    import torch
+
+    torch.set_num_threads(threads)
+    return threads
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    type: str  # "cuda" or "cpu"
+    index: int | None
+    backend: str  # "nccl" or "gloo"
+    name: str
+
+    def torch_device(self):
+        import torch
+
+        return torch.device(self.type, self.index) if self.index is not None else torch.device(self.type)
+
+
+def choose_device(launch: LaunchEnv) -> DeviceInfo:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.device_count() > 0:
+        count = torch.cuda.device_count()
+        # With CUDA_VISIBLE_DEVICES narrowed per task (srun --gpus-per-task) each rank sees one GPU.
+        index = launch.local_rank % count
+        torch.cuda.set_device(index)
+        return DeviceInfo("cuda", index, "nccl", torch.cuda.get_device_name(index))
+    import platform
+
+    return DeviceInfo("cpu", None, "gloo", platform.processor() or platform.machine() or "cpu")
+
+
+def init_distributed(launch: LaunchEnv, device: DeviceInfo, timeout_s: float = 600.0) -> None:
+    """Join the process group (also for a world of one, so that every code path is the same)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    kwargs = {}
+    if device.type == "cuda":
+        # Binding the device up front lets NCCL create communicators eagerly and fail fast.
+        kwargs["device_id"] = device.torch_device()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if launch.world_size == 1:
+        # No rendezvous for one process: an in-memory store never collides with another run's port.
+        dist.init_process_group(
+            device.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs
+        )
+        return
+    # env:// rather than tcp://: under torchrun the agent already serves the store on MASTER_PORT
+    # (TORCHELASTIC_USE_AGENT_STORE), and only env:// knows to join it instead of binding the port again.
+    os.environ["MASTER_ADDR"] = launch.master_addr
+    os.environ["MASTER_PORT"] = str(launch.master_port)
+    os.environ["RANK"] = str(launch.rank)
+    os.environ["WORLD_SIZE"] = str(launch.world_size)
+    os.environ["LOCAL_RANK"] = str(launch.local_rank)
+    dist.init_process_group(backend=device.backend, init_method="env://", timeout=timeout, **kwargs)

@@ -1,0 +1,43 @@
+"""Data parallel: FSDP2 (fully_shard per block, then the root), HSDP over (dp_replicate, dp_shard), or DDP.
+
+Applied last, after TP, activation checkpointing and compile, so each FSDP unit is one finished block.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    # Compute in bf16 but reduce gradients in fp32: summing many bf16 shards loses too many bits.
+    return MixedPrecisionPolicy(param_dtype=_DTYPES[mixed_precision], reduce_dtype=torch.float32)
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: str, pp_enabled: bool) -> None:
+    mp = mixed_precision_policy(mixed_precision)
+    # Under PP every microbatch runs forward and backward separately: resharding after each forward
+    # would all-gather the stage's weights once per microbatch.
+    reshard = not pp_enabled
+    blocks = list(model.layers.values())
+    for i, block in enumerate(blocks):
+        # The last block's weights are needed again at once by backward: keep them gathered.
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
+    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
+
+
+def apply_ddp(model: nn.Module, dp_mesh: DeviceMesh, device: torch.device) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(
+        model,
+        process_group=dp_mesh.get_group(),
+        device_ids=[device] if device.type == "cuda" else None,
+        broadcast_buffers=False,
+        # Parameters arrive identical on every rank (same seeded init), so no initial broadcast is needed,
+        # but DDP's check is cheap and catches a broken init.
+    )

@@ -1,0 +1,152 @@
+"""Training metrics: throughput, TFLOP/s, MFU and memory, to the console (rank 0), JSONL and TensorBoard.
+
+MFU is reported only where the device's dense peak is known: a wrong peak would make the number
+look meaningful when it is not, so an unknown device (any CPU) reports none.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Dense (no sparsity) peak TFLOP/s per device, bf16 and tf32, from the vendors' data sheets.
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.5, "tf32": 494.7},
+    "GH200": {"bf16": 989.5, "tf32": 494.7},
+    "H100 NVL": {"bf16": 835.0, "tf32": 417.5},
+    "H100 PCIe": {"bf16": 756.0, "tf32": 378.0},
+    "H100": {"bf16": 989.5, "tf32": 494.7},  # SXM
+    "H800": {"bf16": 989.5, "tf32": 494.7},
+    "B200": {"bf16": 2250.0, "tf32": 1100.0},
+    "A100": {"bf16": 312.0, "tf32": 156.0},
+    "A800": {"bf16": 312.0, "tf32": 156.0},
+    "L40S": {"bf16": 362.0, "tf32": 183.0},
+    "L4": {"bf16": 121.0, "tf32": 60.0},
+    "A10G": {"bf16": 70.0, "tf32": 35.0},
+    "A10": {"bf16": 125.0, "tf32": 62.5},
+    "V100": {"bf16": 125.0, "tf32": 15.7},  # no bf16 tensor cores: fp16 figure; fp32 for tf32
+}
+
+
+def peak_tflops(device_name: str, device_type: str, mixed_precision: str) -> float | None:
+    if device_type != "cuda":
+        return None
+    kind = "bf16" if mixed_precision == "bf16" else "tf32"
+    # Longest names first, so "H100 PCIe" wins over "H100".
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            return PEAK_TFLOPS[key][kind]
+    return None
+
+
+def peak_memory_gib(device: torch.device) -> tuple[float, str]:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30, "max_allocated"
+    # ru_maxrss is KiB on Linux: the process's peak resident memory, the closest CPU analogue.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "max_rss"
+
+
+@dataclass
+class StepStats:
+    step: int
+    loss: float
+    grad_norm: float
+    lr: float
+    step_time_s: float
+    tokens: int  # global tokens in this step
+    world_size: int
+    flops_per_token: float
+    peak_tflops: float | None
+    memory_gib: float
+    memory_kind: str
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_time_s if self.step_time_s > 0 else 0.0
+
+    @property
+    def tflops_per_device(self) -> float:
+        return self.flops_per_token * self.tokens_per_s / self.world_size / 1e12
+
+    @property
+    def mfu(self) -> float | None:
+        return self.tflops_per_device / self.peak_tflops if self.peak_tflops else None
+
+    def record(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "loss": self.loss,
+            "grad_norm": self.grad_norm,
+            "lr": self.lr,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_device": self.tflops_per_device,
+            "mfu": self.mfu,
+            f"memory_{self.memory_kind}_gib": self.memory_gib,
+        }
+
+    def line(self) -> str:
+        mfu = f"{self.mfu * 100:.1f}%" if self.mfu is not None else "n/a"
+        return (
+            f"step {self.step:>5} | loss {self.loss:.4f} | grad_norm {self.grad_norm:.3f} | lr {self.lr:.2e} | "
+            f"{self.tokens_per_s:,.0f} tok/s | {self.tflops_per_device:.2f} TFLOP/s/dev | MFU {mfu} | "
+            f"mem {self.memory_gib:.2f} GiB | {self.step_time_s * 1000:.0f} ms"
+        )
+
+
+@dataclass
+class MetricsLogger:
+    """Writes on rank 0 only: every rank has the same reduced loss and norm."""
+
+    enabled: bool
+    jsonl_path: Path | None
+    tensorboard_dir: Path | None
+    stream: Any = field(default=sys.stdout)
+    _file: Any = None
+    _tb: Any = None
+
+    def __post_init__(self) -> None:
+        if not self.enabled:
+            return
+        if self.jsonl_path is not None:
+            self.jsonl_path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = self.jsonl_path.open("a", encoding="utf-8")
+        if self.tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                self._tb = None  # TensorBoard is optional: JSONL carries the same numbers
+            else:
+                self._tb = SummaryWriter(log_dir=str(self.tensorboard_dir))
+
+    def log(self, stats: StepStats) -> None:
+        if not self.enabled:
+            return
+        print(stats.line(), file=self.stream, flush=True)
+        record = stats.record()
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self._tb.add_scalar(key, value, stats.step)
+
+    def event(self, record: dict[str, Any]) -> None:
+        if self.enabled and self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

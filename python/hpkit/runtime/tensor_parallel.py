@@ -1,0 +1,131 @@
+"""Tensor parallel (Megatron-style) plans for the reference decoder.
+
+Whole model: attention and MLP are column- then row-parallel, and the norms and residual stream run
+sequence-parallel (activations sharded along the sequence between blocks), as torchtitan does.
+
+Chosen modules only (SMP's set_tensor_parallelism on some modules): the chosen attention/MLP units
+are column/row parallel and hand back ordinary replicated tensors, so they can sit next to modules
+that are not parallelised; no sequence parallel then, because the residual stream stays whole.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from hpkit.errors import SpecError
+
+
+def check_tp_shape(model: nn.Module, tp: int, seq_len: int, whole_model: bool) -> None:
+    cfg = model.cfg
+    problems = []
+    if cfg.n_heads % tp:
+        problems.append(f"n_heads={cfg.n_heads}")
+    if cfg.n_kv_heads % tp:
+        problems.append(f"n_kv_heads={cfg.n_kv_heads}")
+    if cfg.ffn_dim % tp:
+        problems.append(f"ffn_dim={cfg.ffn_dim}")
+    if whole_model and seq_len % tp:
+        problems.append(f"seq_len={seq_len} (sequence parallel splits it)")
+    if whole_model and cfg.vocab_size % tp:
+        problems.append(f"vocab_size={cfg.vocab_size}")
+    if problems:
+        raise SpecError(f"parallelism.tp={tp} must divide {', '.join(problems)}")
+
+
+def tp_units(model: nn.Module) -> list[str]:
+    """The names tp_modules patterns are matched against."""
+    units = [n for n in ("tok_embeddings", "output") if getattr(model, n, None) is not None]
+    for idx in model.layers:
+        units += [f"layers.{idx}.attention", f"layers.{idx}.feed_forward"]
+    return units
+
+
+def select_units(units: list[str], patterns: list[str]) -> list[str]:
+    """A pattern names a unit, a prefix of units (`layers.0`), or a glob; a bare name (`attention`)
+    matches that unit in every block."""
+
+    def matches(unit: str, pattern: str) -> bool:
+        return (
+            fnmatch.fnmatchcase(unit, pattern)
+            or fnmatch.fnmatchcase(unit, f"*.{pattern}")
+            or unit.startswith(pattern.rstrip(".") + ".")
+        )
+
+    chosen = [u for u in units if any(matches(u, p) for p in patterns)]
+    return chosen
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, modules: list[str] | None = None) -> list[str]:
+    """Parallelise in place; returns the units that were parallelised."""
+    if modules is None:
+        _apply_whole_model(model, tp_mesh)
+        return tp_units(model)
+    units = tp_units(model)
+    chosen = select_units(units, modules)
+    if not chosen:
+        raise SpecError(
+            f"parallelism.tp_modules {modules} matches no module; units are e.g. {', '.join(units[:4])}, "
+            "'attention', 'feed_forward', 'layers.0'"
+        )
+    plan: dict[str, object] = {}
+    for unit in chosen:
+        leaf = unit.rsplit(".", 1)[-1]
+        if leaf == "attention":
+            plan |= {f"{unit}.{w}": ColwiseParallel() for w in ("wq", "wk", "wv")}
+            plan[f"{unit}.wo"] = RowwiseParallel()
+        elif leaf == "feed_forward":
+            plan |= {f"{unit}.w1": ColwiseParallel(), f"{unit}.w3": ColwiseParallel()}
+            plan[f"{unit}.w2"] = RowwiseParallel()
+        elif unit == "tok_embeddings":
+            plan[unit] = RowwiseParallel(input_layouts=Replicate())
+        elif unit == "output":
+            plan[unit] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, tp_mesh, plan)
+    return chosen
+
+
+def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    # A pipeline stage may lack embeddings or the head; the residual stream between stages is then
+    # sequence-sharded, so stage boundaries need the matching layouts.
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    if model.norm is not None:
+        top["norm"] = SequenceParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )

@@ -1,0 +1,127 @@
+"""`hpkit train` end to end: checkpoints that resume exactly, in the same layout and in another one.
+
+Run A trains 9 steps with FSDP x TP (2 x 2) on 4 processes, saving every 3 steps (async) and keeping 2.
+Its step-6 checkpoint is then what a run stopped after step 6 would have left. B resumes it in the
+same layout and must reproduce A's steps 7-9 exactly; C resumes it under plain FSDP on 2 processes
+(DCP reshards) and must match to floating-point reduction order.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import _torchrun
+import pytest
+import yaml
+
+pytestmark = pytest.mark.dist
+
+MODEL = {
+    "name": "debug",
+    "dim": 64,
+    "n_layers": 4,
+    "n_heads": 4,
+    "ffn_dim": 128,
+    "vocab_size": 256,
+    "seq_len": 32,
+}
+SUMMARY = re.compile(
+    r"^hpkit train: done steps=(\d+) final_loss=([\d.]+) tokens_per_s=(\d+) tflops_per_device=([\d.]+) "
+    r"mfu=(\S+) step_ms=(\d+) world=(\d+) layout=(\S+) device=(\w+)$",
+    re.M,
+)
+
+
+def _spec(tmp: Path, tag: str, parallelism: dict, **checkpoint) -> Path:
+    spec = {
+        # A whole job spec, as the sbatch script hands it over via HPKIT_SPEC.
+        "name": f"resume-{tag}",
+        "nodes": 1,
+        "tasks_per_node": 4 if parallelism.get("tp") else 2,
+        "output_dir": str(tmp / "out"),
+        "parallelism": parallelism,
+        "model": MODEL,
+        "train": {
+            "steps": 9,
+            "local_batch_size": 4,
+            "lr": 3e-3,
+            "mixed_precision": "fp32",
+            "tensorboard": False,
+        },
+        "checkpoint": {"dir": str(tmp / f"ckpt-{tag}"), "interval": 3, "keep": 2, **checkpoint},
+    }
+    path = tmp / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def _metrics(tmp: Path, tag: str) -> dict[int, dict]:
+    files = list((tmp / "out").glob(f"resume-{tag}-*.metrics.jsonl"))
+    assert len(files) == 1, files
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    return {r["step"]: r for r in records}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    a = _spec(tmp, "a", {"dp_shard": 2, "tp": 2}, async_save=True)
+    out_a = _torchrun.run(["-m", "hpkit", "train", "--config", str(a)], tmp / "tmp", 4).stdout
+    saved = tmp / "ckpt-a" / "step-00000006"
+    for tag in ("b", "c"):
+        (tmp / f"ckpt-{tag}").mkdir()
+        shutil.copytree(saved, tmp / f"ckpt-{tag}" / saved.name)
+    # B finds the checkpoint through `latest`; C has none and must fall back to the newest complete one,
+    # ignoring a half-written save.
+    (tmp / "ckpt-b" / "latest").write_text(saved.name + "\n")
+    (tmp / "ckpt-c" / "step-00000008.tmp").mkdir()
+    b = _spec(tmp, "b", {"dp_shard": 2, "tp": 2})
+    out_b = _torchrun.run(["-m", "hpkit", "train", "--config", str(b)], tmp / "tmp", 4).stdout
+    c = _spec(tmp, "c", {"dp_shard": 2})
+    out_c = _torchrun.run(["-m", "hpkit", "train", "--config", str(c)], tmp / "tmp", 2).stdout
+    return tmp, {"a": out_a, "b": out_b, "c": out_c}
+
+
+def test_summary_line_and_metrics(runs):
+    tmp, out = runs
+    m = SUMMARY.search(out["a"])
+    assert m, out["a"]
+    steps, loss, tps, world, layout = int(m[1]), float(m[2]), int(m[3]), int(m[7]), m[8]
+    metrics = _metrics(tmp, "a")
+    assert steps == 9 and world == 4 and layout == "dp_shard:2,tp:2" and m[9] == "cpu"
+    assert sorted(metrics) == list(range(1, 10))
+    assert loss == pytest.approx(metrics[9]["loss"], abs=1e-4)
+    assert tps > 0 and m[5] == "n/a"  # no peak FLOP/s is known for a CPU
+    assert all(r["tokens_per_s"] > 0 and r["memory_max_rss_gib"] > 0 for r in metrics.values())
+    assert out["a"].count("hpkit train: done") == 1, "only rank 0 prints"
+
+
+def test_keeps_last_k_and_latest(runs):
+    tmp, _ = runs
+    ckpt = tmp / "ckpt-a"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step-00000006", "step-00000009"]
+    assert (ckpt / "latest").read_text().strip() == "step-00000009"
+
+
+def test_resume_same_layout_is_exact(runs):
+    tmp, out = runs
+    assert "resumed from" in out["b"] and "step-00000006 at step 6" in out["b"]
+    a, b = _metrics(tmp, "a"), _metrics(tmp, "b")
+    assert sorted(b) == [7, 8, 9]
+    for step in (7, 8, 9):
+        assert b[step]["loss"] == a[step]["loss"], step
+        assert b[step]["grad_norm"] == a[step]["grad_norm"], step
+
+
+def test_resume_into_plain_fsdp_on_two_processes(runs):
+    tmp, out = runs
+    assert "step-00000006 at step 6" in out["c"]
+    assert not (tmp / "ckpt-c" / "step-00000008.tmp").exists(), "a half-written save is cleaned up"
+    a, c = _metrics(tmp, "a"), _metrics(tmp, "c")
+    assert sorted(c) == [7, 8, 9]
+    for step in (7, 8, 9):
+        for key in ("loss", "grad_norm"):
+            assert c[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)

@@ -1,0 +1,121 @@
+"""Runs the same small model, data and seed in several parallel layouts and records losses and grad norms.
+
+Launched by tests/integration/test_training_correctness.py: once as a plain process (the single-process
+reference) and once under torchrun with 4 (and 2) processes, where every layout builds its own mesh in
+turn. Rank 0 writes {layout: {"loss": [...], "grad_norm": [...]}} to the JSON file named on the command line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Any
+
+GLOBAL_BATCH = 8
+STEPS = 5
+
+BASE: dict[str, Any] = {
+    "name": "layouts",
+    "model": {
+        "name": "debug",
+        "dim": 64,
+        "n_layers": 4,
+        "n_heads": 4,
+        "ffn_dim": 128,
+        "vocab_size": 256,
+        "seq_len": 32,
+    },
+    "train": {
+        "steps": STEPS,
+        "lr": 3e-3,
+        "weight_decay": 0.1,
+        # Below the gradient norm on every step, so a wrong norm changes the update, not only the report.
+        "grad_clip": 0.25,
+        "mixed_precision": "fp32",
+        "seed": 1234,
+        "tensorboard": False,
+    },
+}
+
+# name -> (parallelism block, train overrides). SageMaker-style keys are used where SMP users would.
+LAYOUTS: dict[int, dict[str, tuple[dict[str, Any], dict[str, Any]]]] = {
+    1: {"reference": ({"dp_shard": 1}, {})},
+    4: {
+        "ddp": ({"ddp": True}, {}),
+        "fsdp": ({"dp_shard": 4}, {}),
+        "hsdp": ({"dp_replicate": 2, "dp_shard": 2}, {}),
+        "tp": ({"dp_shard": 1, "tensor_parallel_degree": 4}, {}),
+        "fsdp_tp": ({"dp_shard": 2, "tp": 2}, {}),
+        "ddp_tp": ({"ddp": True, "tensor_parallel_degree": 2}, {}),
+        "fsdp_tp_chosen_modules": ({"dp_shard": 2, "tp": 2, "tp_modules": ["attention", "layers.3"]}, {}),
+        "fsdp_ac_full": ({"dp_shard": 4}, {"activation_checkpoint": "full"}),
+        "fsdp_tp_ac_selective": ({"dp_shard": 2, "tp": 2}, {"activation_checkpoint": "selective"}),
+        "pp_fsdp_1f1b": ({"pp": 2, "dp_shard": 2, "microbatches": 4, "pp_schedule": "1f1b"}, {}),
+        "pp_ddp_gpipe": (
+            {"pipeline_parallel_degree": 2, "ddp": True, "microbatches": 4, "pp_schedule": "gpipe"},
+            {},
+        ),
+        "pp_tp": ({"pp": 2, "dp_shard": 1, "tp": 2, "microbatches": 4}, {}),
+        "pp4_1f1b": ({"pp": 4, "dp_shard": 1, "microbatches": 4}, {}),
+    },
+    2: {
+        "pp_gpipe": ({"pp": 2, "dp_shard": 1, "microbatches": 4, "pp_schedule": "gpipe"}, {}),
+        "pp_1f1b": ({"pp": 2, "dp_shard": 1, "microbatches": 4, "pp_schedule": "1f1b"}, {}),
+    },
+}
+
+
+def config_for(parallelism: dict[str, Any], train: dict[str, Any], world_size: int):
+    from hpkit.runtime.parallel_dims import ParallelDims
+    from hpkit.runtime.train import RunConfig
+
+    data = json.loads(json.dumps(BASE))
+    data["parallelism"] = parallelism
+    data["train"].update(train)
+    cfg = RunConfig.from_blocks(data)
+    dims = ParallelDims.from_spec(cfg.parallelism, world_size)
+    local = GLOBAL_BATCH // dims.dp
+    return RunConfig.from_blocks({**data, "train": {**data["train"], "local_batch_size": local}})
+
+
+def main(out_path: str, only: list[str] | None = None) -> int:
+    import torch.distributed as dist
+
+    from hpkit.runtime.env import choose_device, configure_threads, init_distributed, read_launch_env
+    from hpkit.runtime.train import Trainer, quiet_known_warnings
+
+    quiet_known_warnings()
+    launch = read_launch_env()
+    configure_threads(launch)
+    device = choose_device(launch)
+    init_distributed(launch, device)
+    results: dict[str, Any] = {}
+    try:
+        for name, (parallelism, train) in LAYOUTS[launch.world_size].items():
+            if only and name not in only:
+                continue
+            start = time.perf_counter()
+            trainer = Trainer(config_for(parallelism, train, launch.world_size), device)
+            steps = [trainer.train_step() for _ in range(STEPS)]
+            results[name] = {
+                "loss": [s.loss for s in steps],
+                "grad_norm": [s.grad_norm for s in steps],
+                "seconds": time.perf_counter() - start,
+            }
+            del trainer
+            dist.barrier()
+            if launch.rank == 0:
+                print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
+        if launch.rank == 0:
+            with open(out_path, "w", encoding="utf-8") as f:
+                json.dump(results, f, indent=1)
+        # Let every rank's last pipeline sends land before any rank tears its communicators down.
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], sys.argv[2].split(",") if len(sys.argv) > 2 else None))

@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import pytest
+
+from hpkit.runtime.env import (
+    LaunchError,
+    expand_tasks_per_node,
+    node_addr,
+    read_launch_env,
+    threads_per_process,
+)
+
+
+def test_torchrun_variables_win():
+    env = {
+        "RANK": "3",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.5",
+        "MASTER_PORT": "29555",
+        "TORCHELASTIC_RUN_ID": "x",
+        # srun's variables are present too inside an allocation; they must not be used.
+        "SLURM_PROCID": "0",
+        "SLURM_NTASKS": "2",
+    }
+    launch = read_launch_env(env, resolve_host=lambda _: pytest.fail("must not ask Slurm"))
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (3, 4, 1, 2)
+    assert (launch.master_addr, launch.master_port, launch.source) == ("10.0.0.5", 29555, "torchrun")
+
+
+def test_srun_fallback_uses_first_node_address():
+    env = {
+        "SLURM_PROCID": "2",
+        "SLURM_NTASKS": "4",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "1",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_JOB_ID": "1234",
+    }
+    asked = []
+
+    def resolve(nodelist: str) -> str:
+        asked.append(nodelist)
+        return "192.168.1.10"
+
+    launch = read_launch_env(env, resolve_host=resolve)
+    assert asked == ["node[1-2]"]
+    assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (2, 4, 0, 2)
+    assert launch.master_addr == "192.168.1.10"
+    assert launch.master_port == 20000 + 1234 % 20000
+    assert launch.source == "slurm"
+
+
+def test_srun_with_exported_master_does_not_ask_slurm():
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
+    launch = read_launch_env(env, resolve_host=lambda _: pytest.fail("must not ask Slurm"))
+    assert (launch.master_addr, launch.master_port) == ("h", 1)
+
+
+def test_single_process_without_any_launcher():
+    launch = read_launch_env({})
+    assert (launch.rank, launch.world_size, launch.source) == (0, 1, "single")
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"RANK": "4", "WORLD_SIZE": "4"}, "outside the world"),
+        ({"RANK": "x", "WORLD_SIZE": "4"}, "not an integer"),
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "SLURM_JOB_NODELIST is missing"),
+    ],
+)
+def test_launch_errors_say_what_is_missing(env, message):
+    with pytest.raises(LaunchError, match=message):
+        read_launch_env(env)
+
+
+def test_expand_tasks_per_node():
+    assert expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert expand_tasks_per_node("4") == [4]
+    with pytest.raises(LaunchError):
+        expand_tasks_per_node("two")
+
+
+def test_node_addr_from_scontrol_show_node():
+    out = "NodeName=node1 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 NodeHostName=localhost Port=6818"
+    assert node_addr("node1", out) == "127.0.0.1"
+    assert node_addr("node1", "NodeName=node1 State=IDLE") == "node1"
+
+
+def test_threads_split_cores_among_local_ranks():
+    assert threads_per_process(4, cpu_count=16, affinity=16) == 4
+    assert threads_per_process(4, cpu_count=2, affinity=2) == 1
+    # Bound by the launcher to 3 cores: those are this rank's own.
+    assert threads_per_process(4, cpu_count=16, affinity=3) == 3

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import pytest
+
+from hpkit.errors import SpecError
+from hpkit.runtime.parallel_dims import ParallelDims
+from hpkit.runtime.pipeline import stage_layers
+from hpkit.spec import ParallelismSpec
+
+
+def dims(world: int, **kw) -> ParallelDims:
+    return ParallelDims.from_spec(ParallelismSpec(**kw), world)
+
+
+def test_default_is_fsdp_over_everything():
+    d = dims(8)
+    assert (d.dp_replicate, d.dp_shard, d.tp, d.pp) == (1, 8, 1, 1)
+    assert d.fsdp_enabled and not d.ddp_enabled
+    assert d.mesh_dims() == [("dp_shard", 8)]
+
+
+def test_sagemaker_keys():
+    d = dims(8, tensor_parallel_degree=2, pipeline_parallel_degree=2, microbatches=4, ddp=True)
+    assert (d.pp, d.dp_replicate, d.dp_shard, d.tp) == (2, 2, 1, 2)
+    # Replicas next to TP/PP are FSDP2 with a one-rank shard dimension (HSDP), not DDP.
+    assert d.fsdp_enabled and not d.ddp_enabled
+    assert d.mesh_dims() == [("pp", 2), ("dp_replicate", 2), ("dp_shard", 1), ("tp", 2)]
+
+
+def test_plain_ddp_uses_ddp():
+    d = dims(4, ddp=True)
+    assert d.ddp_enabled and not d.fsdp_enabled
+    assert d.mesh_dims() == [("dp_replicate", 4)]
+
+
+def test_single_process_mesh():
+    d = dims(1)
+    assert d.mesh_dims() == [("dp_shard", 1)]
+    assert d.describe() == "single process"
+
+
+@pytest.mark.parametrize(
+    ("world", "kw", "message"),
+    [
+        (4, {"dp_shard": 3}, "does not divide the world size 4"),
+        (8, {"dp_shard": 2, "tp": 2}, "multiply to 4, not the world size 8"),
+    ],
+)
+def test_degrees_that_do_not_make_the_world(world, kw, message):
+    with pytest.raises(SpecError, match=message):
+        dims(world, **kw)
+
+
+def test_stage_layers_cover_every_block_once():
+    for n_layers in range(2, 12):
+        for pp in range(1, n_layers + 1):
+            stages = [stage_layers(n_layers, pp, s) for s in range(pp)]
+            assert [i for s in stages for i in s] == list(range(n_layers))
+            assert max(map(len, stages)) - min(map(len, stages)) <= 1
+    with pytest.raises(SpecError, match="at least 4 blocks"):
+        stage_layers(2, 4, 0)
