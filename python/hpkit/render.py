@@ -185,7 +185,6 @@ class RenderContext:
     threads: str
     signal_grace_s: int
     max_restarts: int
-    collective_timeout_s: int
     world_size: int
     ranks_per_node: int
     nodes: int
@@ -216,7 +215,6 @@ def build_context(
         threads=threads_expression(spec),
         signal_grace_s=spec.resilience.signal_grace_s,
         max_restarts=spec.resilience.max_restarts,
-        collective_timeout_s=spec.resilience.collective_timeout_s,
         world_size=spec.world_size,
         ranks_per_node=spec.ranks_per_node,
         nodes=spec.nodes,

@@ -214,7 +214,9 @@ class TrainSpec(StrictModel):
 
 
 class CheckpointSpec(StrictModel):
-    dir: str | None = Field(default=None, description="where checkpoints go (None: no checkpoints)")
+    dir: str | None = Field(
+        default=None, description="where checkpoints go, %j standing for the job id (None: no checkpoints)"
+    )
     interval: int = Field(default=100, ge=1, description="save every this many steps")
     keep: int = Field(default=2, ge=1, description="keep the newest k checkpoints")
     async_save: bool = False

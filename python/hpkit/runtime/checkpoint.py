@@ -140,6 +140,12 @@ class Checkpointer:
     def latest(self) -> Path | None:
         return find_latest(self.root)
 
+    def candidates(self) -> list[Path]:
+        """Checkpoints to try on resume, newest first: `latest`, then every other committed one."""
+        latest = self.latest()
+        others = [path for _, path in reversed(committed(self.root)) if path != latest]
+        return ([latest] if latest else []) + others
+
     def load(self, state: dict[str, Any], path: Path) -> None:
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
 

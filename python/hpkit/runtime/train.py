@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import math
 import os
 import signal
@@ -22,7 +23,15 @@ import yaml
 from pydantic import ValidationError
 
 from hpkit.errors import SpecError
-from hpkit.spec import CheckpointSpec, ModelSpec, ParallelismSpec, TrainSpec, load_spec
+from hpkit.spec import (
+    CheckpointSpec,
+    CollectivesSpec,
+    ModelSpec,
+    ParallelismSpec,
+    ResilienceSpec,
+    TrainSpec,
+    load_spec,
+)
 
 SPEC_ENV = "HPKIT_SPEC"
 _BLOCKS = ("parallelism", "model", "train", "checkpoint")
@@ -38,6 +47,10 @@ class RunConfig:
     model: ModelSpec = field(default_factory=ModelSpec)
     train: TrainSpec = field(default_factory=TrainSpec)
     checkpoint: CheckpointSpec = field(default_factory=CheckpointSpec)
+    # From the whole job spec only; a config of bare training blocks gets the defaults.
+    resilience: ResilienceSpec = field(default_factory=ResilienceSpec)
+    collectives: CollectivesSpec = field(default_factory=CollectivesSpec)
+    instance_type: str | None = None
 
     @classmethod
     def from_blocks(cls, data: dict[str, Any], source: str = "config") -> RunConfig:
@@ -81,7 +94,15 @@ def load_run_config(path: str | Path) -> RunConfig:
     if "name" in data and not set(data) <= {*_BLOCKS, "name", "output_dir"}:
         spec = load_spec(path)  # a whole job spec: validate all of it, as submit did
         return RunConfig(
-            spec.name, spec.output_dir, spec.parallelism, spec.model, spec.train, spec.checkpoint
+            spec.name,
+            spec.output_dir,
+            spec.parallelism,
+            spec.model,
+            spec.train,
+            spec.checkpoint,
+            spec.resilience,
+            spec.collectives,
+            spec.instance_type,
         )
     return RunConfig.from_blocks(data, str(path))
 
@@ -237,15 +258,23 @@ class Trainer:
         }
 
     def resume(self) -> Path | None:
+        from torch.distributed.checkpoint.api import CheckpointException
+
         if self.checkpointer is None or not self.cfg.checkpoint.resume:
             return None
-        path = self.checkpointer.latest()
-        if path is None:
-            return None
-        state = self.checkpoint_state()
-        self.checkpointer.load(state, path)
-        self.step = self._train_state.step
-        return path
+        for path in self.checkpointer.candidates():
+            try:
+                self.checkpointer.load(self.checkpoint_state(), path)
+            except (Exception, CheckpointException) as exc:  # DCP's is a BaseException, raised on every rank
+                if self.rank == 0:
+                    reason = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+                    print(
+                        f"hpkit train: warning: skipping unreadable checkpoint {path} ({reason})", flush=True
+                    )
+                continue
+            self.step = self._train_state.step
+            return path
+        return None
 
     def save(self) -> None:
         if self.checkpointer is not None:
@@ -357,14 +386,7 @@ def main(argv: list[str], prog: str = "hpkit train") -> int:
     if args.steps is not None:
         if args.steps < 1:
             raise SpecError("--steps must be at least 1")
-        cfg = RunConfig(
-            cfg.name,
-            cfg.output_dir,
-            cfg.parallelism,
-            cfg.model,
-            cfg.train.model_copy(update={"steps": args.steps}),
-            cfg.checkpoint,
-        )
+        cfg = dataclasses.replace(cfg, train=cfg.train.model_copy(update={"steps": args.steps}))
     return run(cfg)
 
 
@@ -384,14 +406,37 @@ def quiet_known_warnings() -> None:
     logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_Drop())
 
 
+def expand_job_pattern(path: str) -> str:
+    """%j -> the Slurm job id, as in sbatch's --output: a requeued job keeps its id (and resumes its own
+    checkpoints), a new submission starts a fresh directory."""
+    return path.replace(
+        "%j", os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+    )
+
+
+def choose_collectives(cfg: RunConfig, launch, device):
+    """On GPUs, SMDDP instead of NCCL where the spec asks for it and it can run (else why not, in one line)."""
+    if device.type != "cuda":
+        return device
+    from hpkit.sagemaker.smddp import decide
+
+    choice = decide(cfg.collectives.backend, cfg.collectives.smddp_fallback, cfg.instance_type)
+    if launch.rank == 0 and cfg.collectives.backend != "auto":
+        print(f"hpkit train: {choice.reason}", flush=True)
+    if not choice.usable:
+        raise SpecError(choice.reason)
+    return dataclasses.replace(device, backend=choice.backend)
+
+
 def run(cfg: RunConfig) -> int:
     from hpkit.runtime.env import choose_device, configure_threads, init_distributed, read_launch_env
 
     quiet_known_warnings()
     launch = read_launch_env()
     configure_threads(launch)
-    device = choose_device(launch)
-    init_distributed(launch, device)
+    device = choose_collectives(cfg, launch, choose_device(launch))
+    # A collective stuck on a dead peer fails after this long instead of hanging the job.
+    init_distributed(launch, device, timeout_s=cfg.resilience.collective_timeout_s)
     import torch.distributed as dist
 
     try:
@@ -426,7 +471,9 @@ def _run_initialised(cfg: RunConfig, launch, device) -> int:
         tensorboard_dir=out / "tensorboard" / f"{cfg.name}-{run_id}" if cfg.train.tensorboard else None,
     )
     ck = cfg.checkpoint
-    checkpointer = Checkpointer(ck.dir, ck.keep, ck.async_save, launch.rank) if ck.dir else None
+    checkpointer = (
+        Checkpointer(expand_job_pattern(ck.dir), ck.keep, ck.async_save, launch.rank) if ck.dir else None
+    )
     trainer = Trainer(cfg, device, metrics=metrics, checkpointer=checkpointer)
     say = print if rank0 else (lambda *a, **k: None)
     say(

@@ -1,0 +1,43 @@
+"""What `hpkit train` takes from a whole job spec beyond the training blocks."""
+
+from __future__ import annotations
+
+import yaml
+
+from hpkit.runtime.env import DeviceInfo, LaunchEnv
+from hpkit.runtime.train import choose_collectives, expand_job_pattern, load_run_config
+
+
+def test_whole_spec_carries_resilience_and_collectives(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "j",
+                "instance_type": "ml.p4d.24xlarge",
+                "resilience": {"collective_timeout_s": 42},
+                "collectives": {"backend": "smddp", "smddp_fallback": True},
+            }
+        )
+    )
+    cfg = load_run_config(path)
+    assert cfg.resilience.collective_timeout_s == 42
+    assert cfg.collectives.backend == "smddp" and cfg.collectives.smddp_fallback
+    assert cfg.instance_type == "ml.p4d.24xlarge"
+
+
+def test_job_id_pattern_in_checkpoint_dirs(monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "5123")
+    assert expand_job_pattern("/fsx/ckpt/run-%j") == "/fsx/ckpt/run-5123"
+    monkeypatch.delenv("SLURM_JOB_ID")
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert expand_job_pattern("ckpt-%j") == "ckpt-local"
+    assert expand_job_pattern("/plain") == "/plain"
+
+
+def test_cpu_keeps_gloo_whatever_the_collectives_block_says(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"name": "j", "collectives": {"backend": "smddp"}}))
+    cpu = DeviceInfo("cpu", None, "gloo", "x86_64")
+    launch = LaunchEnv(0, 1, 0, 1, "127.0.0.1", 29500, "single")
+    assert choose_collectives(load_run_config(path), launch, cpu) is cpu
