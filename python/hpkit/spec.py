@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import posixpath
 import re
 import shlex
 from pathlib import Path
@@ -207,10 +208,25 @@ class TrainSpec(StrictModel):
     compile: bool = False
     log_every: int = Field(default=1, ge=1)
     metrics_file: str | None = Field(
-        default=None, description="JSONL metrics path (default: under output_dir)"
+        default=None, description="JSONL metrics path; a relative one is inside output_dir (default: there)"
     )
     tensorboard: bool = Field(default=True, description="also write TensorBoard events when it is installed")
     data: DataSpec = Field(default_factory=DataSpec)
+
+    @field_validator("metrics_file")
+    @classmethod
+    def _inside_output_dir(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        _check_no_control_chars(value, "metrics_file")
+        if posixpath.isabs(value):
+            return posixpath.normpath(value)
+        normal = posixpath.normpath(value)
+        if normal == ".." or normal.startswith("../") or normal == ".":
+            raise ValueError(
+                f"{value!r} is not a file inside output_dir: name one there, or give an absolute path"
+            )
+        return normal
 
 
 class CheckpointSpec(StrictModel):

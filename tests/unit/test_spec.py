@@ -61,6 +61,16 @@ def error_of(data: dict) -> str:
         ({**BASE, "gpus_per_node": 8, "tasks_per_node": 4}, "tasks_per_node=4", "one rank per GPU"),
         ({**BASE, "command": "python 'unclosed"}, "command", "give a list of arguments"),
         ({**BASE, "command": []}, "command", "at least 1"),
+        (
+            {**BASE, "train": {"metrics_file": "../../etc/x.jsonl"}},
+            "train.metrics_file",
+            "not a file inside output_dir",
+        ),
+        (
+            {**BASE, "train": {"metrics_file": "a/../.."}},
+            "train.metrics_file",
+            "not a file inside output_dir",
+        ),
     ],
 )
 def test_bad_values_name_their_field(data, field, words):
@@ -102,6 +112,14 @@ def test_defaults_infer_fsdp_over_all_ranks():
     spec = parse_spec({"name": "j", "nodes": 2, "tasks_per_node": 2})
     assert spec.world_size == 4
     assert spec.parallelism.resolve(spec.world_size) == {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "pp": 1}
+
+
+def test_metrics_paths_are_normalised():
+    spec = parse_spec({**BASE, "train": {"metrics_file": "./runs//a/../m.jsonl"}})
+    assert spec.train.metrics_file == "runs/m.jsonl"
+    assert (
+        parse_spec({**BASE, "train": {"metrics_file": "/fsx/m.jsonl"}}).train.metrics_file == "/fsx/m.jsonl"
+    )
 
 
 def test_scalars_become_strings():

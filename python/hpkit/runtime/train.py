@@ -463,7 +463,7 @@ def _run_initialised(cfg: RunConfig, launch, device) -> int:
     )
     run_id = run_id if run_id != "none" else time.strftime("%Y%m%d-%H%M%S")
     metrics_path = (
-        Path(cfg.train.metrics_file) if cfg.train.metrics_file else out / f"{cfg.name}-{run_id}.metrics.jsonl"
+        out / cfg.train.metrics_file if cfg.train.metrics_file else out / f"{cfg.name}-{run_id}.metrics.jsonl"
     )
     metrics = MetricsLogger(
         enabled=rank0,
