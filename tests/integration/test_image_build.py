@@ -246,9 +246,9 @@ def test_a_failing_build_names_its_step_and_leaves_no_containers(
 
 
 def test_docker_run_helper_mounts_var_log_and_keeps_the_exit_status(engine: Engine, cpu_image: str) -> None:
-    env = dict(os.environ, AWS_EC2_METADATA_DISABLED="true", DOCKER_HOST=engine.host)
-    if shutil.which("docker") is None:
-        env = dict(engine.env, AWS_EC2_METADATA_DISABLED="true", HPKIT_ENGINE="podman")
+    # podman's own CLI: the docker CLI's run against podman 4.3's API sometimes waits forever for a
+    # container that has already exited (its wait misses the exit event), which would test podman, not us.
+    env = dict(engine.env, AWS_EC2_METADATA_DISABLED="true", HPKIT_ENGINE="podman")
     run = subprocess.run(
         [
             str(REPO / "scripts/docker-run.sh"),

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,9 @@ def main() -> int:
         "sum": value.item(),
         "expected": world * (world - 1) / 2,
     }
-    print("allreduce " + json.dumps(record, sort_keys=True), flush=True)
+    # One write per record: ranks share the output file, and print() writes the newline separately.
+    sys.stdout.write("allreduce " + json.dumps(record, sort_keys=True) + "\n")
+    sys.stdout.flush()
     dist.barrier()
     dist.destroy_process_group()
     return 0 if record["sum"] == record["expected"] else 1
