@@ -7,6 +7,7 @@ decisions and a mistake is reported as one line naming the field, not as a faile
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import posixpath
 import re
@@ -512,7 +513,8 @@ def parse_spec(data: Any, source: str = "spec") -> JobSpec:
         raise SpecError("\n".join(lines)) from None
 
 
-def load_spec(path: str | Path) -> JobSpec:
+def read_document(path: str | Path) -> Any:
+    """Decode a YAML (or, by suffix, JSON) file; SpecError names the file and line on any problem."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -521,9 +523,15 @@ def load_spec(path: str | Path) -> JobSpec:
     except (OSError, UnicodeDecodeError) as exc:
         raise SpecError(f"{path}: cannot read: {exc}") from None
     try:
-        data = yaml.safe_load(text)
+        # YAML is a superset of JSON, but JSON's own parser gives the better message for JSON files.
+        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path}: line {exc.lineno} is not valid JSON: {exc.msg}") from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise SpecError(f"{path}:{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    return parse_spec(data, str(path))
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    return parse_spec(read_document(path), str(path))

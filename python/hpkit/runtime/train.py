@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import ValidationError
 
 from hpkit.errors import SpecError
@@ -31,6 +30,7 @@ from hpkit.spec import (
     ResilienceSpec,
     TrainSpec,
     load_spec,
+    read_document,
 )
 
 SPEC_ENV = "HPKIT_SPEC"
@@ -83,12 +83,7 @@ class RunConfig:
 
 def load_run_config(path: str | Path) -> RunConfig:
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise SpecError(f"{path}: cannot read: {exc}") from None
+    data = read_document(path)
     if not isinstance(data, dict):
         raise SpecError(f"{path}: a training config is a mapping of keys, not {type(data).__name__}")
     if "name" in data and not set(data) <= {*_BLOCKS, "name", "output_dir"}:

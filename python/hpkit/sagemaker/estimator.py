@@ -7,14 +7,13 @@ decided in convert.py. Keys this model does not name are kept, so that each can 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from hpkit.errors import SpecError
+from hpkit.spec import read_document
 
 
 class Estimator(BaseModel):
@@ -64,20 +63,4 @@ def parse_estimator(data: Any, source: str) -> Estimator:
 
 
 def load_estimator(path: str | Path) -> Estimator:
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read: {exc}") from None
-    try:
-        # YAML is a superset of JSON, but JSON's own parser gives the better message for JSON files.
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{path}: line {exc.lineno} is not valid JSON: {exc.msg}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}:{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
-    return parse_estimator(data, str(path))
+    return parse_estimator(read_document(path), str(path))
