@@ -239,6 +239,12 @@ class CheckpointSpec(StrictModel):
     async_save: bool = False
     resume: bool = True
     save_final: bool = Field(default=True, description="also save after the last step")
+    writer_threads: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="files (and threads) each rank writes a checkpoint with; more help on parallel filesystems (FSx for Lustre)",
+    )
 
 
 class ResilienceSpec(StrictModel):

@@ -68,3 +68,60 @@ def test_config_errors_name_the_field(tmp_path, text, message):
     path.write_text(text)
     with pytest.raises(SpecError, match=message):
         load_run_config(path)
+
+
+_SAVER = """
+import sys
+from pathlib import Path
+import torch
+import torch.distributed as dist
+from hpkit.runtime.checkpoint import Checkpointer
+
+root, mode = Path(sys.argv[1]), sys.argv[2]
+dist.init_process_group("gloo", init_method=f"file://{root.parent / 'store'}", rank=0, world_size=1)
+ck = Checkpointer(root, keep=1, async_save=mode == "async", rank=0)
+weights = torch.zeros(1000)
+for step in (1, 2, 3):
+    weights.fill_(step)
+    ck.save(step, {"w": weights})
+    ck.wait_for_staging()
+    weights.fill_(-1.0)  # what an optimizer step does next: the save must hold `step`, not this
+ck.close()
+dist.destroy_process_group()
+"""
+
+
+def _load_w(path: Path) -> float:
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    state = {"w": torch.empty(1000)}
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return float(state["w"].unique().item())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_saves_hold_the_state_of_their_step_and_prune_in_the_background(tmp_path, repo, mode):
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    # Left by a killed run: a save in progress and a prune in progress.
+    (root / "step-00000007.tmp").mkdir()
+    (root / "step-00000001.0badc0de.deleting").mkdir()
+    (root / "step-00000001.0badc0de.deleting" / ".metadata").write_bytes(b"x")
+    assert find_latest(root) is None, "a checkpoint being deleted must never be resumed from"
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _SAVER, str(root), mode],
+        env={"PYTHONPATH": str(repo / "python"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    # keep=1: only the newest remains, and close() waited for the background deletions.
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003"]
+    assert find_latest(root) == root / "step-00000003"
+    assert _load_w(root / "step-00000003") == 3.0

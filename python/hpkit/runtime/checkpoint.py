@@ -3,6 +3,8 @@
 Layout under the checkpoint directory:
     step-00000100/     a complete checkpoint (DCP files + .metadata)
     step-00000200.tmp/ one being written; never read, removed at the next start
+    step-00000050.<id>.deleting/
+                       pruned (beyond `keep`) or stale, being removed by a background thread
     latest             the name of the newest complete checkpoint
 
 Every rank writes into the .tmp directory; only when all have finished does rank 0 rename it and then
@@ -16,6 +18,9 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import threading
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -35,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import (
 from hpkit.runtime.data import DataLoader
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+_DELETING = ".deleting"  # suffix of pruned checkpoints while a background thread removes them
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
@@ -122,19 +129,29 @@ def find_latest(root: Path) -> Path | None:
 
 
 class Checkpointer:
-    def __init__(self, root: str | Path, keep: int, async_save: bool, rank: int) -> None:
+    def __init__(
+        self, root: str | Path, keep: int, async_save: bool, rank: int, writer_threads: int = 1
+    ) -> None:
         self.root = Path(root)
         self.keep = keep
         self.async_save = async_save
         self.is_rank0 = rank == 0
+        self.writer_threads = writer_threads
         # A separate gloo group: DCP's coordination runs on CPU, and an async save's collectives run in a
         # background thread, where they must not interleave with training's collectives.
         self.group = dist.new_group(backend="gloo")
         self._pending: tuple[Any, Path, Path] | None = None
+        self._reapers: list[threading.Thread] = []
+        self._staging: Any = None  # Future of the async save's copy to host memory
+        self.staging_wait_s = 0.0  # time training spent waiting for it (benchmarks read this)
+        # One stager for the whole run: it keeps its host buffers between saves, so only the first
+        # save pays for allocating (and on GPUs pinning) them.
+        self._stager = _make_stager() if async_save else None
         if self.is_rank0:
             self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob("step-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
+            self._reap(list(self.root.glob("step-*.tmp")))
+            for leftover in self.root.glob(f"step-*{_DELETING}"):  # already aside, under unique names
+                shutil.rmtree(leftover, ignore_errors=True)
         dist.barrier(group=self.group)
 
     def latest(self) -> Path | None:
@@ -158,15 +175,36 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         dist.barrier(group=self.group)
         if self.async_save:
-            # The state is staged to host memory before this returns, so training may change it at once.
-            future = dcp.async_save(state, checkpoint_id=str(tmp), process_group=self.group)
-            self._pending = (future, tmp, final)
+            # The copy to host memory runs in the background too: forward and backward do not touch
+            # the parameters or optimizer state, so only the next optimizer step must wait for it
+            # (`wait_for_staging`).
+            response = dcp.async_save(
+                state,
+                storage_writer=self._writer(tmp),
+                planner=_planner(),
+                process_group=self.group,
+                async_stager=self._stager,
+            )
+            self._staging = response.staging_completion
+            self._pending = (response.upload_completion, tmp, final)
         else:
-            dcp.save(state, checkpoint_id=str(tmp), process_group=self.group)
+            dcp.save(state, storage_writer=self._writer(tmp), planner=_planner(), process_group=self.group)
             self._commit(tmp, final)
+
+    def _writer(self, path: Path) -> Any:
+        return dcp.FileSystemWriter(path, thread_count=self.writer_threads)
+
+    def wait_for_staging(self) -> None:
+        """Block until an async save has copied the state; call before anything changes it."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            start = time.perf_counter()
+            staging.result()
+            self.staging_wait_s += time.perf_counter() - start
 
     def wait(self) -> None:
         """Finish an async save (if any) and commit it."""
+        self.wait_for_staging()
         if self._pending is None:
             return
         future, tmp, final = self._pending
@@ -185,12 +223,56 @@ class Checkpointer:
             _fsync(pointer)
             os.replace(pointer, self.root / "latest")
             _fsync_dir(self.root)
-            for _, old in committed(self.root)[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
+            # Unlinking a few GB takes long enough to stall training: rename them out of the resume path
+            # (atomic) now, delete them in the background.
+            self._reap([path for _, path in committed(self.root)[: -self.keep]])
         dist.barrier(group=self.group)
+
+    def _reap(self, paths: list[Path]) -> None:
+        """Rename `paths` aside (a unique name: a later save may reuse theirs), then delete them in a thread."""
+        doomed = []
+        for path in paths:
+            aside = path.with_name(f"{path.name}.{uuid.uuid4().hex[:8]}{_DELETING}")
+            os.replace(path, aside)
+            doomed.append(aside)
+        if not doomed:
+            return
+
+        def remove() -> None:
+            for path in doomed:
+                shutil.rmtree(path, ignore_errors=True)
+
+        thread = threading.Thread(target=remove, name="hpkit-checkpoint-reaper", daemon=True)
+        thread.start()
+        self._reapers = [t for t in self._reapers if t.is_alive()] + [thread]
 
     def close(self) -> None:
         self.wait()
+        for thread in self._reapers:
+            thread.join()  # a daemon thread cut off at exit would leave half a checkpoint on disk
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+
+def _planner() -> Any:
+    # Every save of a run has the same layout: after the first, ranks send only "unchanged" to the
+    # coordinator instead of their whole plan, which saves a gather and scatter of plans per save.
+    return DefaultSavePlanner(enable_plan_caching=True)
+
+
+def _make_stager() -> Any:
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    on_gpu = torch.cuda.is_available()
+    return DefaultStager(
+        StagingOptions(
+            use_pinned_memory=on_gpu,
+            use_shared_memory=False,
+            use_async_staging=True,
+            use_non_blocking_copy=on_gpu,
+        )
+    )
 
 
 def _fsync(path: Path) -> None:

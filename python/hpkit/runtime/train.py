@@ -311,6 +311,8 @@ class Trainer:
         norm = total_grad_norm(self.params, pp_group)
         if self.cfg.train.grad_clip is not None:
             clip_grads_(self.params, self.cfg.train.grad_clip, norm)
+        if self.checkpointer is not None:
+            self.checkpointer.wait_for_staging()  # an async save may still be copying these weights
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -467,7 +469,9 @@ def _run_initialised(cfg: RunConfig, launch, device) -> int:
     )
     ck = cfg.checkpoint
     checkpointer = (
-        Checkpointer(expand_job_pattern(ck.dir), ck.keep, ck.async_save, launch.rank) if ck.dir else None
+        Checkpointer(expand_job_pattern(ck.dir), ck.keep, ck.async_save, launch.rank, ck.writer_threads)
+        if ck.dir
+        else None
     )
     trainer = Trainer(cfg, device, metrics=metrics, checkpointer=checkpointer)
     say = print if rank0 else (lambda *a, **k: None)
