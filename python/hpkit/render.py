@@ -94,10 +94,14 @@ def resilience_directives(spec: JobSpec) -> list[Directive]:
 
 def launch_words(spec: JobSpec) -> list[str]:
     """The program each srun task runs, before the user's command (already shell-quoted words)."""
-    exports = task_exports(spec)
-    wrapper = (
-        ["bash", "-c", shell_quote(f'export {" ".join(exports)}; exec "$@"'), "hpkit-task"] if exports else []
-    )
+    steps = []
+    if exports := task_exports(spec):
+        steps.append(f"export {' '.join(exports)}")
+    if spec.container is not None and spec.container.startup_check:
+        # pyxis does not run an image's entry point, so hpkit's images would skip their start-up check
+        # (IMDSv2, the host's /var/log): run it where the image has it.
+        steps.append('if command -v hpkit-entrypoint >/dev/null; then set -- hpkit-entrypoint "$@"; fi')
+    wrapper = ["bash", "-c", shell_quote("; ".join([*steps, 'exec "$@"'])), "hpkit-task"] if steps else []
     if spec.launcher == "torchrun":
         return [
             *wrapper,

@@ -57,6 +57,10 @@ class ContainerSpec(StrictModel):
         description="mount the host's /var/log (and /var/log/aws/clusters where it exists): SMDDP and HyperPod need it",
     )
     workdir: str | None = None
+    startup_check: bool = Field(
+        default=True,
+        description="run the image's hpkit-entrypoint check (IMDSv2, /var/log) in every task, where the image has it",
+    )
 
     @field_validator("image")
     @classmethod

@@ -149,3 +149,67 @@ def test_hostile_strings_are_never_executed(tmp_path, launcher, container):
     if container:
         assert f"--container-image=$(touch${{IFS}}{canary})" in seen["argv"]
         assert "--container-mounts=/var/log:/var/log,/fsx:/fsx" in seen["argv"]
+
+
+FAKE_ENTRYPOINT = """#!/bin/sh
+echo "$@" > "$CHECKED"
+exec "$@"
+"""
+
+
+def _task_argv(tmp_path: Path, spec_data: dict) -> list[str]:
+    """What srun would start in each task of the rendered script (after srun's own options)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(parse_spec(spec_data)))
+    record = tmp_path / "record.json"
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "RECORD": str(record),
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_CPUS_ON_NODE": "4",
+    }
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    argv = json.loads(record.read_text())["argv"]
+    return (
+        argv[argv.index("bash") :]
+        if "bash" in argv
+        else argv[[a.startswith("-") for a in argv].index(False) :]
+    )
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+@pytest.mark.parametrize(
+    ("in_image", "wanted", "runs_check"), [(True, True, True), (False, True, False), (True, False, False)]
+)
+def test_container_tasks_run_the_images_startup_check(tmp_path, launcher, in_image, wanted, runs_check):
+    """pyxis skips an image's ENTRYPOINT: each task runs hpkit-entrypoint itself, where the image has one."""
+    out = tmp_path / "ran"
+    data = {
+        "name": "x",
+        "launcher": "srun",
+        "container": {"image": "/fsx/hpkit.sqsh", "startup_check": wanted},
+        "command": ["sh", "-c", f"echo ran > {out}"],
+    }
+    argv = _task_argv(tmp_path, {**data, "launcher": launcher})
+    if launcher == "torchrun":  # keep the test about the wrapper: run the user's command in torchrun's place
+        argv = argv[: argv.index("torchrun")] + argv[argv.index("--") + 1 :]
+    image_bin = tmp_path / "image-bin"
+    image_bin.mkdir()
+    if in_image:
+        (image_bin / "hpkit-entrypoint").write_text(FAKE_ENTRYPOINT)
+        (image_bin / "hpkit-entrypoint").chmod(0o755)
+    checked = tmp_path / "checked"
+    env = {"PATH": f"{image_bin}:/usr/bin:/bin", "CHECKED": str(checked), "SLURM_PROCID": "0"}
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_text() == "ran\n"
+    assert checked.exists() == runs_check
+    if runs_check:
+        assert checked.read_text().startswith("sh -c echo ran")
