@@ -122,27 +122,8 @@ def test_hostile_strings_are_never_executed(tmp_path, launcher, container):
     data = {**hostile_spec(str(canary)), "launcher": launcher}
     if container:
         data["container"] = {"image": f"$(touch${{IFS}}{canary})", "mounts": ["/fsx:/fsx"]}
-    spec = parse_spec(data)
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
-        (bin_dir / name).write_text(text)
-        (bin_dir / name).chmod(0o755)
-    script = tmp_path / "job.sbatch"
-    script.write_text(render(spec))
-    record = tmp_path / "record.json"
-    env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "RECORD": str(record),
-        "SLURM_JOB_ID": "42",
-        "SLURM_JOB_NODELIST": "node[1-2]",
-        "SLURM_CPUS_ON_NODE": "4",
-        "HOME": str(tmp_path),
-    }
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
-    assert proc.returncode == 0, proc.stderr
+    seen = run_with_fake_srun(tmp_path, data)
     assert not canary.exists()
-    seen = json.loads(record.read_text())
     payloads = [p.format(c=canary) for p in PAYLOADS]
     assert seen["argv"][-len(payloads) :] == payloads
     assert seen["env"] == {f"V{i}": p for i, p in enumerate(payloads)}
@@ -157,8 +138,8 @@ exec "$@"
 """
 
 
-def _task_argv(tmp_path: Path, spec_data: dict) -> list[str]:
-    """What srun would start in each task of the rendered script (after srun's own options)."""
+def run_with_fake_srun(tmp_path: Path, spec_data: dict) -> dict:
+    """Run the rendered script with srun and scontrol faked; returns what srun was given (argv, V* env)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     for name, text in (("srun", FAKE_SRUN), ("scontrol", FAKE_SCONTROL)):
@@ -173,10 +154,16 @@ def _task_argv(tmp_path: Path, spec_data: dict) -> list[str]:
         "SLURM_JOB_ID": "42",
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_CPUS_ON_NODE": "4",
+        "HOME": str(tmp_path),
     }
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
-    argv = json.loads(record.read_text())["argv"]
+    return json.loads(record.read_text())
+
+
+def _task_argv(tmp_path: Path, spec_data: dict) -> list[str]:
+    """What srun would start in each task of the rendered script (after srun's own options)."""
+    argv = run_with_fake_srun(tmp_path, spec_data)["argv"]
     return (
         argv[argv.index("bash") :]
         if "bash" in argv
