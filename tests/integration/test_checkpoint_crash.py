@@ -130,3 +130,30 @@ def test_a_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path):
     assert f"skipping unreadable checkpoint {newest}" in out
     assert "resumed from" in out and "step-00000005 at step 5" in out
     assert "done steps=8" in out
+
+
+def test_a_full_disk_ends_the_run_with_one_line_and_no_partial_checkpoint(tmp_path):
+    import resource
+
+    cfg = config(tmp_path, "full", steps=4)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_JOB_ID")}
+
+    def small_files() -> None:  # every file this process writes stops at 1 MiB: the disk is "full"
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2**20, 2**20))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpkit", "train", "--config", str(cfg)],
+        env=env,
+        preexec_fn=small_files,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hpkit train: error:")]
+    assert len(errors) == 1, proc.stderr
+    assert "could not write checkpoint step-00000001" in errors[0]
+    assert "no checkpoint is complete yet" in errors[0] and "has room" in errors[0]
+    root = tmp_path / "full-ckpt"
+    assert list(root.iterdir()) == [], "the failed save left files behind"

@@ -21,6 +21,7 @@ import shutil
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -38,11 +40,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hpkit.errors import HpkitError
 from hpkit.runtime.data import DataLoader
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _DELETING = ".deleting"  # suffix of pruned checkpoints while a background thread removes them
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class CheckpointError(HpkitError):
+    """A checkpoint could not be written; the previous complete one is untouched."""
 
 
 class ModelState:
@@ -147,12 +154,14 @@ class Checkpointer:
         # One stager for the whole run: it keeps its host buffers between saves, so only the first
         # save pays for allocating (and on GPUs pinning) them.
         self._stager = _make_stager() if async_save else None
-        if self.is_rank0:
+
+        def prepare() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
             self._reap(list(self.root.glob("step-*.tmp")))
             for leftover in self.root.glob(f"step-*{_DELETING}"):  # already aside, under unique names
                 shutil.rmtree(leftover, ignore_errors=True)
-        dist.barrier(group=self.group)
+
+        self._on_rank0(prepare, f"cannot use checkpoint.dir {self.root}")
 
     def latest(self) -> Path | None:
         return find_latest(self.root)
@@ -166,14 +175,52 @@ class Checkpointer:
     def load(self, state: dict[str, Any], path: Path) -> None:
         dcp.load(state, checkpoint_id=str(path), process_group=self.group)
 
+    def _on_rank0(self, action: Callable[[], None], what: str) -> None:
+        """Run a filesystem change on rank 0; if it fails, every rank raises (none is left waiting)."""
+        outcome: list[str | None] = [None]
+        if self.is_rank0:
+            try:
+                action()
+            except OSError as exc:
+                outcome = [f"{what}: {exc}"]
+        dist.broadcast_object_list(outcome, src=0, group=self.group)
+        if outcome[0] is not None:
+            raise CheckpointError(f"{outcome[0]}; {self._advice()}")
+
+    def _advice(self) -> str:
+        latest = self.latest()
+        kept = (
+            f"the newest complete checkpoint is still {latest}" if latest else "no checkpoint is complete yet"
+        )
+        try:
+            room = f" ({shutil.disk_usage(self.root).free / 2**20:.0f} MiB free now)"
+        except OSError:
+            room = ""
+        return f"{kept}. Check that {self.root} is writable and has room{room}, then resubmit to resume"
+
+    def _failed(self, tmp: Path, exc: BaseException) -> CheckpointError:
+        if self.is_rank0:  # every rank saw the collective fail, so none is still writing here
+            shutil.rmtree(tmp, ignore_errors=True)
+        return CheckpointError(
+            f"could not write checkpoint {tmp.name[:-4]}: {_first_failure(exc)}; {self._advice()}"
+        )
+
     def save(self, step: int, state: dict[str, Any]) -> None:
         self.wait()
         final = self.root / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
-        if self.is_rank0:
+
+        def make_tmp() -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        dist.barrier(group=self.group)
+
+        self._on_rank0(make_tmp, f"could not create {tmp}")
+        try:
+            self._write(state, tmp, final)
+        except (OSError, CheckpointException) as exc:
+            raise self._failed(tmp, exc) from None
+
+    def _write(self, state: dict[str, Any], tmp: Path, final: Path) -> None:
         if self.async_save:
             # The copy to host memory runs in the background too: forward and backward do not touch
             # the parameters or optimizer state, so only the next optimizer step must wait for it
@@ -209,12 +256,16 @@ class Checkpointer:
             return
         future, tmp, final = self._pending
         self._pending = None
-        future.result()
+        try:
+            future.result()
+        except (OSError, CheckpointException) as exc:
+            raise self._failed(tmp, exc) from None
         self._commit(tmp, final)
 
     def _commit(self, tmp: Path, final: Path) -> None:
         dist.barrier(group=self.group)  # every rank's shards and rank 0's .metadata are on disk
-        if self.is_rank0:
+
+        def publish() -> None:
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -226,7 +277,8 @@ class Checkpointer:
             # Unlinking a few GB takes long enough to stall training: rename them out of the resume path
             # (atomic) now, delete them in the background.
             self._reap([path for _, path in committed(self.root)[: -self.keep]])
-        dist.barrier(group=self.group)
+
+        self._on_rank0(publish, f"could not publish checkpoint {final.name}")
 
     def _reap(self, paths: list[Path]) -> None:
         """Rename `paths` aside (a unique name: a later save may reuse theirs), then delete them in a thread."""
@@ -253,6 +305,14 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def _first_failure(exc: BaseException) -> str:
+    """The first rank's error, without DCP's per-rank tracebacks."""
+    if isinstance(exc, CheckpointException) and exc.failures:
+        rank, (inner, _trace) = min(exc.failures.items())
+        return f"rank {rank}: {type(inner).__name__}: {inner}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def _planner() -> Any:
