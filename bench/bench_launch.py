@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _cluster import ClusterError, private_cluster
+
 REPO = Path(__file__).resolve().parents[1]
 FIRST_STEP = re.compile(r"^step\s+1 \|", re.MULTILINE)
 
@@ -77,54 +79,42 @@ def _drain(env: dict[str, str]) -> None:
         time.sleep(0.1)
 
 
+def _time_to_first_step(kind: str, out: Path, env: dict[str, str]) -> float:
+    out.mkdir()
+    config = out / "job.yaml"
+    config.write_text(CONFIG.format(name=kind, out=out, python=sys.executable))
+    if kind == "hpkit":
+        start = time.monotonic()
+        subprocess.run([sys.executable, "-m", "hpkit", "submit", str(config)], env=env,
+                       cwd=out, check=True, capture_output=True)  # fmt: skip
+        pattern = "hpkit-*.out"
+    else:
+        script = out / "bare.sbatch"
+        script.write_text(BARE.format(out=out, config=config))
+        start = time.monotonic()
+        subprocess.run(["sbatch", str(script)], env=env, cwd=out, check=True, capture_output=True)
+        pattern = "bare-*.out"
+    seconds = _first_step(out, pattern, start)
+    # The first step is what is measured: end the job (this private cluster runs nothing else) and
+    # wait until the nodes are idle again.
+    subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=env, capture_output=True)
+    _drain(env)
+    return seconds
+
+
 def main() -> int:
     args = _parse()
     work = Path(tempfile.mkdtemp(prefix="hpkit-bench-launch-"))
-    cluster = work / "cluster"
-    env = dict(os.environ)
-    env.update(
-        HPKIT_DEV_CLUSTER_DIR=str(cluster),
-        HPKIT_DEV_PORT=args.port,
-        FIRST_JOB_ID=args.first_job_id,
-        NODES="2",
-        CPUS="2",
-        SLURM_CONF=str(cluster / "etc" / "slurm.conf"),
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p),
-        TMPDIR=str(work),
-        PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
-    )
-    up = subprocess.run([str(REPO / "slurm/dev/up.sh")], env=env, capture_output=True, text=True, timeout=120)
-    if up.returncode != 0:
-        print(f"bench_launch: the cluster did not come up: {up.stderr.strip()}", file=sys.stderr)
-        return 1
     times: dict[str, list[float]] = {"hpkit": [], "bare": []}
     try:
-        for i in range(args.rounds):
-            for kind in ("hpkit", "bare") if i % 2 == 0 else ("bare", "hpkit"):
-                out = work / f"{kind}-{i}"
-                out.mkdir()
-                config = out / "job.yaml"
-                config.write_text(CONFIG.format(name=kind, out=out, python=sys.executable))
-                if kind == "hpkit":
-                    start = time.monotonic()
-                    subprocess.run([sys.executable, "-m", "hpkit", "submit", str(config)], env=env,
-                                   cwd=out, check=True, capture_output=True)  # fmt: skip
-                    pattern = "hpkit-*.out"
-                else:
-                    script = out / "bare.sbatch"
-                    script.write_text(BARE.format(out=out, config=config))
-                    start = time.monotonic()
-                    subprocess.run(["sbatch", str(script)], env=env, cwd=out, check=True, capture_output=True)
-                    pattern = "bare-*.out"
-                times[kind].append(_first_step(out, pattern, start))
-                # The first step is what is measured: end the job (this private cluster runs nothing
-                # else) and wait until the nodes are idle again.
-                subprocess.run(
-                    ["scancel", "--full", "--user", str(os.getuid())], env=env, capture_output=True
-                )
-                _drain(env)
+        with private_cluster(work, args.port, args.first_job_id) as env:
+            for i in range(args.rounds):
+                for kind in ("hpkit", "bare") if i % 2 == 0 else ("bare", "hpkit"):
+                    times[kind].append(_time_to_first_step(kind, work / f"{kind}-{i}", env))
+    except ClusterError as exc:
+        print(f"bench_launch: {exc}", file=sys.stderr)
+        return 1
     finally:
-        subprocess.run([str(REPO / "slurm/dev/down.sh")], env=env, capture_output=True, timeout=120)
         shutil.rmtree(work, ignore_errors=True)
     h, b = statistics.median(times["hpkit"]), statistics.median(times["bare"])
     print(

@@ -18,21 +18,31 @@ IMAGE ?=
 SQSH ?=
 IMAGE_TEST_PACKAGES := podman runc mmdebstrap
 
-.PHONY: image image-cpu image-base image-sqsh image-test-deps
+.PHONY: image image-cpu image-base image-sqsh image-test-deps image-env
 
-image: venv
+# Building an image needs hpkit and the docker SDK, not torch or the test tools: on a login node this
+# installs only those into .venv (a full `make setup` venv already has them).
+image-env: $(VENV)/.installed-image
+
+$(VENV)/.installed-image: pyproject.toml
+	@if [ ! -f $(VENV)/.installed ] || [ pyproject.toml -nt $(VENV)/.installed ]; then \
+	  $(PYTHON) -m venv $(VENV) && $(BIN)/pip install -q -e '.[image]'; \
+	fi
+	touch $@
+
+image: image-env
 	@$(BIN)/hpkit image build --repo $(IMAGE_REPO) $(IMAGE_BUILD_FLAGS)
 
-image-cpu: venv
+image-cpu: image-env
 	@$(BIN)/hpkit image build --cpu --repo $(IMAGE_REPO) $(if $(IMAGE_BASE),--base-image $(IMAGE_BASE)) \
 	  $(IMAGE_BUILD_FLAGS)
 
-image-base: venv
+image-base: image-env
 	docker/mkbase.sh $(IMAGE_CACHE)/base-bookworm.tar bookworm
 	@$(BIN)/hpkit image import-base $(IMAGE_CACHE)/base-bookworm.tar --tag $(IMAGE_BASE_TAG)
 	@echo "now: make image-cpu IMAGE_BASE=$(IMAGE_BASE_TAG)"
 
-image-sqsh: venv
+image-sqsh: image-env
 	@image="$(IMAGE)"; \
 	if [ -z "$$image" ]; then image=$$($(BIN)/hpkit image tags --repo $(IMAGE_REPO) | head -n 1); fi; \
 	scripts/enroot-import.sh "$$image" $(SQSH)
