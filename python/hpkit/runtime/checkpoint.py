@@ -154,6 +154,10 @@ class Checkpointer:
         # One stager for the whole run: it keeps its host buffers between saves, so only the first
         # save pays for allocating (and on GPUs pinning) them.
         self._stager = _make_stager() if async_save else None
+        # torch.save's zip CRC32s cost half of serialising each tensor (measured: 232 vs 120 ms per
+        # 360 MB), and torch.load never checks them: a flipped bit loads silently either way. Process-
+        # wide, which is fine for a training process; completeness comes from the commit protocol.
+        torch.serialization.set_crc32_options(False)
 
         def prepare() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
