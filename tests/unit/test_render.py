@@ -200,3 +200,20 @@ def test_container_tasks_run_the_images_startup_check(tmp_path, launcher, in_ima
     assert checked.exists() == runs_check
     if runs_check:
         assert checked.read_text().startswith("sh -c echo ran")
+
+
+def test_an_unwritable_output_is_one_line_not_a_traceback(tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    target = blocker / "job.sbatch"
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpkit", "render", str(SPECS[0]), "-o", str(target)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(GOLDEN.parents[1] / "python")},
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.startswith(f"hpkit render: error: cannot write {target}: "), proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert blocker.read_text() == "" and sorted(p.name for p in tmp_path.iterdir()) == ["not-a-dir"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import secrets
@@ -71,11 +72,19 @@ def _render(args: argparse.Namespace) -> int:
 
 def _write_new(path: Path, text: str, mode: int = 0o644) -> None:
     """Write through a temporary file and rename, so a reader never sees half a script."""
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text, encoding="utf-8")
-    tmp.chmod(mode)
-    tmp.replace(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(mode)
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        reason = exc.strerror or str(exc)
+        raise HpkitError(
+            f"cannot write {path}: {reason}: choose a writable place (-o, or output_dir in the spec)"
+        ) from None
 
 
 def _submit(args: argparse.Namespace) -> int:
