@@ -97,10 +97,16 @@ def launch_words(spec: JobSpec) -> list[str]:
     steps = []
     if exports := task_exports(spec):
         steps.append(f"export {' '.join(exports)}")
-    if spec.container is not None and spec.container.startup_check:
+    if spec.container is not None and spec.container.startup_check != "off":
         # pyxis does not run an image's entry point, so hpkit's images would skip their start-up check
-        # (IMDSv2, the host's /var/log): run it where the image has it.
-        steps.append('if command -v hpkit-entrypoint >/dev/null; then set -- hpkit-entrypoint "$@"; fi')
+        # (IMDSv2, the host's /var/log): the first task of each node runs it, where the image has it.
+        warn_only = (
+            "export HPKIT_STARTUP_CHECK_WARN_ONLY=1; " if spec.container.startup_check == "warn" else ""
+        )
+        steps.append(
+            'if [ "${SLURM_LOCALID:-0}" = 0 ] && command -v hpkit-entrypoint >/dev/null; then '
+            f'{warn_only}set -- hpkit-entrypoint "$@"; fi'
+        )
     wrapper = ["bash", "-c", shell_quote("; ".join([*steps, 'exec "$@"'])), "hpkit-task"] if steps else []
     if spec.launcher == "torchrun":
         return [

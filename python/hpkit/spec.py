@@ -57,9 +57,12 @@ class ContainerSpec(StrictModel):
         description="mount the host's /var/log (and /var/log/aws/clusters where it exists): SMDDP and HyperPod need it",
     )
     workdir: str | None = None
-    startup_check: bool = Field(
-        default=True,
-        description="run the image's hpkit-entrypoint check (IMDSv2, /var/log) in every task, where the image has it",
+    startup_check: Literal["warn", "fail", "off"] = Field(
+        default="warn",
+        description=(
+            "run the image's hpkit-entrypoint check (IMDSv2, /var/log, ...) once per node, where the image has "
+            "it: warn prints what fails and goes on, fail ends the job"
+        ),
     )
 
     @field_validator("image")

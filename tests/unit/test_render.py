@@ -133,7 +133,7 @@ def test_hostile_strings_are_never_executed(tmp_path, launcher, container):
 
 
 FAKE_ENTRYPOINT = """#!/bin/sh
-echo "$@" > "$CHECKED"
+echo "warn_only=${HPKIT_STARTUP_CHECK_WARN_ONLY:-0} $*" > "$CHECKED"
 exec "$@"
 """
 
@@ -173,18 +173,25 @@ def _task_argv(tmp_path: Path, spec_data: dict) -> list[str]:
 
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
 @pytest.mark.parametrize(
-    ("in_image", "wanted", "runs_check"), [(True, True, True), (False, True, False), (True, False, False)]
+    ("mode", "in_image", "local_id", "expected"),
+    [
+        ("warn", True, "0", "warn_only=1 sh -c"),
+        ("fail", True, "0", "warn_only=0 sh -c"),
+        ("warn", True, "3", None),  # once per node: the node's first task
+        ("warn", False, "0", None),  # an image without hpkit's entry point
+        ("off", True, "0", None),
+    ],
 )
-def test_container_tasks_run_the_images_startup_check(tmp_path, launcher, in_image, wanted, runs_check):
-    """pyxis skips an image's ENTRYPOINT: each task runs hpkit-entrypoint itself, where the image has one."""
+def test_container_tasks_run_the_images_startup_check(tmp_path, launcher, mode, in_image, local_id, expected):
+    """pyxis skips an image's ENTRYPOINT: each node's first task runs hpkit-entrypoint itself."""
     out = tmp_path / "ran"
     data = {
         "name": "x",
-        "launcher": "srun",
-        "container": {"image": "/fsx/hpkit.sqsh", "startup_check": wanted},
+        "launcher": launcher,
+        "container": {"image": "/fsx/hpkit.sqsh", "startup_check": mode},
         "command": ["sh", "-c", f"echo ran > {out}"],
     }
-    argv = _task_argv(tmp_path, {**data, "launcher": launcher})
+    argv = _task_argv(tmp_path, data)
     if launcher == "torchrun":  # keep the test about the wrapper: run the user's command in torchrun's place
         argv = argv[: argv.index("torchrun")] + argv[argv.index("--") + 1 :]
     image_bin = tmp_path / "image-bin"
@@ -193,13 +200,13 @@ def test_container_tasks_run_the_images_startup_check(tmp_path, launcher, in_ima
         (image_bin / "hpkit-entrypoint").write_text(FAKE_ENTRYPOINT)
         (image_bin / "hpkit-entrypoint").chmod(0o755)
     checked = tmp_path / "checked"
-    env = {"PATH": f"{image_bin}:/usr/bin:/bin", "CHECKED": str(checked), "SLURM_PROCID": "0"}
+    env = {"PATH": f"{image_bin}:/usr/bin:/bin", "CHECKED": str(checked), "SLURM_LOCALID": local_id}
     proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0, proc.stderr
     assert out.read_text() == "ran\n"
-    assert checked.exists() == runs_check
-    if runs_check:
-        assert checked.read_text().startswith("sh -c echo ran")
+    assert (checked.read_text().strip() if checked.exists() else None) == (
+        expected and f"{expected} echo ran > {out}"
+    )
 
 
 def test_an_unwritable_output_is_one_line_not_a_traceback(tmp_path):
