@@ -352,7 +352,7 @@ class PyslurmBackend:
             exit_code=job.exit_code,
             signal=getattr(job, "exit_code_signal", None),
             reason=str(job.state_reason or ""),
-            nodes=str(job.nodes or ""),
+            nodes=str(job.allocated_nodes or ""),
             stdout=job.standard_output,
         )
 

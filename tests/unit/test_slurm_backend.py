@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import types
+from typing import ClassVar
 
 import pytest
 
@@ -90,6 +91,55 @@ def test_mismatched_pyslurm_is_refused(monkeypatch):
         == "pyslurm 25.11.2 is built for Slurm 25.11, the cluster runs 22.05: install a matching pyslurm or use the CLI backend"
     )
     assert isinstance(slurm.get_backend("auto"), CliBackend)
+
+
+class _PyslurmJob:
+    """pyslurm 23.02+'s Job, reduced to the attributes hpkit reads, under pyslurm's own names
+    (pyslurm/core/job/job.pyx: allocated_nodes, not nodes; exit_code and exit_code_signal split)."""
+
+    loaded: ClassVar[dict[int, dict]] = {}
+    cancelled: ClassVar[list[int]] = []
+
+    def __init__(self, job_id: int):
+        self.id = job_id
+
+    @classmethod
+    def load(cls, job_id: int):
+        if job_id not in cls.loaded:
+            raise RuntimeError("Invalid job id specified")  # pyslurm raises its RPCError here
+        job = cls(job_id)
+        job.__dict__.update(cls.loaded[job_id])
+        return job
+
+    def cancel(self) -> None:
+        self.cancelled.append(self.id)
+
+
+def test_pyslurm_backend_maps_pyslurms_job_fields():
+    fake = types.ModuleType("pyslurm")
+    fake.Job = _PyslurmJob
+    _PyslurmJob.loaded[42] = {
+        "name": "llama",
+        "state": "FAILED",
+        "exit_code": 3,
+        "exit_code_signal": 0,
+        "state_reason": "NonZeroExitCode",
+        "allocated_nodes": "node[1-2]",
+        "standard_output": "/fsx/logs/llama-42.out",
+    }
+    backend = slurm.PyslurmBackend(fake)
+    info = backend.info("42")
+    assert (info.name, info.state, info.exit_code, info.nodes, info.stdout) == (
+        "llama",
+        JobState.FAILED,
+        3,
+        "node[1-2]",
+        "/fsx/logs/llama-42.out",
+    )
+    with pytest.raises(SlurmError, match="job 7: Invalid job id"):
+        backend.info("7")
+    backend.cancel("42")
+    assert _PyslurmJob.cancelled == [42]
 
 
 def test_missing_slurm_tools_say_what_to_do(monkeypatch):
