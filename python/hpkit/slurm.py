@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -326,7 +325,8 @@ def _json_state(value: object) -> str:
 
 
 class PyslurmBackend:
-    """pyslurm ≥ 23.02's object API; only chosen when its version matches the running Slurm."""
+    """pyslurm ≥ 23.02's object API for status and cancel (submission stays with sbatch); only chosen
+    when its version matches the running Slurm."""
 
     name = "pyslurm"
 
@@ -334,11 +334,10 @@ class PyslurmBackend:
         self.pyslurm = module
 
     def submit(self, script: Path) -> str:
-        desc = self.pyslurm.JobSubmitDescription(
-            script=str(script), working_directory=os.getcwd(), environment=dict(os.environ)
-        )
-        desc.load_sbatch_options()
-        return str(desc.submit())
+        # Through sbatch, not pyslurm's JobSubmitDescription: pyslurm re-parses #SBATCH lines itself
+        # and (pyslurm/core/job/submission.pyx, 23.x) parses --signal but never applies it, which would
+        # silently drop the preemption warning. sbatch reads the script exactly as a user's would.
+        return CliBackend().submit(script)
 
     def info(self, job_id: str) -> JobInfo:
         try:
