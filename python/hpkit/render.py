@@ -231,7 +231,8 @@ def build_context(
     )
 
 
-def _environment() -> jinja2.Environment:
+def template_environment() -> jinja2.Environment:
+    """Strict (a missing value is an error) and unescaped: quoting is done before values reach it."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,
@@ -245,4 +246,4 @@ def _environment() -> jinja2.Environment:
 def render(spec: JobSpec, script_name: str = "job.sbatch", spec_path: str | None = None) -> str:
     """Render the sbatch script for `spec`. `spec_path` is exported as HPKIT_SPEC for `hpkit train`."""
     context = build_context(spec, script_name=script_name, spec_path=spec_path)
-    return _environment().get_template("train.sbatch.j2").render(ctx=context)
+    return template_environment().get_template("train.sbatch.j2").render(ctx=context)

@@ -9,12 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import jinja2
-
 from hpkit import __version__
 from hpkit.bench.sizes import human
 from hpkit.errors import SpecError
-from hpkit.render import TEMPLATE_DIR, container_mounts, sbatch_directives, shell_quote
+from hpkit.render import container_mounts, sbatch_directives, shell_quote, template_environment
 from hpkit.spec import HYPERPOD_LOG_DIR, JobSpec
 
 TESTS = (
@@ -111,13 +109,4 @@ def build_context(spec: JobSpec, args: NcclTestsArgs, script_name: str) -> NcclT
 
 def render_nccl_tests(spec: JobSpec, args: NcclTestsArgs, script_name: str = "nccl-tests.sbatch") -> str:
     context = build_context(spec, args, script_name)
-    # The same settings as render.py's environment: strict, no escaping (quoting is done above).
-    env = jinja2.Environment(
-        loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
-        undefined=jinja2.StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        autoescape=False,
-    )
-    return env.get_template("nccl-tests.sbatch.j2").render(ctx=context)
+    return template_environment().get_template("nccl-tests.sbatch.j2").render(ctx=context)
