@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +19,19 @@ class ClusterError(RuntimeError):
 
 
 @contextlib.contextmanager
-def private_cluster(work: Path, port: str, first_job_id: str) -> Iterator[dict[str, str]]:
-    """Start slurm/dev's 2-node x 2-CPU cluster under `work`; yields the environment for its clients."""
+def private_cluster(prefix: str, port: str, first_job_id: str) -> Iterator[tuple[Path, dict[str, str]]]:
+    """Start slurm/dev's 2-node x 2-CPU cluster in a fresh scratch directory; yields (that directory,
+    the environment for the cluster's clients). Both go away at the end."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        with _running(work, port, first_job_id) as env:
+            yield work, env
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _running(work: Path, port: str, first_job_id: str) -> Iterator[dict[str, str]]:
     cluster = work / "cluster"
     env = dict(os.environ)
     env.update(

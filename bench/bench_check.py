@@ -9,13 +9,10 @@ python3 bench/bench_check.py [--runs 5]
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 from _cluster import ClusterError, private_cluster
 
@@ -26,15 +23,12 @@ def main() -> int:
     p.add_argument("--port", default="7727")
     p.add_argument("--first-job-id", default="30000")
     args = p.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="hpkit-bench-check-"))
     try:
-        with private_cluster(work, args.port, args.first_job_id) as env:
+        with private_cluster("hpkit-bench-check-", args.port, args.first_job_id) as (_, env):
             times = _time(env, args.runs)
     except ClusterError as exc:
         print(f"bench_check: {exc}", file=sys.stderr)
         return 1
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     c, py = statistics.median(times["check"]), statistics.median(times["python"])
     print(
         f"check: `hpkit check --profile login` against the local cluster {c:.2f} s "

@@ -13,11 +13,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -104,18 +102,15 @@ def _time_to_first_step(kind: str, out: Path, env: dict[str, str]) -> float:
 
 def main() -> int:
     args = _parse()
-    work = Path(tempfile.mkdtemp(prefix="hpkit-bench-launch-"))
     times: dict[str, list[float]] = {"hpkit": [], "bare": []}
     try:
-        with private_cluster(work, args.port, args.first_job_id) as env:
+        with private_cluster("hpkit-bench-launch-", args.port, args.first_job_id) as (work, env):
             for i in range(args.rounds):
                 for kind in ("hpkit", "bare") if i % 2 == 0 else ("bare", "hpkit"):
                     times[kind].append(_time_to_first_step(kind, work / f"{kind}-{i}", env))
     except ClusterError as exc:
         print(f"bench_launch: {exc}", file=sys.stderr)
         return 1
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     h, b = statistics.median(times["hpkit"]), statistics.median(times["bare"])
     print(
         f"launch: submission to first step: hpkit {h:.2f} s (runs {[round(t, 2) for t in times['hpkit']]}) "
