@@ -16,18 +16,11 @@ from pathlib import Path
 import _torchrun
 import pytest
 import yaml
+from training_layouts import BASE
 
 pytestmark = pytest.mark.dist
 
-MODEL = {
-    "name": "debug",
-    "dim": 64,
-    "n_layers": 4,
-    "n_heads": 4,
-    "ffn_dim": 128,
-    "vocab_size": 256,
-    "seq_len": 32,
-}
+MODEL = BASE["model"]  # the layout tests' model: small enough for 4 CPU ranks, TP-divisible
 SUMMARY = re.compile(
     r"^hpkit train: done steps=(\d+) final_loss=([\d.]+) tokens_per_s=(\d+) tflops_per_device=([\d.]+) "
     r"mfu=(\S+) step_ms=(\d+) world=(\d+) layout=(\S+) device=(\w+)$",
