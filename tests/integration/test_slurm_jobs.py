@@ -170,3 +170,21 @@ def test_hostile_strings_reach_the_program_literally(slurm_cluster, tmp_path):
     line = next(line for line in log.splitlines() if line.startswith("ARGS "))
     assert json.loads(line[5:]) == [payloads, payloads[0] + payloads[2]]
     assert not canary.exists()
+
+
+def test_pyslurm_backend_submits_through_sbatch(slurm_cluster, tmp_path):
+    """pyslurm re-parses #SBATCH lines and drops --signal (23.x): the script must reach sbatch itself."""
+    import types
+
+    from hpkit.slurm import PyslurmBackend
+
+    fake = types.ModuleType("pyslurm")
+    fake.JobSubmitDescription = None  # calling it would fail the test
+    script = tmp_path / "job.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --job-name=via-sbatch\n#SBATCH --signal=B:USR1@120\n"
+        f"#SBATCH --output={tmp_path}/%j.out\ntrue\n"
+    )
+    job_id = PyslurmBackend(fake).submit(script)
+    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=60)
+    assert (info.name, info.state) == ("via-sbatch", JobState.COMPLETED)

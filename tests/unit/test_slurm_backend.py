@@ -146,19 +146,3 @@ def test_missing_slurm_tools_say_what_to_do(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     with pytest.raises(SlurmError, match="sbatch not found: run on a Slurm login node"):
         CliBackend().submit(__import__("pathlib").Path("x.sbatch"))
-
-
-def test_pyslurm_backend_submits_through_sbatch(tmp_path, monkeypatch):
-    """pyslurm re-parses #SBATCH lines and drops --signal (23.x): the script must reach sbatch itself."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    sbatch = bin_dir / "sbatch"
-    sbatch.write_text(f'#!/bin/sh\necho "$@" > {tmp_path}/argv\necho "4242;hpkit-dev"\n')
-    sbatch.chmod(0o755)
-    monkeypatch.setenv("PATH", f"{bin_dir}:/usr/bin:/bin")
-    fake = types.ModuleType("pyslurm")
-    fake.JobSubmitDescription = None  # calling it would fail the test
-    script = tmp_path / "job.sbatch"
-    script.write_text("#!/bin/bash\n#SBATCH --signal=B:USR1@120\ntrue\n")
-    assert slurm.PyslurmBackend(fake).submit(script) == "4242"
-    assert (tmp_path / "argv").read_text().split() == ["--parsable", str(script)]
