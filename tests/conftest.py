@@ -15,8 +15,9 @@ sys.path.insert(0, str(REPO / "python"))
 
 # The test cluster must not collide with a developer's `make cluster-up` cluster: its own
 # directory, ports, and job ids (job scripts derive their rendezvous port from the job id).
-TEST_CLUSTER_PORT = "7817"
-TEST_FIRST_JOB_ID = "5000"
+# Two test runs on one host (two checkouts) each set their own pair.
+TEST_CLUSTER_PORT = os.environ.get("HPKIT_TEST_CLUSTER_PORT", "7817")
+TEST_FIRST_JOB_ID = os.environ.get("HPKIT_TEST_FIRST_JOB_ID", "5000")
 
 
 @pytest.fixture(scope="session")

@@ -78,7 +78,7 @@ def test_seed_000_tensor_parallel_only():
         ]
     )
     lines = warned(result)
-    assert "not a GPU type in hpkit's table" in lines["instance_type"]
+    assert "not a GPU type in hpkit's instance catalog" in lines["instance_type"]
     assert "set gpus_per_node" in lines["instance_type"]
     assert "DeviceMesh" in lines["distribution.smdistributed.modelparallel.parameters.placement_strategy"]
     assert "hpkit train" in lines["distribution.smdistributed.modelparallel"]

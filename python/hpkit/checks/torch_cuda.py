@@ -159,6 +159,6 @@ def gpu_count(ctx: Context) -> Result:
     if len(models) > spec.gpus:
         return Result.warn(
             f"{shown}{note}, more than the {spec.gpus} of {instance_type}",
-            "check hpkit's instance table (python/hpkit/checks/instance_types.py) for this type",
+            "check hpkit's instance table (python/hpkit/catalog.py) for this type",
         )
     return Result.ok(f"{shown}{note}, as expected on {instance_type}")

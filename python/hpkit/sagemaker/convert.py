@@ -1,7 +1,7 @@
 """Estimator → hpkit job spec. What carries over is mapped; what does not becomes a warning saying what
 to do instead, so that nothing is dropped silently.
 
-- nodes from instance_count; GPUs per node from hpkit's instance type table (checks/instance_types.py)
+- nodes from instance_count; GPUs per node from hpkit's instance catalog (hpkit/catalog.py)
 - launcher from the distribution: mpi → `mpi` (srun --mpi=pmix), pytorchddp / torch_distributed /
   smdistributed.dataparallel → `torchrun`, none → one process per node (`srun`), as SageMaker runs it
 - smdistributed.modelparallel parameters → `parallelism` (tp, pp, microbatches, ddp)
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
-from hpkit.checks.instance_types import lookup
+from hpkit.catalog import lookup
 from hpkit.errors import SpecError
 from hpkit.sagemaker.estimator import Estimator
 from hpkit.sagemaker.smddp import smddp_verdict
@@ -177,7 +177,7 @@ def convert(est: Estimator, source: str = "estimator", name: str | None = None) 
     if row is None:
         c.warn(
             "instance_type",
-            f"{est.instance_type} is not a GPU type in hpkit's table (checks/instance_types.py), so the spec "
+            f"{est.instance_type} is not a GPU type in hpkit's instance catalog (hpkit/catalog.py), so the spec "
             "requests no GPUs",
             "set gpus_per_node if these nodes have GPUs",
         )

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpkit.checks.instance_types import SMDDP_TYPES, lookup
+from hpkit.catalog import SMDDP_TYPES, lookup
 
 SMDDP_MODULE = "smdistributed.dataparallel.torch.torch_smddp"
 
