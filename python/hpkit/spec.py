@@ -6,7 +6,6 @@ decisions and a mistake is reported as one line naming the field, not as a faile
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import posixpath
@@ -19,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from hpkit.errors import SpecError
+from hpkit.validation import format_validation_error
 
 # Values that land in `#SBATCH` lines are parsed by sbatch, not by a shell, so they cannot be
 # quoted: they must be plain tokens.
@@ -487,32 +487,6 @@ class JobSpec(StrictModel):
         return self.nodes * self.ranks_per_node
 
 
-def _describe_error(err: dict[str, Any], model: type[BaseModel]) -> str:
-    loc = [str(p) for p in err["loc"]]
-    field = ".".join(loc)
-    if err["type"] == "extra_forbidden":
-        known = _known_fields(model, loc[:-1])
-        hint = difflib.get_close_matches(loc[-1], known, n=1)
-        suggestion = f"did you mean '{hint[0]}'? " if hint else ""
-        return f"{field}: unknown key; {suggestion}known keys here: {', '.join(known)}"
-    msg = err["msg"].removeprefix("Value error, ")
-    # Whole-spec checks already start their message with the field they are about.
-    return f"{field}: {msg}" if field else msg
-
-
-def _known_fields(model: type[BaseModel], path: list[str]) -> list[str]:
-    current: Any = model
-    for part in path:
-        field = getattr(current, "model_fields", {}).get(part)
-        if field is None:
-            return []
-        current = field.annotation
-        for arg in getattr(current, "__args__", ()) or ():
-            if isinstance(arg, type) and issubclass(arg, BaseModel):
-                current = arg
-    return sorted(getattr(current, "model_fields", {}))
-
-
 def parse_spec(data: Any, source: str = "spec") -> JobSpec:
     """Validate a decoded spec; SpecError carries one line per problem, each naming its field."""
     if not isinstance(data, dict):
@@ -522,8 +496,7 @@ def parse_spec(data: Any, source: str = "spec") -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        lines = [f"{source}: {_describe_error(e, JobSpec)}" for e in exc.errors()]
-        raise SpecError("\n".join(lines)) from None
+        raise SpecError(format_validation_error(exc, JobSpec, source)) from None
 
 
 def read_document(path: str | Path) -> Any:

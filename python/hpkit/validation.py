@@ -1,0 +1,44 @@
+"""Pydantic validation errors as the one-line-per-problem messages users see, each naming its field."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+
+def describe_error(err: dict[str, Any], model: type[BaseModel], prefix: tuple[str, ...] = ()) -> str:
+    """One problem as `field.path: message`; an unknown key gets the nearest known one suggested."""
+    loc = [*prefix, *(str(p) for p in err["loc"])]
+    field = ".".join(loc)
+    if err["type"] == "extra_forbidden":
+        known = known_fields(model, [str(p) for p in err["loc"]][:-1])
+        hint = difflib.get_close_matches(loc[-1], known, n=1)
+        suggestion = f"did you mean '{hint[0]}'? " if hint else ""
+        return f"{field}: unknown key; {suggestion}known keys here: {', '.join(known)}"
+    if err["type"] == "missing":
+        return f"{field}: missing: this field is required"
+    msg = err["msg"].removeprefix("Value error, ")
+    # Whole-model checks already start their message with the field they are about.
+    return f"{field}: {msg}" if field else msg
+
+
+def known_fields(model: type[BaseModel], path: list[str]) -> list[str]:
+    current: Any = model
+    for part in path:
+        field = getattr(current, "model_fields", {}).get(part)
+        if field is None:
+            return []
+        current = field.annotation
+        for arg in getattr(current, "__args__", ()) or ():
+            if isinstance(arg, type) and issubclass(arg, BaseModel):
+                current = arg
+    return sorted(getattr(current, "model_fields", {}))
+
+
+def format_validation_error(
+    exc: ValidationError, model: type[BaseModel], source: str, prefix: tuple[str, ...] = ()
+) -> str:
+    """Every problem in `exc`, one line each, prefixed by where the document came from."""
+    return "\n".join(f"{source}: {describe_error(e, model, prefix)}" for e in exc.errors())
