@@ -16,13 +16,14 @@ export SLURM_CONF := $(DEV_CLUSTER_DIR)/etc/slurm.conf
 # Short and outside the checkout: munge's socket path must fit in a sockaddr_un (108 bytes).
 TEST_TMP ?= /tmp/hpkit-test
 
-.PHONY: help setup system-deps venv demo test test-unit lint cluster-up cluster-down bench clean
+.PHONY: help setup system-deps venv demo test test-gpu test-unit lint cluster-up cluster-down bench clean
 
 help:
 	@echo "make demo         install, start the local Slurm cluster, run a 2-node training job"
 	@echo "make test         install and run the whole test suite (lint included)"
 	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2)"
 	@echo "make cluster-down stop it"
+	@echo "make test-gpu     the CUDA half of the suite (tests/gpu), on a GPU machine"
 	@echo "make lint         ruff + shellcheck"
 	@echo "make bench        benchmarks that print ratios measured side by side"
 	@echo "make image        build the GPU training image through the Docker Engine API (image-cpu: CPU image)"
@@ -70,6 +71,11 @@ lint: venv
 test: setup lint image-test-deps
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
 	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider tests
+
+# The CUDA half of the suite (tests/gpu), on a machine with an NVIDIA GPU; CI has none and never collects it.
+test-gpu: venv
+	rm -rf $(TEST_TMP)-gpu && mkdir -p $(TEST_TMP)-gpu
+	HPKIT_GPU_TESTS=1 TMPDIR=$(TEST_TMP)-gpu $(BIN)/pytest -q -p no:cacheprovider -m gpu tests/gpu
 
 test-unit: venv
 	$(BIN)/pytest -q -p no:cacheprovider tests/unit

@@ -13,6 +13,9 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
 
+# tests/gpu is the CUDA half of the suite: `make test-gpu` (HPKIT_GPU_TESTS=1) on a GPU machine. CI has no GPU.
+collect_ignore = [] if os.environ.get("HPKIT_GPU_TESTS") == "1" else ["gpu"]
+
 # The test cluster must not collide with a developer's `make cluster-up` cluster: its own
 # directory, ports, and job ids (job scripts derive their rendezvous port from the job id).
 # Two test runs on one host (two checkouts) each set their own pair.
