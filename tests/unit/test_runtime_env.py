@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import pytest
 
+from hpkit.rendezvous import port_for_job
 from hpkit.runtime.env import (
     LaunchError,
     expand_tasks_per_node,
@@ -49,7 +50,7 @@ def test_srun_fallback_uses_first_node_address():
     assert asked == ["node[1-2]"]
     assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (2, 4, 0, 2)
     assert launch.master_addr == "192.168.1.10"
-    assert launch.master_port == 20000 + 1234 % 20000
+    assert launch.master_port == port_for_job(1234) == 29500 + 1234 % 20000
     assert launch.source == "slurm"
 
 

@@ -7,13 +7,15 @@ environment needs no torch; choosing the device does.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from hpkit.errors import HpkitError
+from hpkit.rendezvous import DEFAULT_PORT, port_for_job
 
 SCONTROL_TIMEOUT_S = 20
 
@@ -60,7 +62,13 @@ def read_launch_env(
         source = "slurm"
     else:
         return LaunchEnv(
-            0, 1, 0, 1, env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", 29500)), "single"
+            0,
+            1,
+            0,
+            1,
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env.get("MASTER_PORT", DEFAULT_PORT)),
+            "single",
         )
     if not 0 <= rank < world:
         raise LaunchError(f"rank {rank} is outside the world of {world} processes")
@@ -76,12 +84,7 @@ def read_launch_env(
                 "inside a Slurm allocation, or export MASTER_ADDR/MASTER_PORT"
             )
         addr = (resolve_host or slurm_first_node_addr)(nodelist)
-    if "MASTER_PORT" in env:
-        port = _int(env, "MASTER_PORT")
-    else:
-        # Every task of a job must agree on the port without talking first: derive it from the job id.
-        job = env.get("SLURM_JOB_ID", "0")
-        port = 20000 + int(job) % 20000 if job.isdigit() else 29500
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else port_for_job(env.get("SLURM_JOB_ID"))
     return LaunchEnv(rank, world, local_rank, max(local_world, local_rank + 1), addr, port, source)
 
 
@@ -219,3 +222,41 @@ def init_distributed(launch: LaunchEnv, device: DeviceInfo, timeout_s: float = 6
     os.environ["WORLD_SIZE"] = str(launch.world_size)
     os.environ["LOCAL_RANK"] = str(launch.local_rank)
     dist.init_process_group(backend=device.backend, init_method="env://", timeout=timeout, **kwargs)
+
+
+@dataclass(frozen=True)
+class Distributed:
+    """What an entry point knows once it has joined the process group."""
+
+    launch: LaunchEnv
+    device: DeviceInfo
+    threads: int
+
+
+@contextlib.contextmanager
+def distributed(
+    timeout_s: float = 600.0,
+    choose_backend: Callable[[LaunchEnv, DeviceInfo], DeviceInfo] | None = None,
+) -> Iterator[Distributed]:
+    """Join the job's process group for the body of a `with`, and leave it cleanly.
+
+    Reads the launch environment, sets the intra-op threads, picks the device (and, through
+    `choose_backend`, a backend other than the device's default), and initialises torch.distributed.
+    A body that ends normally waits at a barrier so that every rank's last sends (pipeline stages,
+    async checkpoints) land before any rank tears its communicators down; one that raises does not,
+    since its peers may be gone.
+    """
+    import torch.distributed as dist
+
+    launch = read_launch_env()
+    threads = configure_threads(launch)
+    device = choose_device(launch)
+    if choose_backend is not None:
+        device = choose_backend(launch, device)
+    init_distributed(launch, device, timeout_s=timeout_s)
+    try:
+        yield Distributed(launch, device, threads)
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,23 @@
+"""The rendezvous port rule: one place, read by the sbatch template (as shell arithmetic) and the runtime.
+
+Every task of a job must agree on the port without talking first, and jobs sharing a node must not
+collide, so the port is derived from the job id. Torch-free and import-light.
+"""
+
+from __future__ import annotations
+
+PORT_BASE = 29500
+PORT_SPAN = 20000
+# Where there is no job id to derive from (a bare launch outside Slurm).
+DEFAULT_PORT = PORT_BASE
+
+
+def port_for_job(job_id: str | int | None) -> int:
+    """The port for a Slurm job id; the default where the id is missing or not a number."""
+    text = str(job_id) if job_id is not None else ""
+    return PORT_BASE + int(text) % PORT_SPAN if text.isdigit() else DEFAULT_PORT
+
+
+def port_shell_expression(job_id_var: str = "SLURM_JOB_ID") -> str:
+    """The same rule as bash arithmetic, for scripts that learn the job id only when they run."""
+    return f"$(({PORT_BASE} + {job_id_var} % {PORT_SPAN}))"
