@@ -18,7 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "wait": ("hpkit.commands.jobs", "wait for a job to end, showing progress"),
     "logs": ("hpkit.commands.jobs", "print (or follow) a job's output"),
     "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
-    "train": ("hpkit.runtime.train", "run the training loop (inside a job)"),
+    "train": ("hpkit.commands.train", "run the training loop (inside a job)"),
+    "ckpt": ("hpkit.commands.ckpt", "verify or list checkpoints against their commit records"),
     "bench": ("hpkit.bench.cli", "benchmarks: collective bandwidth; nccl-tests scripts and their output"),
     "image": ("hpkit.image", "build, tag and export the training image through the Docker Engine API"),
     "import-sagemaker": (

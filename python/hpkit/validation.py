@@ -5,7 +5,19 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class StrictModel(BaseModel):
+    """Unknown keys are errors (a typo must not silently fall back to a default); values are frozen."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+def check_no_control_chars(value: str, what: str) -> str:
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise ValueError(f"{what} must not contain control characters (newlines, tabs, NUL)")
+    return value
 
 
 def describe_error(err: dict[str, Any], model: type[BaseModel], prefix: tuple[str, ...] = ()) -> str:

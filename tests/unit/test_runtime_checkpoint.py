@@ -4,15 +4,18 @@ from pathlib import Path
 
 import pytest
 
+from hpkit.cli import main as hpkit_main
 from hpkit.errors import SpecError
 from hpkit.runtime.checkpoint import committed, find_latest, step_dir_name
-from hpkit.runtime.train import RunConfig, load_run_config
+from hpkit.runtime.checkpoint_record import RECORD_NAME, CommitRecord, digest_file, read_record, write_record
+from hpkit.runtime.config import RunConfig, load_run_config
 
 
 def _complete(root: Path, step: int) -> Path:
     d = root / step_dir_name(step)
     d.mkdir(parents=True)
     (d / ".metadata").write_bytes(b"x")
+    write_record(d, CommitRecord(step, {".metadata": digest_file(d / ".metadata")}, 1))
     return d
 
 
@@ -21,7 +24,8 @@ def test_latest_ignores_incomplete_saves(tmp_path):
     _complete(tmp_path, 10)
     newest = _complete(tmp_path, 20)
     (tmp_path / "step-00000030.tmp").mkdir()  # a save that crashed
-    (tmp_path / "step-00000040").mkdir()  # no .metadata: not complete
+    (tmp_path / "step-00000040").mkdir()  # no commit record: not complete
+    (tmp_path / "step-00000040" / ".metadata").write_bytes(b"x")
     assert [s for s, _ in committed(tmp_path)] == [10, 20]
     assert find_latest(tmp_path) == newest
 
@@ -76,10 +80,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from hpkit.runtime.checkpoint import Checkpointer
+from hpkit.runtime.config import CheckpointSpec
 
 root, mode = Path(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"file://{root.parent / 'store'}", rank=0, world_size=1)
-ck = Checkpointer(root, keep=1, async_save=mode == "async", rank=0)
+ck = Checkpointer(CheckpointSpec(dir=str(root), interval=1, keep=1, async_save=mode == "async"), root, rank=0)
 weights = torch.zeros(1000)
 for step in (1, 2, 3):
     weights.fill_(step)
@@ -125,3 +130,58 @@ def test_saves_hold_the_state_of_their_step_and_prune_in_the_background(tmp_path
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003"]
     assert find_latest(root) == root / "step-00000003"
     assert _load_w(root / "step-00000003") == 3.0
+
+    # The commit record names every file the save wrote, with the size and CRC-32C of what is on disk:
+    # taken while writing, it must equal a fresh read.
+    saved = root / "step-00000003"
+    record = read_record(saved)
+    on_disk = {p.name for p in saved.iterdir()} - {RECORD_NAME}
+    assert set(record.files) == on_disk and ".metadata" in on_disk and len(on_disk) >= 2
+    for name, digest in record.files.items():
+        assert digest_file(saved / name) == digest, name
+
+
+def _flip(path: Path, count: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    for i in range(middle, middle + count):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_ckpt_verify_and_ls_name_each_bad_file(tmp_path, repo, capsys):
+    import subprocess
+    import sys
+
+    root = tmp_path / "ckpt"
+    root.mkdir()
+    done = subprocess.run(
+        [sys.executable, "-c", _SAVER, str(root), "sync"],
+        env={"PYTHONPATH": str(repo / "python"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    step = root / "step-00000003"
+    assert hpkit_main(["ckpt", "verify", str(root)]) == 0
+    assert "ok (" in capsys.readouterr().out
+
+    shard = next(p for p in step.iterdir() if p.suffix == ".distcp")
+    _flip(shard)
+    assert hpkit_main(["ckpt", "verify", str(step)]) == 1
+    out = capsys.readouterr().out
+    assert f"{shard.name}: CRC-32C" in out and "the record says" in out
+
+    # Sizes alone cannot see flipped bytes; a truncation they can.
+    assert hpkit_main(["ckpt", "ls", "--quick", str(root)]) == 0
+    capsys.readouterr()
+    (step / ".metadata").write_bytes((step / ".metadata").read_bytes()[:-10])
+    assert hpkit_main(["ckpt", "ls", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert "BAD" in out and ".metadata:" in out and shard.name in out
+
+    (step / RECORD_NAME).unlink()
+    assert hpkit_main(["ckpt", "verify", str(root)]) == 1
+    assert "INCOMPLETE" in capsys.readouterr().out
+    assert find_latest(root) is None, "a checkpoint without its record is never a resume candidate"

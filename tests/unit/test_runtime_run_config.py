@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import yaml
 
+from hpkit.runtime.config import expand_job_pattern, load_run_config
 from hpkit.runtime.env import DeviceInfo, LaunchEnv
-from hpkit.runtime.train import choose_collectives, expand_job_pattern, load_run_config
+from hpkit.runtime.run import choose_collectives
 
 
 def test_whole_spec_carries_resilience_and_collectives(tmp_path):

@@ -1,28 +1,30 @@
 """Distributed checkpoints (torch.distributed.checkpoint): model, optimizer, step, data position, RNG.
 
 Layout under the checkpoint directory:
-    step-00000100/     a complete checkpoint (DCP files + .metadata)
+    step-00000100/     a complete checkpoint (DCP files + .metadata + hpkit-commit.json, the record of
+                       every file's size and CRC-32C; without it a directory is never resumed from)
     step-00000200.tmp/ one being written; never read, removed at the next start
     step-00000050.<id>.deleting/
                        pruned (beyond `keep`) or stale, being removed by a background thread
     latest             the name of the newest complete checkpoint
 
-Every rank writes into the .tmp directory; only when all have finished does rank 0 rename it and then
-replace `latest` (both atomic renames), so a crash at any point leaves the previous checkpoint as the
-one a restart finds. Model and optimizer state are keyed by parameter name with DTensor placements,
+Every rank writes into the .tmp directory, checksumming as it writes; only when all have finished does
+rank 0 write the commit record, rename the directory and then replace `latest` (atomic renames), so a
+crash at any point leaves the previous checkpoint as the one a restart finds. On resume, each rank
+verifies the files it is about to read, and the ranks agree on every verdict: they all take the same
+checkpoint or all skip it, so no rank trains on while another is still loading. Model and optimizer state are keyed by parameter name with DTensor placements,
 so DCP can load them into a different parallel layout or world size.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-import re
 import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +33,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -39,11 +42,24 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.stateful import Stateful
 
 from hpkit.errors import HpkitError
-from hpkit.runtime.data import DataLoader
+from hpkit.runtime.checkpoint_record import (
+    RECORD_NAME,
+    STEP_DIR,
+    ChecksumWriter,
+    CommitRecord,
+    DigestLog,
+    FileDigest,
+    RecordError,
+    read_record,
+    verify_files,
+    write_record,
+)
+from hpkit.runtime.config import CheckpointSpec
 
-_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STEP_DIR = STEP_DIR
 _DELETING = ".deleting"  # suffix of pruned checkpoints while a background thread removes them
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -84,31 +100,6 @@ class OptimizerState:
             set_optimizer_state_dict(part, opt, state, options=_OPTIONS)
 
 
-@dataclass
-class TrainState:
-    """Step, data position and RNG. Every rank seeds alike and draws in lockstep, so one copy suffices."""
-
-    step: int
-    loader: DataLoader
-
-    def state_dict(self) -> dict[str, Any]:
-        state = {
-            "step": torch.tensor(self.step),
-            "data_position": torch.tensor(self.loader.position),
-            "rng_cpu": torch.get_rng_state(),
-        }
-        if torch.cuda.is_available():
-            state["rng_cuda"] = torch.cuda.get_rng_state()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = int(state["step"])
-        self.loader.position = int(state["data_position"])
-        torch.set_rng_state(state["rng_cpu"])
-        if "rng_cuda" in state and torch.cuda.is_available():
-            torch.cuda.set_rng_state(state["rng_cuda"])
-
-
 def step_dir_name(step: int) -> str:
     return f"step-{step:08d}"
 
@@ -119,7 +110,7 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     found = []
     for entry in root.iterdir():
         m = _STEP_DIR.match(entry.name)
-        if m and entry.is_dir() and (entry / ".metadata").is_file():
+        if m and entry.is_dir() and (entry / RECORD_NAME).is_file():
             found.append((int(m.group(1)), entry))
     return sorted(found)
 
@@ -128,22 +119,62 @@ def find_latest(root: Path) -> Path | None:
     pointer = root / "latest"
     if pointer.is_file():
         target = root / pointer.read_text(encoding="utf-8").strip()
-        if _STEP_DIR.match(target.name) and (target / ".metadata").is_file():
+        if _STEP_DIR.match(target.name) and (target / RECORD_NAME).is_file():
             return target
     # `latest` lags the rename by one atomic write; a committed directory is complete by construction.
     done = committed(root)
     return done[-1][1] if done else None
 
 
+class ChecksummingFileSystem(FileSystem):
+    """DCP's local filesystem, with every file written checksummed on its way to disk."""
+
+    def __init__(self, log: DigestLog) -> None:
+        super().__init__()
+        self.log = log
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        name = Path(path).name
+        with super().create_stream(path, mode) as raw:
+            writer = ChecksumWriter(raw, lambda w: self.log.add(name, FileDigest(w.size, w.crc)))
+            try:
+                yield writer
+            finally:
+                writer.close()
+
+    def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
+        super().rename(path, new_path)
+        self.log.rename(Path(path).name, Path(new_path).name)
+
+
 class Checkpointer:
+    """Saves on the spec's policy (interval, final, on signal), commits atomically, resumes by agreement."""
+
     def __init__(
-        self, root: str | Path, keep: int, async_save: bool, rank: int, writer_threads: int = 1
+        self,
+        spec: CheckpointSpec,
+        root: str | Path,
+        rank: int,
+        layout: dict[str, int] | None = None,
+        log: Callable[[str], None] = print,
     ) -> None:
+        self.spec = spec
         self.root = Path(root)
-        self.keep = keep
-        self.async_save = async_save
+        self.keep = spec.keep
+        self.async_save = spec.async_save
+        self.rank = rank
         self.is_rank0 = rank == 0
-        self.writer_threads = writer_threads
+        self.writer_threads = spec.writer_threads
+        self.layout = dict(layout or {})
+        self.world_size = dist.get_world_size()
+        self._log = log
+        self.last_saved_step: int | None = None
+        self._digests: DigestLog | None = None
         # A separate gloo group: DCP's coordination runs on CPU, and an async save's collectives run in a
         # background thread, where they must not interleave with training's collectives.
         self.group = dist.new_group(backend="gloo")
@@ -153,7 +184,7 @@ class Checkpointer:
         self.staging_wait_s = 0.0  # time training spent waiting for it (benchmarks read this)
         # One stager for the whole run: it keeps its host buffers between saves, so only the first
         # save pays for allocating (and on GPUs pinning) them.
-        self._stager = _make_stager() if async_save else None
+        self._stager = _make_stager() if self.async_save else None
         # torch.save's zip CRC32s cost half of serialising each tensor (measured: 232 vs 120 ms per
         # 360 MB), and torch.load never checks them: a flipped bit loads silently either way. Process-
         # wide, which is fine for a training process; completeness comes from the commit protocol.
@@ -176,8 +207,65 @@ class Checkpointer:
         others = [path for _, path in reversed(committed(self.root)) if path != latest]
         return ([latest] if latest else []) + others
 
-    def load(self, state: dict[str, Any], path: Path) -> None:
-        dcp.load(state, checkpoint_id=str(path), process_group=self.group)
+    # ----------------------------------------------------------------------------------------------
+    # Resume
+
+    def restore(self, state: dict[str, Any]) -> tuple[Path | None, bool]:
+        """Load the newest usable checkpoint into `state`; every rank returns the same answer.
+
+        Returns (the checkpoint loaded or None, whether a failed attempt may have left `state` partly
+        overwritten). Each candidate is checked before any rank reads from it: the commit record, then
+        the CRC-32C of each file this rank will read. Verdicts are all-gathered, so a bad file seen by
+        one rank makes every rank skip that checkpoint together; so is the outcome of the load itself,
+        whose last part (applying each Stateful) runs on each rank alone.
+        """
+        dirty = False
+        for path in self._agreed_candidates():
+            problem = self._agree(self._local_problem(state, path))
+            if problem is None:
+                try:
+                    dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=self.group)
+                    local = None
+                except CheckpointException as exc:  # raised on every rank alike
+                    local = _first_failure(exc)
+                except Exception as exc:  # a Stateful's load_state_dict: this rank alone
+                    local = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+                problem = self._agree(local)
+                dirty = dirty or problem is not None
+            if problem is None:
+                self.last_saved_step = _step_of(path)
+                return path, False
+            if self.is_rank0:
+                self._log(f"hpkit train: warning: skipping checkpoint {path}: {problem}")
+        return None, dirty
+
+    def _agreed_candidates(self) -> list[Path]:
+        # Rank 0's view decides: a rank whose filesystem shows another list (a node-local directory, a
+        # lagging NFS cache) then fails that candidate's check instead of trying a different one.
+        listing: list[Any] = [[str(p) for p in self.candidates()] if self.is_rank0 else None]
+        dist.broadcast_object_list(listing, src=0, group=self.group)
+        return [Path(p) for p in listing[0]]
+
+    def _agree(self, problem: str | None) -> str | None:
+        verdicts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(verdicts, problem, group=self.group)
+        bad = [v for v in verdicts if v is not None]
+        return bad[0] if bad else None
+
+    def _local_problem(self, state: dict[str, Any], path: Path) -> str | None:
+        """Why this rank cannot load `path` (one phrase naming the file and what differed), or None."""
+        try:
+            record = read_record(path)
+            problems = verify_files(path, record, [".metadata"])
+            if not problems:
+                problems = verify_files(path, record, files_to_read(state, path))
+        except RecordError as exc:
+            return f"rank {self.rank}: {exc}"
+        except Exception as exc:  # the checkpoint does not fit this model (missing keys, shapes)
+            return f"rank {self.rank}: cannot plan the load: {type(exc).__name__}: {exc}"
+        if problems:
+            return f"rank {self.rank}: {'; '.join(problems)}"
+        return None
 
     def _on_rank0(self, action: Callable[[], None], what: str) -> None:
         """Run a filesystem change on rank 0; if it fails, every rank raises (none is left waiting)."""
@@ -209,7 +297,24 @@ class Checkpointer:
             f"could not write checkpoint {tmp.name[:-4]}: {_first_failure(exc)}; {self._advice()}"
         )
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
+    # ----------------------------------------------------------------------------------------------
+    # Save
+
+    def due(self, step: int, *, final: bool = False, forced: bool = False) -> bool:
+        """The save policy: on a signal, every `interval` steps, and after the last step (save_final)."""
+        if step == self.last_saved_step:
+            return False
+        return forced or step % self.spec.interval == 0 or (final and self.spec.save_final)
+
+    def save(self, step: int, state: dict[str, Any], *, final: bool = False, forced: bool = False) -> bool:
+        """Save `state` as step `step` if the policy says so; returns whether it did."""
+        if not self.due(step, final=final, forced=forced):
+            return False
+        self._save(step, state)
+        self.last_saved_step = step
+        return True
+
+    def _save(self, step: int, state: dict[str, Any]) -> None:
         self.wait()
         final = self.root / step_dir_name(step)
         tmp = final.with_name(final.name + ".tmp")
@@ -243,7 +348,11 @@ class Checkpointer:
             self._commit(tmp, final)
 
     def _writer(self, path: Path) -> Any:
-        return dcp.FileSystemWriter(path, thread_count=self.writer_threads)
+        writer = dcp.FileSystemWriter(path, thread_count=self.writer_threads)
+        # Checksums are taken as the bytes go out: a save never reads its files back.
+        self._digests = DigestLog()
+        writer.fs = ChecksummingFileSystem(self._digests)
+        return writer
 
     def wait_for_staging(self) -> None:
         """Block until an async save has copied the state; call before anything changes it."""
@@ -267,9 +376,17 @@ class Checkpointer:
         self._commit(tmp, final)
 
     def _commit(self, tmp: Path, final: Path) -> None:
-        dist.barrier(group=self.group)  # every rank's shards and rank 0's .metadata are on disk
+        # Gathering every rank's digests also tells rank 0 that all shards and its .metadata are on disk.
+        mine = dict(self._digests.files) if self._digests else {}
+        gathered: list[Any] = [None] * self.world_size if self.is_rank0 else []
+        dist.gather_object(mine, gathered if self.is_rank0 else None, dst=0, group=self.group)
 
         def publish() -> None:
+            files: dict[str, FileDigest] = {}
+            for part in gathered:
+                files.update(part or {})
+            record = CommitRecord(_step_of(final), files, self.world_size, self.layout, time.time())
+            write_record(tmp, record)
             if final.exists():
                 shutil.rmtree(final)
             os.replace(tmp, final)
@@ -309,6 +426,21 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+
+def files_to_read(state: dict[str, Any], path: Path) -> set[str]:
+    """The files of checkpoint `path` that loading `state` on this rank reads: DCP's own local plan."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
+    planner = DefaultLoadPlanner()
+    planner.set_up_planner(plain, metadata, False)
+    plan = planner.create_local_plan()
+    return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
+
+
+def _step_of(path: Path) -> int:
+    m = _STEP_DIR.match(path.name.removesuffix(".tmp"))
+    return int(m.group(1)) if m else -1
 
 
 def _first_failure(exc: BaseException) -> str:

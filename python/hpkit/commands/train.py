@@ -1,0 +1,35 @@
+"""`hpkit train`: parse the arguments, load the configuration, run (inside a job)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from hpkit.errors import SpecError
+from hpkit.runtime.config import SPEC_ENV, load_run_config
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Run the training loop (inside a job).")
+    parser.add_argument(
+        "--config",
+        default=os.environ.get(SPEC_ENV),
+        help=f"job spec or training config YAML (default: ${SPEC_ENV}, which the sbatch script exports)",
+    )
+    parser.add_argument("--steps", type=int, help="override train.steps")
+    return parser
+
+
+def main(argv: list[str], prog: str = "hpkit train") -> int:
+    args = _parser(prog).parse_args(argv[1:] if argv and argv[0] == "train" else argv)
+    if not args.config:
+        raise SpecError(f"no config: pass --config job.yaml or export {SPEC_ENV}")
+    cfg = load_run_config(args.config)
+    if args.steps is not None:
+        if args.steps < 1:
+            raise SpecError("--steps must be at least 1")
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": args.steps})})
+    # torch loads only now: `--help` and config errors answer without it.
+    from hpkit.runtime.run import run
+
+    return run(cfg)

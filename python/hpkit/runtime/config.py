@@ -1,0 +1,265 @@
+"""The training configuration: what `hpkit train` needs from a job spec, and nothing that concerns Slurm.
+
+Torch-free, so that the login node can validate it. `JobSpec` (hpkit.spec) extends `RunConfig` with
+resources, placement and the launcher: a whole job spec is a run configuration, and a file of bare
+training blocks is one too.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import posixpath
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+
+from hpkit.errors import SpecError
+from hpkit.validation import StrictModel, check_no_control_chars, format_validation_error
+
+SPEC_ENV = "HPKIT_SPEC"
+
+
+class ParallelismSpec(StrictModel):
+    """Parallel degrees; their product is the world size. One degree may be -1 and is inferred.
+
+    SageMaker model-parallel names are accepted: tensor_parallel_degree, pipeline_parallel_degree
+    (or partitions), microbatches, and ddp (plain data parallel over the remaining ranks).
+    """
+
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    tp: int = 1
+    pp: int = 1
+    microbatches: int = Field(default=1, ge=1)
+    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    tp_modules: list[str] | None = Field(
+        default=None, description="apply tensor parallel only to these module names (None: the whole model)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _sagemaker_aliases(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for alias, canonical in (
+            ("tensor_parallel_degree", "tp"),
+            ("pipeline_parallel_degree", "pp"),
+            ("partitions", "pp"),
+        ):
+            if alias in data:
+                value = data.pop(alias)
+                if canonical in data and data[canonical] != value:
+                    raise ValueError(
+                        f"{alias}={value} conflicts with {canonical}={data[canonical]}: give one"
+                    )
+                data[canonical] = value
+        if "ddp" in data:
+            ddp = data.pop("ddp")
+            if not isinstance(ddp, bool):
+                raise ValueError("ddp must be true or false")
+            if ddp and "dp_replicate" not in data and "dp_shard" not in data:
+                # SMP's ddp: replicate the model over whatever ranks tp and pp leave.
+                data["dp_replicate"], data["dp_shard"] = -1, 1
+        return data
+
+    @model_validator(mode="after")
+    def _degrees(self) -> ParallelismSpec:
+        degrees = self.named_degrees()
+        for name, value in degrees.items():
+            if value == 0 or value < -1:
+                raise ValueError(f"{name}={value}: a degree is a positive integer, or -1 to infer it")
+        if sum(v == -1 for v in degrees.values()) > 1:
+            raise ValueError("only one of dp_replicate, dp_shard, tp, pp may be -1")
+        if self.pp > 1 and self.microbatches < self.pp:
+            raise ValueError(f"microbatches={self.microbatches} must be >= pp={self.pp} to fill the pipeline")
+        return self
+
+    def named_degrees(self) -> dict[str, int]:
+        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp}
+
+    def resolve(self, world_size: int) -> dict[str, int]:
+        """Degrees with -1 filled in; raises ValueError when they cannot make up world_size."""
+        degrees = self.named_degrees()
+        known = math.prod(v for v in degrees.values() if v != -1)
+        if world_size % known:
+            raise ValueError(
+                f"the degrees {_fmt(degrees)} multiply to {known}, which does not divide the world size "
+                f"{world_size}: make dp_replicate*dp_shard*tp*pp equal {world_size}"
+            )
+        for name, value in degrees.items():
+            if value == -1:
+                degrees[name] = world_size // known
+        if math.prod(degrees.values()) != world_size:
+            raise ValueError(
+                f"the degrees {_fmt(degrees)} multiply to {math.prod(degrees.values())}, not the world size "
+                f"{world_size}: set one degree to -1 to infer it"
+            )
+        return degrees
+
+
+def _fmt(degrees: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in degrees.items())
+
+
+class ModelSpec(StrictModel):
+    """The reference Llama-style decoder: a named shape, optionally with some dimensions overridden."""
+
+    name: Literal["debug", "125M", "1B", "8B"] = "debug"
+    vocab_size: int | None = Field(default=None, ge=2, description="override the shape's vocabulary")
+    seq_len: int = Field(default=256, ge=2)
+    dim: int | None = Field(default=None, ge=8, description="override the hidden size")
+    n_layers: int | None = Field(default=None, ge=1, description="override the number of blocks")
+    n_heads: int | None = Field(default=None, ge=1, description="override the number of attention heads")
+    n_kv_heads: int | None = Field(default=None, ge=1, description="override the key/value heads (GQA)")
+    ffn_dim: int | None = Field(default=None, ge=1, description="override the SwiGLU hidden size")
+
+
+class DataSpec(StrictModel):
+    kind: Literal["synthetic", "tokens"] = "synthetic"
+    path: str | None = Field(default=None, description="a flat binary file of token ids (kind: tokens)")
+    dtype: Literal["uint16", "uint32"] = "uint16"
+
+    @model_validator(mode="after")
+    def _path(self) -> DataSpec:
+        if self.kind == "tokens" and not self.path:
+            raise ValueError("kind: tokens needs path: the token file to read")
+        return self
+
+
+class TrainSpec(StrictModel):
+    steps: int = Field(default=20, ge=1)
+    local_batch_size: int = Field(default=8, ge=1, description="sequences per data-parallel rank per step")
+    lr: float = Field(default=3e-4, gt=0)
+    warmup_steps: int = Field(default=0, ge=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    grad_clip: float | None = Field(default=1.0, gt=0)
+    seed: int = 0
+    mixed_precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto",
+        description="auto: bf16 on GPUs; fp32 on CPUs, where bf16 matmuls are slower, not faster",
+    )
+    activation_checkpoint: Literal["none", "full", "selective"] = "none"
+    compile: bool = False
+    log_every: int = Field(default=1, ge=1)
+    metrics_file: str | None = Field(
+        default=None, description="JSONL metrics path; a relative one is inside output_dir (default: there)"
+    )
+    tensorboard: bool = Field(default=True, description="also write TensorBoard events when it is installed")
+    data: DataSpec = Field(default_factory=DataSpec)
+
+    @field_validator("metrics_file")
+    @classmethod
+    def _inside_output_dir(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        check_no_control_chars(value, "metrics_file")
+        if posixpath.isabs(value):
+            return posixpath.normpath(value)
+        normal = posixpath.normpath(value)
+        if normal == ".." or normal.startswith("../") or normal == ".":
+            raise ValueError(
+                f"{value!r} is not a file inside output_dir: name one there, or give an absolute path"
+            )
+        return normal
+
+
+class CheckpointSpec(StrictModel):
+    dir: str | None = Field(
+        default=None, description="where checkpoints go, %j standing for the job id (None: no checkpoints)"
+    )
+    interval: int = Field(default=100, ge=1, description="save every this many steps")
+    keep: int = Field(default=2, ge=1, description="keep the newest k checkpoints")
+    async_save: bool = False
+    resume: bool = True
+    save_final: bool = Field(default=True, description="also save after the last step")
+    writer_threads: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="files (and threads) each rank writes a checkpoint with; more help on parallel filesystems (FSx for Lustre)",
+    )
+
+
+class ResilienceSpec(StrictModel):
+    """Preemption, time limits and lost peers: turn each into a resume from the last checkpoint."""
+
+    signal_grace_s: int = Field(
+        default=120,
+        ge=5,
+        le=65535,
+        description="Slurm sends USR1 this long before a time-limit or preemption kill",
+    )
+    max_restarts: int = Field(
+        default=3, ge=0, description="requeue the job at most this many times (0: never)"
+    )
+    collective_timeout_s: int = Field(
+        default=600,
+        ge=10,
+        description="a collective waiting this long on a dead peer ends the job instead of hanging it",
+    )
+
+
+class CollectivesSpec(StrictModel):
+    """Which collective library `hpkit train` uses on GPUs (CPUs always use gloo)."""
+
+    backend: Literal["auto", "smddp"] = Field(
+        default="auto",
+        description="auto: NCCL; smddp: SageMaker's data-parallel library where it imports and the type supports it",
+    )
+    smddp_fallback: bool = Field(
+        default=False,
+        description="when SMDDP cannot be used: run with NCCL (true) or stop with the reason (false)",
+    )
+
+
+class RunConfig(StrictModel):
+    """The training blocks of a job spec; also a file of its own (`hpkit train --config`)."""
+
+    name: str = "train"
+    output_dir: str = "logs"
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    train: TrainSpec = Field(default_factory=TrainSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
+    collectives: CollectivesSpec = Field(default_factory=CollectivesSpec)
+    instance_type: str | None = Field(
+        default=None, description="the EC2/SageMaker type the nodes are (ml.p4d.24xlarge): informs SMDDP"
+    )
+
+
+def parse_run_config(data: Any, source: str = "config") -> RunConfig:
+    """Validate decoded training blocks; SpecError carries one line per problem, each naming its field."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: a training config is a mapping of keys, not {type(data).__name__}")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc, RunConfig, source)) from None
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """A whole job spec (validated as `hpkit submit` did) or a file of bare training blocks."""
+    from hpkit.spec import load_spec, read_document
+
+    data = read_document(path)
+    if isinstance(data, dict) and "name" in data and not set(data) <= set(RunConfig.model_fields):
+        return load_spec(path)
+    return parse_run_config(data, str(path))
+
+
+def resolve_mixed_precision(setting: str, device_type: str) -> str:
+    if setting == "auto":
+        return "bf16" if device_type == "cuda" else "fp32"
+    return setting
+
+
+def expand_job_pattern(path: str) -> str:
+    """%j -> the Slurm job id, as in sbatch's --output: a requeued job keeps its id (and resumes its own
+    checkpoints), a new submission starts a fresh directory."""
+    return path.replace(
+        "%j", os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
+    )

@@ -1,0 +1,215 @@
+"""`hpkit train`'s run: join the process group, build the Trainer, resume, loop, save, summarise.
+
+The loop is a short sequence of named steps; what each does lives in the Trainer (a step), the
+Checkpointer (when to save, how to resume) and the metrics (what to record).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from hpkit.errors import SpecError
+from hpkit.runtime.checkpoint import Checkpointer
+from hpkit.runtime.config import RunConfig, expand_job_pattern
+from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed
+from hpkit.runtime.metrics import MetricsLogger, StepStats, peak_memory_gib, peak_tflops
+from hpkit.runtime.trainer import StepResult, Trainer
+from hpkit.sagemaker.smddp import decide  # MERGE: hpkit.runtime.collectives
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+def run(cfg: RunConfig) -> int:
+    quiet_known_warnings()
+    # A collective stuck on a dead peer fails after this long instead of hanging the job.
+    with distributed(
+        timeout_s=cfg.resilience.collective_timeout_s,
+        choose_backend=lambda launch, device: choose_collectives(cfg, launch, device),
+    ) as d:
+        return _train(cfg, d.launch, d.device)
+
+
+def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
+    say = _printer(launch.rank == 0)
+    metrics = _metrics_logger(cfg, launch.rank == 0)
+    trainer = Trainer(cfg, device)
+    checkpointer = _checkpointer(cfg, launch.rank, trainer, say)
+    say(_banner(cfg, launch, device, trainer))
+    if checkpointer is not None and cfg.checkpoint.resume:
+        resumed = trainer.resume(checkpointer)
+        if resumed is not None:
+            say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
+    summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
+    peak = peak_tflops(device.name, device.type, trainer.mixed_precision)
+    last: StepResult | None = None
+    try:
+        with _stop_on_signals(trainer.request_stop):
+            while trainer.step < cfg.train.steps:
+                last = trainer.train_step(checkpointer)
+                summary.add(last, trainer.tokens_per_step)
+                if last.logged:
+                    _check_finite(last)
+                    metrics.log(_stats(last, trainer, launch, peak))
+                if checkpointer is not None:
+                    checkpointer.save(last.step, trainer.checkpoint_state(), forced=trainer.stop_requested)
+                if trainer.stop_requested:
+                    say(f"hpkit train: stopping at step {trainer.step} on signal {trainer.stop_signal}")
+                    break
+            if checkpointer is not None:
+                if last is not None and not trainer.stop_requested:
+                    checkpointer.save(last.step, trainer.checkpoint_state(), final=True)
+                checkpointer.close()
+    finally:
+        trainer.close()
+        metrics.close()
+    if last is None:
+        say(f"hpkit train: nothing to do: already at step {trainer.step} of {cfg.train.steps}")
+        return 0
+    say(summary.line(last, trainer, launch, device, peak))
+    return 128 + trainer.stop_signal if trainer.stop_requested else 0
+
+
+# --------------------------------------------------------------------------------------------------
+# The pieces of a run
+
+
+@dataclasses.dataclass
+class Throughput:
+    """Tokens and seconds over the timed steps: the first step pays for allocation, compile and
+    communicator set-up, so it is left out (unless it is the only one)."""
+
+    first_step: int
+    last_step: int
+    tokens: int = 0
+    seconds: float = 0.0
+    steps: int = 0
+
+    def add(self, result: StepResult, tokens: int) -> None:
+        if result.step > self.first_step or self.last_step == self.first_step:
+            self.tokens += tokens
+            self.seconds += result.step_time_s
+            self.steps += 1
+
+    def line(
+        self, last: StepResult, trainer: Trainer, launch: LaunchEnv, device: DeviceInfo, peak: float | None
+    ) -> str:
+        tps = self.tokens / self.seconds if self.seconds > 0 else 0.0
+        tflops = trainer.flops_per_token * tps / launch.world_size / 1e12
+        mfu = f"{tflops / peak * 100:.1f}%" if peak else "n/a"
+        layout = ",".join(f"{k}:{v}" for k, v in trainer.dims.degrees().items() if v > 1) or "single"
+        loss = f"{last.loss:.4f}" if last.loss is not None else "n/a"
+        return (
+            f"hpkit train: done steps={last.step} final_loss={loss} tokens_per_s={tps:.0f} "
+            f"tflops_per_device={tflops:.3f} mfu={mfu} step_ms={self.seconds / max(1, self.steps) * 1000:.0f} "
+            f"world={launch.world_size} layout={layout} device={device.type}"
+        )
+
+
+def _printer(enabled: bool) -> Callable[[str], None]:
+    def say(line: str) -> None:
+        if enabled:
+            print(line, flush=True)
+
+    return say
+
+
+def run_id() -> str:
+    """The job's id (a requeued job keeps it), else a timestamp; torchrun's standalone id is `none`."""
+    found = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
+    return found if found and found != "none" else time.strftime("%Y%m%d-%H%M%S")
+
+
+def _metrics_logger(cfg: RunConfig, enabled: bool) -> MetricsLogger:
+    out, ident = Path(cfg.output_dir), run_id()
+    jsonl = (
+        out / cfg.train.metrics_file if cfg.train.metrics_file else out / f"{cfg.name}-{ident}.metrics.jsonl"
+    )
+    tensorboard = out / "tensorboard" / f"{cfg.name}-{ident}" if cfg.train.tensorboard else None
+    return MetricsLogger(enabled=enabled, jsonl_path=jsonl, tensorboard_dir=tensorboard)
+
+
+def _checkpointer(
+    cfg: RunConfig, rank: int, trainer: Trainer, say: Callable[[str], None]
+) -> Checkpointer | None:
+    if not cfg.checkpoint.dir:
+        return None
+    root = expand_job_pattern(cfg.checkpoint.dir)
+    return Checkpointer(cfg.checkpoint, root, rank, layout=trainer.dims.degrees(), log=say)
+
+
+def _banner(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, trainer: Trainer) -> str:
+    return (
+        f"hpkit train: {cfg.name}: model {cfg.model.name} ({trainer.model_cfg.num_params() / 1e6:.2f}M params), "
+        f"{trainer.dims.describe()} on {launch.world_size} {device.type} rank(s) ({device.backend}, "
+        f"launched by {launch.source}), {cfg.train.steps} steps of {trainer.tokens_per_step} tokens"
+    )
+
+
+def _check_finite(result: StepResult) -> None:
+    if result.loss is not None and not math.isfinite(result.loss):
+        raise SpecError(f"the loss became {result.loss} at step {result.step}: lower train.lr")
+
+
+def _stats(result: StepResult, trainer: Trainer, launch: LaunchEnv, peak: float | None) -> StepStats:
+    mem, kind = peak_memory_gib(trainer.device)
+    return StepStats(
+        result.step,
+        float(result.loss or 0.0),
+        float(result.grad_norm or 0.0),
+        result.lr,
+        result.step_time_s,
+        trainer.tokens_per_step,
+        launch.world_size,
+        trainer.flops_per_token,
+        peak,
+        mem,
+        kind,
+    )
+
+
+@contextmanager
+def _stop_on_signals(request_stop: Callable[[int], None]) -> Iterator[None]:
+    """Slurm sends SIGTERM (or the --signal one) before killing: finish the step, save, then stop."""
+    previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, lambda signum, _frame: request_stop(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def choose_collectives(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> DeviceInfo:
+    """On GPUs, SMDDP instead of NCCL where the spec asks for it and it can run (else why not, in one line)."""
+    if device.type != "cuda":
+        return device
+    choice = decide(cfg.collectives.backend, cfg.collectives.smddp_fallback, cfg.instance_type)
+    if launch.rank == 0 and cfg.collectives.backend != "auto":
+        print(f"hpkit train: {choice.reason}", flush=True)
+    if not choice.usable:
+        raise SpecError(choice.reason)
+    return dataclasses.replace(device, backend=choice.backend)
+
+
+def quiet_known_warnings() -> None:
+    """Silence two warnings that do not apply to how the runtime uses torch, so real ones stand out."""
+    import logging
+    import warnings
+
+    # The logits are never modified in place, which is what this warning is about.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+
+    class _Drop(logging.Filter):
+        def filter(self, record: logging.LogRecord) -> bool:
+            # Reducing the scalar gradient norm over a 2-D mesh in two steps costs microseconds.
+            return "sequential all_reduce operations" not in record.getMessage()
+
+    logging.getLogger("torch.distributed.tensor._redistribute").addFilter(_Drop())

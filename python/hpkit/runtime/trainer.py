@@ -1,0 +1,325 @@
+"""The Trainer: one training run's model, optimizer and data on an initialised process group.
+
+Order of construction (as in torchtitan): the model is built on the meta device, split into a
+pipeline stage, then tensor parallel -> activation checkpointing -> compile -> FSDP are applied,
+and only then are the weights materialised and initialised, each rank allocating only its shards.
+
+The Trainer is itself a DCP `Stateful`: its state is the step, the data position and the RNG, saved
+beside the model and optimizer. The host reads values from the device (loss, grad norm, the stop
+flag) only on logging steps, so a GPU is never made to wait for the CPU between them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from hpkit.errors import SpecError
+from hpkit.models.llama import LlamaConfig, build_model, config_for
+from hpkit.runtime import data as data_mod
+from hpkit.runtime.activation_checkpoint import apply_ac
+from hpkit.runtime.checkpoint import Checkpointer, ModelState, OptimizerState
+from hpkit.runtime.compile import apply_compile, check_compile_allowed
+from hpkit.runtime.config import ModelSpec, RunConfig, resolve_mixed_precision
+from hpkit.runtime.env import DeviceInfo
+from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
+from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
+from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
+from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model
+from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape
+
+
+@dataclass
+class StepResult:
+    """One step. `loss` and `grad_norm` are read to the host only on logging steps (else None)."""
+
+    step: int
+    lr: float
+    step_time_s: float
+    loss: float | None = None
+    grad_norm: float | None = None
+
+    @property
+    def logged(self) -> bool:
+        return self.loss is not None
+
+
+class StopFlag:
+    """Whether any rank was signalled, agreed without stalling a step.
+
+    Each step starts a non-blocking all-reduce (MAX) of this rank's flag on a CPU group of its own;
+    the next step reads the result. A signal therefore stops every rank at the same step, at most one
+    step after the step in which it arrived was checked.
+    """
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+        self.received = 0
+        self.agreed = 0
+        self._pending: tuple[Any, torch.Tensor] | None = None
+
+    def request(self, signum: int) -> None:
+        self.received = signum
+
+    def exchange(self) -> None:
+        """Collect the previous step's verdict and start this step's."""
+        self.settle()
+        flag = torch.tensor([self.received], dtype=torch.int64)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+        self._pending = (work, flag)
+
+    def settle(self) -> None:
+        """Finish the reduction in flight (before reading `agreed`, and before teardown)."""
+        if self._pending is not None:
+            work, flag = self._pending
+            self._pending = None
+            work.wait()
+            self.agreed = self.agreed or int(flag.item())
+
+
+class Trainer:
+    """One training run; it owns its mesh, model, optimizer and data, and is DCP-Stateful."""
+
+    def __init__(self, cfg: RunConfig, device: DeviceInfo) -> None:
+        self.cfg = cfg
+        self.device_info = device
+        self.device = device.torch_device()
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        tr = cfg.train
+        self.mixed_precision = resolve_mixed_precision(tr.mixed_precision, device.type)
+        self.dims = ParallelDims.from_spec(cfg.parallelism, self.world_size)
+        check_compile_allowed(tr.compile, self.dims.tp_enabled, device.type)
+        if self.dims.pp_enabled:
+            check_microbatches(tr.local_batch_size, cfg.parallelism.microbatches)
+        self.coords = make_mesh(self.dims, device.type)
+        self.model_cfg = model_config(cfg.model)
+        self.pp_stage = self.coords.pp_rank
+        self.is_first_stage = self.pp_stage == 0
+        self.is_last_stage = self.pp_stage == self.dims.pp - 1
+        self.model, self.module = self._build_model()
+        # FSDP casts parameters itself; otherwise bf16 comes from autocast around the forward.
+        self.autocast = self.mixed_precision == "bf16" and not self.dims.fsdp_enabled
+        self.schedule = self._build_schedule()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = self._build_optimizer()
+        self.loader = self._build_loader()
+        self.pp_group = self.coords.pp_mesh.get_group() if self.dims.pp_enabled else None
+        self.step = 0
+        self.flops_per_token = self.model_cfg.flops_per_token(cfg.model.seq_len)
+        self.stop = StopFlag()
+
+    # ----------------------------------------------------------------------------------------------
+    # Construction
+
+    def _build_model(self) -> tuple[torch.nn.Module, torch.nn.Module]:
+        cfg, tr = self.cfg, self.cfg.train
+        torch.manual_seed(tr.seed)
+        whole = build_model(self.model_cfg, "meta")
+        part = split_model(whole, self.dims.pp, self.pp_stage)
+        if self.dims.tp_enabled:
+            whole_model = cfg.parallelism.tp_modules is None
+            check_tp_shape(part, self.dims.tp, cfg.model.seq_len, whole_model)
+            apply_tp(part, self.coords.tp_mesh, cfg.parallelism.tp_modules)
+        apply_ac(part, tr.activation_checkpoint)
+        if tr.compile:
+            apply_compile(part)
+        if self.dims.fsdp_enabled:
+            apply_fsdp(part, self.coords.fsdp_mesh, self.mixed_precision, self.dims.pp_enabled)
+        part.to_empty(device=self.device)
+        part.init_weights(tr.seed)
+        module = apply_ddp(part, self.coords.ddp_mesh, self.device) if self.dims.ddp_enabled else part
+        return part, module
+
+    def _build_schedule(self) -> Any:
+        if not self.dims.pp_enabled:
+            return None
+        par = self.cfg.parallelism
+        return build_schedule(
+            self.module, self.coords.pp_mesh, self.device, par.microbatches, par.pp_schedule, loss_fn
+        )
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        tr = self.cfg.train
+        return torch.optim.AdamW(
+            self.params,
+            lr=tr.lr,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+            weight_decay=tr.weight_decay,
+            # foreach kernels need all DTensors on one mesh; TP on chosen modules mixes meshes.
+            foreach=_single_mesh(self.params),
+        )
+
+    def _build_loader(self) -> data_mod.DataLoader:
+        tr, m = self.cfg.train, self.cfg.model
+        source = data_mod.build_source(
+            tr.data.kind, tr.data.path, tr.data.dtype, m.seq_len, tr.seed, self.model_cfg.vocab_size
+        )
+        return data_mod.DataLoader(
+            source, tr.local_batch_size, dp_rank=self.coords.dp_rank, dp_degree=self.dims.dp
+        )
+
+    def reset(self) -> None:
+        """Back to the freshly initialised state: after a failed resume may have loaded part of a checkpoint."""
+        torch.manual_seed(self.cfg.train.seed)
+        self.model.init_weights(self.cfg.train.seed)
+        self.optimizer.state.clear()
+        self.step = 0
+        self.loader.position = 0
+
+    # ----------------------------------------------------------------------------------------------
+    # Checkpoint state (DCP Stateful)
+
+    def state_dict(self) -> dict[str, Any]:
+        # Every rank seeds alike and draws in lockstep, so one copy of the RNG state suffices.
+        state = {
+            "step": torch.tensor(self.step),
+            "data_position": torch.tensor(self.loader.position),
+            "rng_cpu": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available():
+            state["rng_cuda"] = torch.cuda.get_rng_state()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.loader.position = int(state["data_position"])
+        torch.set_rng_state(state["rng_cpu"])
+        if "rng_cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["rng_cuda"])
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            "model": ModelState([self.model]),
+            "optimizer": OptimizerState([self.model], [self.optimizer]),
+            "train": self,
+        }
+
+    def resume(self, checkpointer: Checkpointer) -> Path | None:
+        """Load the newest usable checkpoint, agreed by every rank; None (and a fresh start) if none is."""
+        path, dirty = checkpointer.restore(self.checkpoint_state())
+        if path is None and dirty:
+            self.reset()
+        return path
+
+    # ----------------------------------------------------------------------------------------------
+    # One step
+
+    def lr_at(self, step: int) -> float:
+        tr = self.cfg.train
+        if tr.warmup_steps and step <= tr.warmup_steps:
+            return tr.lr * step / tr.warmup_steps
+        return tr.lr
+
+    def is_logging_step(self, step: int) -> bool:
+        return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
+
+    def train_step(self, checkpointer: Checkpointer | None = None) -> StepResult:
+        start = time.perf_counter()
+        self.step += 1
+        lr = self.lr_at(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        inputs, labels = self.loader.next_batch()
+        local_loss = self._forward_backward(
+            inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
+        )
+        norm = total_grad_norm(self.params, self.pp_group)
+        if self.cfg.train.grad_clip is not None:
+            clip_grads_(self.params, self.cfg.train.grad_clip, norm)
+        if checkpointer is not None:
+            checkpointer.wait_for_staging()  # an async save may still be copying these weights
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.stop.exchange()
+        result = StepResult(self.step, lr, 0.0)
+        if self.is_logging_step(self.step):
+            result.loss = self._global_loss(local_loss)
+            result.grad_norm = float(norm)
+        result.step_time_s = time.perf_counter() - start
+        return result
+
+    def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        if self.schedule is None:
+            with self._autocast():
+                logits = self.module(inputs)
+            loss = loss_fn(logits, labels)
+            loss.backward()
+            return loss.detach()
+        losses: list[torch.Tensor] = []
+        with self._autocast():
+            if self.is_first_stage:
+                self.schedule.step(inputs)
+            elif self.is_last_stage:
+                self.schedule.step(target=labels, losses=losses)
+            else:
+                self.schedule.step()
+        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+
+    def _global_loss(self, local_loss: torch.Tensor) -> float:
+        # Only the last stage's first tp rank holds a copy of each data-parallel rank's loss to count.
+        counts = self.is_last_stage and self.coords.tp_rank == 0
+        total = local_loss.float() if counts else torch.zeros((), device=self.device)
+        dist.all_reduce(total)
+        return float(total) / self.dims.dp
+
+    def _autocast(self) -> Any:
+        if self.autocast:
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ----------------------------------------------------------------------------------------------
+    # Stopping on a signal
+
+    def request_stop(self, signum: int) -> None:
+        """Signal handlers call this: it only records; the ranks act once they agree (StopFlag)."""
+        self.stop.request(signum)
+
+    @property
+    def stop_requested(self) -> bool:
+        return bool(self.stop.agreed)
+
+    @property
+    def stop_signal(self) -> int:
+        return self.stop.agreed
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.local_batch_size * self.dims.dp * self.cfg.model.seq_len
+
+    def close(self) -> None:
+        self.stop.settle()
+
+
+def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
+
+
+def model_config(m: ModelSpec) -> LlamaConfig:
+    try:
+        return config_for(
+            m.name,
+            m.seq_len,
+            vocab_size=m.vocab_size,
+            dim=m.dim,
+            n_layers=m.n_layers,
+            n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads,
+            ffn_dim=m.ffn_dim,
+        )
+    except ValueError as exc:
+        raise SpecError(f"model: {exc}") from None
+
+
+def _single_mesh(params: list[torch.nn.Parameter]) -> bool | None:
+    meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
+    return None if len(meshes) <= 1 else False
