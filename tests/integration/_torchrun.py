@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +49,52 @@ def run(args: list[str], tmp: Path, nproc: int | None, timeout: float = 400) -> 
             f"--- stderr\n{done.stderr[-10000:]}"
         )
     return done
+
+
+def run_two_agents(
+    args: list[str], tmp: Path, nproc: int, second_node_hides: Path, timeout: float = 400
+) -> subprocess.CompletedProcess:
+    """Two torchrun agents on this host, as two nodes of `nproc` ranks each; the second runs in its own
+    mount namespace where `second_node_hides` reads as an empty file (root only: unshare -m)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+
+    def agent(node_rank: int) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node_rank}",
+            f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{port}",
+            f"--rdzv-id=hpkit-test-{port}",
+            *args,
+        ]
+
+    hide = f'mount --bind /dev/null {shlex.quote(str(second_node_hides))} && exec "$@"'
+    second = ["unshare", "-m", "--propagation", "private", "sh", "-c", hide, "sh", *agent(1)]
+    env = torch_env(tmp)
+    first_proc = subprocess.Popen(
+        agent(0), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    second_proc = subprocess.Popen(
+        second, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
+    )
+    try:
+        out1, err1 = first_proc.communicate(timeout=timeout)
+        out2, err2 = second_proc.communicate(timeout=timeout)
+    finally:
+        for p in (first_proc, second_proc):
+            if p.poll() is None:
+                p.kill()
+    if first_proc.returncode or second_proc.returncode:
+        raise AssertionError(
+            f"two-agent run exited with {first_proc.returncode}/{second_proc.returncode}\n--- node 1 stdout\n"
+            f"{out1[-4000:]}\n--- node 1 stderr\n{err1[-6000:]}\n--- node 2 stderr\n{err2[-6000:]}"
+        )
+    return subprocess.CompletedProcess(agent(0), 0, out1 + out2, err1 + err2)

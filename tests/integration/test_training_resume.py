@@ -28,7 +28,7 @@ SUMMARY = re.compile(
 )
 
 
-def _spec(tmp: Path, tag: str, parallelism: dict, **checkpoint) -> Path:
+def _spec(tmp: Path, tag: str, parallelism: dict, steps: int = 9, **checkpoint) -> Path:
     spec = {
         # A whole job spec, as the sbatch script hands it over via HPKIT_SPEC.
         "name": f"resume-{tag}",
@@ -38,7 +38,7 @@ def _spec(tmp: Path, tag: str, parallelism: dict, **checkpoint) -> Path:
         "parallelism": parallelism,
         "model": MODEL,
         "train": {
-            "steps": 9,
+            "steps": steps,
             "local_batch_size": 4,
             "lr": 3e-3,
             "mixed_precision": "fp32",
@@ -75,7 +75,28 @@ def runs(tmp_path_factory):
     out_b = _torchrun.run(["-m", "hpkit", "train", "--config", str(b)], tmp / "tmp", 4).stdout
     c = _spec(tmp, "c", {"dp_shard": 2})
     out_c = _torchrun.run(["-m", "hpkit", "train", "--config", str(c)], tmp / "tmp", 2).stdout
-    return tmp, {"a": out_a, "b": out_b, "c": out_c}
+    # D: A's two checkpoints, the newest with 64 bytes flipped inside one shard.
+    shutil.copytree(tmp / "ckpt-a", tmp / "ckpt-d")
+    _flip(tmp / "ckpt-d" / "step-00000009" / "__3_0.distcp")
+    d = _spec(tmp, "d", {"dp_shard": 2, "tp": 2})
+    out_d = _torchrun.run(["-m", "hpkit", "train", "--config", str(d)], tmp / "tmp", 4).stdout
+    # E: A's checkpoints intact, but "node 2" (the second torchrun agent, ranks 2 and 3) sees an empty
+    # __3_0.distcp in step 9 through its own mount namespace, as a node with a stale or broken mount of
+    # the shared filesystem would. Ranks 0 and 1 see the good file.
+    shutil.copytree(tmp / "ckpt-a", tmp / "ckpt-e")
+    e = _spec(tmp, "e", {"dp_shard": 2, "tp": 2})
+    hidden = tmp / "ckpt-e" / "step-00000009" / "__3_0.distcp"
+    out_e = _torchrun.run_two_agents(
+        ["-m", "hpkit", "train", "--config", str(e)], tmp / "tmp", 2, second_node_hides=hidden
+    ).stdout
+    return tmp, {"a": out_a, "b": out_b, "c": out_c, "d": out_d, "e": out_e}
+
+
+def _flip(path: Path, count: int = 64) -> None:
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle : middle + count] = bytes(b ^ 0xFF for b in data[middle : middle + count])
+    path.write_bytes(bytes(data))
 
 
 def test_summary_line_and_metrics(runs):
@@ -118,3 +139,39 @@ def test_resume_into_plain_fsdp_on_two_processes(runs):
     for step in (7, 8, 9):
         for key in ("loss", "grad_norm"):
             assert c[step][key] == pytest.approx(a[step][key], rel=1e-5), (step, key)
+
+
+def _skips(out: str) -> list[str]:
+    return [line for line in out.splitlines() if "skipping checkpoint" in line]
+
+
+def test_flipped_bytes_in_a_shard_are_found_and_that_checkpoint_is_skipped(runs):
+    tmp, out = runs
+    skips = _skips(out["d"])
+    assert len(skips) == 1, out["d"]
+    assert re.search(r"step-00000009: __3_0\.distcp: CRC-32C \w{8}, the record says \w{8}", skips[0]), skips[
+        0
+    ]
+    assert "step-00000006 at step 6" in out["d"]
+    a, d = _metrics(tmp, "a"), _metrics(tmp, "d")
+    assert sorted(d) == [7, 8, 9]
+    for step in (7, 8, 9):
+        assert d[step]["loss"] == a[step]["loss"], step
+
+
+def test_a_problem_only_some_ranks_see_makes_every_rank_skip_that_checkpoint(runs):
+    """Only node 2's ranks see the bad file: their verdict must send all four ranks back to step 6.
+
+    Were the verdict not agreed, ranks 0 and 1 would start loading step 9 while 2 and 3 skipped it,
+    and the run would hang in the load's collectives (the launch's timeout fails the test)."""
+    tmp, out = runs
+    skips = _skips(out["e"])
+    assert len(skips) == 1, out["e"]
+    assert re.search(
+        r"step-00000009: __3_0\.distcp: 0 bytes, the record says \d+ \(seen by rank 2,3 of 4\)", skips[0]
+    ), skips[0]
+    assert "step-00000006 at step 6" in out["e"]
+    a, e = _metrics(tmp, "a"), _metrics(tmp, "e")
+    assert sorted(e) == [7, 8, 9]
+    for step in (7, 8, 9):
+        assert e[step]["loss"] == a[step]["loss"], step

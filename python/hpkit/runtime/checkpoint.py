@@ -229,7 +229,7 @@ class Checkpointer:
                 except CheckpointException as exc:  # raised on every rank alike
                     local = _first_failure(exc)
                 except Exception as exc:  # a Stateful's load_state_dict: this rank alone
-                    local = f"rank {self.rank}: {type(exc).__name__}: {exc}"
+                    local = f"{type(exc).__name__}: {exc}"
                 problem = self._agree(local)
                 dirty = dirty or problem is not None
             if problem is None:
@@ -247,10 +247,15 @@ class Checkpointer:
         return [Path(p) for p in listing[0]]
 
     def _agree(self, problem: str | None) -> str | None:
+        """Every rank's verdict, gathered: None only when no rank has a problem."""
         verdicts: list[Any] = [None] * self.world_size
         dist.all_gather_object(verdicts, problem, group=self.group)
-        bad = [v for v in verdicts if v is not None]
-        return bad[0] if bad else None
+        bad = [rank for rank, v in enumerate(verdicts) if v is not None]
+        if not bad:
+            return None
+        shown = ",".join(map(str, bad[:8])) + (",..." if len(bad) > 8 else "")
+        who = "every rank" if len(bad) == self.world_size else f"rank {shown} of {self.world_size}"
+        return f"{verdicts[bad[0]]} (seen by {who})"
 
     def _local_problem(self, state: dict[str, Any], path: Path) -> str | None:
         """Why this rank cannot load `path` (one phrase naming the file and what differed), or None."""
@@ -260,12 +265,10 @@ class Checkpointer:
             if not problems:
                 problems = verify_files(path, record, files_to_read(state, path))
         except RecordError as exc:
-            return f"rank {self.rank}: {exc}"
+            return str(exc)
         except Exception as exc:  # the checkpoint does not fit this model (missing keys, shapes)
-            return f"rank {self.rank}: cannot plan the load: {type(exc).__name__}: {exc}"
-        if problems:
-            return f"rank {self.rank}: {'; '.join(problems)}"
-        return None
+            return f"cannot plan the load: {type(exc).__name__}: {exc}"
+        return "; ".join(problems) if problems else None
 
     def _on_rank0(self, action: Callable[[], None], what: str) -> None:
         """Run a filesystem change on rank 0; if it fails, every rank raises (none is left waiting)."""
