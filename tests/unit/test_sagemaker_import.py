@@ -295,6 +295,20 @@ def test_mpi_options_and_unknown_distributions_are_warned_not_dropped():
             },
             "parallelism",
         ),
+        (
+            {
+                "entry_point": "a.py",
+                "instance_type": "ml.p4d.24xlarge",
+                "distribution": {
+                    "torch_distributed": {"enabled": True},
+                    "smdistributed": {
+                        "modelparallel": {"enabled": True, "parameters": {"tensor_parallel_degree": 0}}
+                    },
+                },
+            },
+            # The reason itself, not pydantic's trailing "For further information visit ..." line.
+            "est.yaml: distribution.smdistributed.modelparallel.parameters: tp=0: a degree is a positive integer",
+        ),
     ],
 )
 def test_bad_estimators_are_one_line_per_problem_naming_the_field(estimator, words):
