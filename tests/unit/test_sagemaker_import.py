@@ -276,7 +276,10 @@ def test_mpi_options_and_unknown_distributions_are_warned_not_dropped():
 @pytest.mark.parametrize(
     ("estimator", "words"),
     [
-        ({"instance_type": "ml.p4d.24xlarge"}, "est.yaml: entry_point: missing"),
+        (
+            {"instance_type": "ml.p4d.24xlarge"},
+            "est.yaml: entry_point: missing: copy it from the estimator's arguments",
+        ),
         ({"entry_point": "a.py", "instance_type": "x", "instance_count": 0}, "est.yaml: instance_count:"),
         (
             {"entry_point": "a.py", "instance_type": "x", "distribution": {"mpi": {"enabled": "yes"}}},
