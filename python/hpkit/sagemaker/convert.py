@@ -23,8 +23,8 @@ from pydantic import ValidationError
 
 from hpkit.catalog import lookup
 from hpkit.errors import SpecError
+from hpkit.runtime.collectives import smddp_verdict
 from hpkit.sagemaker.estimator import Estimator
-from hpkit.sagemaker.smddp import smddp_verdict
 from hpkit.spec import JobSpec, ParallelismSpec, parse_spec
 from hpkit.validation import validation_problems
 
