@@ -44,17 +44,6 @@ def known_fields(model: type[BaseModel], path: list[str]) -> list[str]:
     return sorted(getattr(current, "model_fields", {}))
 
 
-def validation_problems(
-    exc: ValidationError,
-    model: type[BaseModel],
-    source: str,
-    prefix: tuple[str, ...] = (),
-    missing: str = REQUIRED,
-) -> list[str]:
-    """Every problem in `exc` as its own line, prefixed by where the document came from."""
-    return [f"{source}: {describe_error(e, model, prefix, missing)}" for e in exc.errors()]
-
-
 def format_validation_error(
     exc: ValidationError,
     model: type[BaseModel],
@@ -63,4 +52,4 @@ def format_validation_error(
     missing: str = REQUIRED,
 ) -> str:
     """Every problem in `exc`, one line each, prefixed by where the document came from."""
-    return "\n".join(validation_problems(exc, model, source, prefix, missing))
+    return "\n".join(f"{source}: {describe_error(e, model, prefix, missing)}" for e in exc.errors())

@@ -26,7 +26,7 @@ from hpkit.errors import SpecError
 from hpkit.runtime.collectives import smddp_verdict
 from hpkit.sagemaker.estimator import Estimator
 from hpkit.spec import JobSpec, ParallelismSpec, parse_spec
-from hpkit.validation import validation_problems
+from hpkit.validation import format_validation_error
 
 SAGEMAKER_INPUT_DIR = "/opt/ml/input/data"
 
@@ -328,7 +328,7 @@ def _modelparallel(c: _Converter, block: dict[str, Any]) -> dict[str, Any]:
     try:
         parallelism = ParallelismSpec.model_validate(degrees)
     except ValidationError as exc:
-        c.errors += validation_problems(exc, ParallelismSpec, c.source, (f"{field}.parameters",))
+        c.errors.append(format_validation_error(exc, ParallelismSpec, c.source, (f"{field}.parameters",)))
         return {}
     out = parallelism.model_dump(exclude_defaults=True, exclude_none=True)
     if "pipeline" in params:
