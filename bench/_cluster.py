@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+# The benchmarks measure this checkout's hpkit, whichever one the venv has installed.
+sys.path.insert(0, str(REPO / "python"))
 
+from hpkit import devcluster  # noqa: E402
 
-class ClusterError(RuntimeError):
-    pass
+ClusterError = devcluster.DevClusterError
 
 
 @contextlib.contextmanager
@@ -24,31 +24,10 @@ def private_cluster(prefix: str, port: str, first_job_id: str) -> Iterator[tuple
     the environment for the cluster's clients). Both go away at the end."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
     try:
-        with _running(work, port, first_job_id) as env:
+        env = devcluster.client_env(work / "cluster", port, first_job_id)
+        # Scratch files and the Python that runs the benchmark, for the jobs as well.
+        env.update(TMPDIR=str(work), PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+        with devcluster.running(env):
             yield work, env
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _running(work: Path, port: str, first_job_id: str) -> Iterator[dict[str, str]]:
-    cluster = work / "cluster"
-    env = dict(os.environ)
-    env.update(
-        HPKIT_DEV_CLUSTER_DIR=str(cluster),
-        HPKIT_DEV_PORT=port,
-        FIRST_JOB_ID=first_job_id,
-        NODES="2",
-        CPUS="2",
-        SLURM_CONF=str(cluster / "etc" / "slurm.conf"),
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p),
-        TMPDIR=str(work),
-        PATH=f"{Path(sys.executable).parent}:{env['PATH']}",
-    )
-    up = subprocess.run([str(REPO / "slurm/dev/up.sh")], env=env, capture_output=True, text=True, timeout=120)
-    if up.returncode != 0:
-        raise ClusterError(f"the local cluster did not come up: {up.stderr.strip()}")
-    try:
-        yield env
-    finally:
-        subprocess.run([str(REPO / "slurm/dev/down.sh")], env=env, capture_output=True, timeout=120)

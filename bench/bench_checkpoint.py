@@ -51,17 +51,20 @@ def _timed_steps(trainer, n: int) -> list[float]:
 
 def main() -> int:
     args = _parse()
+    from hpkit.runtime.env import distributed
+
+    with distributed() as job:
+        _measure(args, job.launch, job.device)
+    return 0
+
+
+def _measure(args: argparse.Namespace, launch, device) -> None:
     import torch.distributed as dist
 
     from hpkit.runtime.checkpoint import Checkpointer, committed
-    from hpkit.runtime.env import choose_device, configure_threads, init_distributed, read_launch_env
     from hpkit.runtime.train import RunConfig, Trainer
     from hpkit.spec import ModelSpec, ParallelismSpec, TrainSpec
 
-    launch = read_launch_env()
-    configure_threads(launch)
-    device = choose_device(launch)
-    init_distributed(launch, device)
     rank0 = launch.rank == 0
     root = Path(args.dir)
     if rank0:
@@ -158,9 +161,6 @@ def main() -> int:
         )
         print(f"RATIO checkpoint_async_stall_vs_sync = {a_med / s_med:.3f} (target <= 0.1)")
         shutil.rmtree(root, ignore_errors=True)
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

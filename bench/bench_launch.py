@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from _cluster import ClusterError, private_cluster
+from hpkit.rendezvous import port_shell_expression
 
 REPO = Path(__file__).resolve().parents[1]
 FIRST_STEP = re.compile(r"^step\s+1 \|", re.MULTILINE)
@@ -44,7 +45,7 @@ BARE = """#!/bin/bash
 set -euo pipefail
 head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 addr=$(scontrol show node "$head" | sed -n 's/.*NodeAddr=\\([^ ]*\\).*/\\1/p')
-srun torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint="$addr:$((29500 + SLURM_JOB_ID % 20000))" \\
+srun torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint="$addr:{port}" \\
   --rdzv-id="$SLURM_JOB_ID" -m hpkit train --config {config}
 """
 
@@ -88,7 +89,7 @@ def _time_to_first_step(kind: str, out: Path, env: dict[str, str]) -> float:
         pattern = "hpkit-*.out"
     else:
         script = out / "bare.sbatch"
-        script.write_text(BARE.format(out=out, config=config))
+        script.write_text(BARE.format(out=out, config=config, port=port_shell_expression()))
         start = time.monotonic()
         subprocess.run(["sbatch", str(script)], env=env, cwd=out, check=True, capture_output=True)
         pattern = "bare-*.out"

@@ -32,21 +32,25 @@ def _parse() -> argparse.Namespace:
 
 def main() -> int:
     args = _parse()
+    from hpkit.runtime.env import distributed
+    from hpkit.runtime.train import quiet_known_warnings
+
+    quiet_known_warnings()
+    with distributed() as job:
+        _compare(args, job.device)
+    return 0
+
+
+def _compare(args: argparse.Namespace, device_info) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.fsdp import fully_shard
 
     from hpkit.models.llama import build_model
-    from hpkit.runtime.env import choose_device, configure_threads, init_distributed, read_launch_env
     from hpkit.runtime.fsdp import mixed_precision_policy
-    from hpkit.runtime.train import RunConfig, Trainer, quiet_known_warnings, resolve_mixed_precision
+    from hpkit.runtime.train import RunConfig, Trainer, resolve_mixed_precision
 
-    quiet_known_warnings()
-    launch = read_launch_env()
-    configure_threads(launch)
-    device_info = choose_device(launch)
-    init_distributed(launch, device_info)
     world, rank = dist.get_world_size(), dist.get_rank()
     precision = resolve_mixed_precision("auto", device_info.type)
     cfg = RunConfig.from_blocks(
@@ -120,9 +124,6 @@ def main() -> int:
             )
         verdict = "ok" if ratio <= 1.02 else "ABOVE TARGET"
         print(f"ratio hpkit/bare = {ratio:.3f} (target <= 1.02: {verdict})")
-    dist.barrier()
-    dist.destroy_process_group()
-    return 0
 
 
 if __name__ == "__main__":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -12,6 +11,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "python"))
+
+from hpkit import devcluster  # noqa: E402  (from this checkout, put on the path just above)
 
 # tests/gpu is the CUDA half of the suite: `make test-gpu` (HPKIT_GPU_TESTS=1) on a GPU machine. CI has no GPU.
 collect_ignore = [] if os.environ.get("HPKIT_GPU_TESTS") == "1" else ["gpu"]
@@ -33,26 +34,18 @@ def slurm_cluster(tmp_path_factory) -> dict[str, str]:
     """Start a 2-node x 2-CPU cluster for this test session; returns the environment for clients."""
     if shutil.which("slurmctld") is None:
         pytest.fail("slurmctld not found: `make test` installs slurm-wlm; run it, or `make system-deps`")
-    state = tmp_path_factory.mktemp("slurm-cluster")
-    env = dict(os.environ)
-    env.update(
-        HPKIT_DEV_CLUSTER_DIR=str(state),
-        HPKIT_DEV_PORT=TEST_CLUSTER_PORT,
-        FIRST_JOB_ID=TEST_FIRST_JOB_ID,
-        NODES="2",
-        CPUS="2",
-        SLURM_CONF=str(state / "etc" / "slurm.conf"),
-        # Jobs import hpkit from this checkout whichever Python runs them.
-        PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p),
+    env = devcluster.client_env(
+        tmp_path_factory.mktemp("slurm-cluster"), TEST_CLUSTER_PORT, TEST_FIRST_JOB_ID
     )
-    up = subprocess.run([str(REPO / "slurm/dev/up.sh")], env=env, capture_output=True, text=True, timeout=120)
-    if up.returncode != 0:
-        pytest.fail(f"cluster did not come up:\n{up.stdout}\n{up.stderr}")
+    try:
+        devcluster.up(env)
+    except devcluster.DevClusterError as exc:
+        pytest.fail(str(exc))
     saved = {k: os.environ.get(k) for k in ("SLURM_CONF", "PYTHONPATH")}
     os.environ["SLURM_CONF"] = env["SLURM_CONF"]
     os.environ["PYTHONPATH"] = env["PYTHONPATH"]
     yield env
-    subprocess.run([str(REPO / "slurm/dev/down.sh")], env=env, capture_output=True, timeout=120)
+    devcluster.down(env)
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)

@@ -15,12 +15,10 @@ from pathlib import Path, PurePosixPath
 import jinja2
 
 from hpkit import __version__
+from hpkit.rendezvous import port_shell_expression
 from hpkit.spec import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, JobSpec
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
-# Rendezvous ports are derived from the job id so that jobs sharing a node do not collide.
-PORT_BASE = 29500
-PORT_SPAN = 20000
 
 
 def shell_quote(value: object) -> str:
@@ -193,6 +191,7 @@ class RenderContext:
     container_workdir: str | None
     hyperpod_log_mount: str | None
     threads: str
+    master_port: str
     signal_grace_s: int
     max_restarts: int
     world_size: int
@@ -223,6 +222,7 @@ def build_context(
         if container and container.mount_var_log
         else None,
         threads=threads_expression(spec),
+        master_port=port_shell_expression(),
         signal_grace_s=spec.resilience.signal_grace_s,
         max_restarts=spec.resilience.max_restarts,
         world_size=spec.world_size,

@@ -19,9 +19,16 @@ def check_no_control_chars(value: str, what: str) -> str:
         raise ValueError(f"{what} must not contain control characters (newlines, tabs, NUL)")
     return value
 
+REQUIRED = "this field is required"
 
-def describe_error(err: dict[str, Any], model: type[BaseModel], prefix: tuple[str, ...] = ()) -> str:
-    """One problem as `field.path: message`; an unknown key gets the nearest known one suggested."""
+
+def describe_error(
+    err: dict[str, Any], model: type[BaseModel], prefix: tuple[str, ...] = (), missing: str = REQUIRED
+) -> str:
+    """One problem as `field.path: message`; an unknown key gets the nearest known one suggested.
+
+    `missing` is what a missing field's line says after `missing:` (the fix, where the caller knows it).
+    """
     loc = [*prefix, *(str(p) for p in err["loc"])]
     field = ".".join(loc)
     if err["type"] == "extra_forbidden":
@@ -30,7 +37,7 @@ def describe_error(err: dict[str, Any], model: type[BaseModel], prefix: tuple[st
         suggestion = f"did you mean '{hint[0]}'? " if hint else ""
         return f"{field}: unknown key; {suggestion}known keys here: {', '.join(known)}"
     if err["type"] == "missing":
-        return f"{field}: missing: this field is required"
+        return f"{field}: missing: {missing}"
     msg = err["msg"].removeprefix("Value error, ")
     # Whole-model checks already start their message with the field they are about.
     return f"{field}: {msg}" if field else msg
@@ -50,7 +57,11 @@ def known_fields(model: type[BaseModel], path: list[str]) -> list[str]:
 
 
 def format_validation_error(
-    exc: ValidationError, model: type[BaseModel], source: str, prefix: tuple[str, ...] = ()
+    exc: ValidationError,
+    model: type[BaseModel],
+    source: str,
+    prefix: tuple[str, ...] = (),
+    missing: str = REQUIRED,
 ) -> str:
     """Every problem in `exc`, one line each, prefixed by where the document came from."""
-    return "\n".join(f"{source}: {describe_error(e, model, prefix)}" for e in exc.errors())
+    return "\n".join(f"{source}: {describe_error(e, model, prefix, missing)}" for e in exc.errors())

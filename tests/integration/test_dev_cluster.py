@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from hpkit import devcluster
+
 pytestmark = pytest.mark.cluster
 
 
@@ -30,15 +32,7 @@ def alive(pid: int) -> bool:
 
 def test_up_is_idempotent_and_down_stops_only_its_own_daemons(repo, tmp_path):
     state = tmp_path / "c"
-    env = {
-        **os.environ,
-        "HPKIT_DEV_CLUSTER_DIR": str(state),
-        "HPKIT_DEV_PORT": "7917",
-        "NODES": "3",
-        "CPUS": "1",
-        "FIRST_JOB_ID": "9000",
-        "SLURM_CONF": str(state / "etc/slurm.conf"),
-    }
+    env = devcluster.client_env(state, 7917, 9000, nodes=3, cpus=1)
     # A process that merely carries a daemon's name must survive the tear-down.
     decoy = subprocess.Popen(["bash", "-c", "exec -a slurmd sleep 120"])
     try:

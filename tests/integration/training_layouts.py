@@ -82,21 +82,18 @@ def config_for(parallelism: dict[str, Any], train: dict[str, Any], world_size: i
 def main(out_path: str, only: list[str] | None = None) -> int:
     import torch.distributed as dist
 
-    from hpkit.runtime.env import choose_device, configure_threads, init_distributed, read_launch_env
+    from hpkit.runtime.env import distributed
     from hpkit.runtime.train import Trainer, quiet_known_warnings
 
     quiet_known_warnings()
-    launch = read_launch_env()
-    configure_threads(launch)
-    device = choose_device(launch)
-    init_distributed(launch, device)
     results: dict[str, Any] = {}
-    try:
-        for name, (parallelism, train) in LAYOUTS[launch.world_size].items():
+    with distributed() as job:
+        rank, world_size = job.launch.rank, job.launch.world_size
+        for name, (parallelism, train) in LAYOUTS[world_size].items():
             if only and name not in only:
                 continue
             start = time.perf_counter()
-            trainer = Trainer(config_for(parallelism, train, launch.world_size), device)
+            trainer = Trainer(config_for(parallelism, train, world_size), job.device)
             steps = [trainer.train_step() for _ in range(STEPS)]
             results[name] = {
                 "loss": [s.loss for s in steps],
@@ -105,15 +102,11 @@ def main(out_path: str, only: list[str] | None = None) -> int:
             }
             del trainer
             dist.barrier()
-            if launch.rank == 0:
+            if rank == 0:
                 print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
-        if launch.rank == 0:
+        if rank == 0:
             with open(out_path, "w", encoding="utf-8") as f:
                 json.dump(results, f, indent=1)
-        # Let every rank's last pipeline sends land before any rank tears its communicators down.
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
     return 0
 
 

@@ -43,18 +43,21 @@ def _handler(behaviour: Behaviour) -> type[http.server.BaseHTTPRequestHandler]:
             self.end_headers()
             self.wfile.write(data)
 
-        def _record(self) -> None:
+        def _garbled(self, garbage: bytes) -> bool:
+            """Record the request and apply the modes that treat every request alike; True: answered."""
             behaviour.requests.append((self.command, self.path, dict(self.headers.items())))
+            if behaviour.mode == "slow":
+                behaviour.stop.wait(behaviour.delay)
+            if behaviour.mode != "garbage":
+                return False
+            self.wfile.write(garbage)
+            self.close_connection = True
+            return True
 
         def do_PUT(self) -> None:
-            self._record()
-            mode = behaviour.mode
-            if mode == "slow":
-                behaviour.stop.wait(behaviour.delay)
-            if mode == "garbage":
-                self.wfile.write(b"\x00\xff\xfeSSH-2.0-not-http\r\n\r\n")
-                self.close_connection = True
+            if self._garbled(b"\x00\xff\xfeSSH-2.0-not-http\r\n\r\n"):
                 return
+            mode = behaviour.mode
             if mode == "hop-limit":
                 behaviour.stop.wait(30)  # the answer never arrives
                 return
@@ -70,14 +73,9 @@ def _handler(behaviour: Behaviour) -> type[http.server.BaseHTTPRequestHandler]:
             self._send(200, TOKEN)
 
         def do_GET(self) -> None:
-            self._record()
-            mode = behaviour.mode
-            if mode == "slow":
-                behaviour.stop.wait(behaviour.delay)
-            if mode == "garbage":
-                self.wfile.write(b"\x00\xff\xfe garbage \r\n\r\n")
-                self.close_connection = True
+            if self._garbled(b"\x00\xff\xfe garbage \r\n\r\n"):
                 return
+            mode = behaviour.mode
             token = self.headers.get(TOKEN_HEADER)
             tokens_required = mode in ("v2", "slow", "garbage-type")
             if token is not None and token != TOKEN:

@@ -273,27 +273,35 @@ def test_mpi_options_and_unknown_distributions_are_warned_not_dropped():
     assert "distribution.parameter_server" in lines
 
 
+def _smp_estimator(parameters: dict) -> dict:
+    smp = {"modelparallel": {"enabled": True, "parameters": parameters}}
+    return {
+        "entry_point": "a.py",
+        "instance_type": "ml.p4d.24xlarge",
+        "distribution": {"torch_distributed": {"enabled": True}, "smdistributed": smp},
+    }
+
+
 @pytest.mark.parametrize(
     ("estimator", "words"),
     [
-        ({"instance_type": "ml.p4d.24xlarge"}, "est.yaml: entry_point: missing"),
+        (
+            {"instance_type": "ml.p4d.24xlarge"},
+            "est.yaml: entry_point: missing: copy it from the estimator's arguments",
+        ),
         ({"entry_point": "a.py", "instance_type": "x", "instance_count": 0}, "est.yaml: instance_count:"),
         (
             {"entry_point": "a.py", "instance_type": "x", "distribution": {"mpi": {"enabled": "yes"}}},
             "est.yaml: distribution.mpi.enabled: expected true or false",
         ),
         (
-            {
-                "entry_point": "a.py",
-                "instance_type": "ml.p4d.24xlarge",
-                "distribution": {
-                    "torch_distributed": {"enabled": True},
-                    "smdistributed": {
-                        "modelparallel": {"enabled": True, "parameters": {"tensor_parallel_degree": 3}}
-                    },
-                },
-            },
+            _smp_estimator({"tensor_parallel_degree": 3}),
             "parallelism",
+        ),
+        (
+            _smp_estimator({"tensor_parallel_degree": 0}),
+            # The reason itself, not pydantic's trailing "For further information visit ..." line.
+            "est.yaml: distribution.smdistributed.modelparallel.parameters: tp=0: a degree is a positive integer",
         ),
     ],
 )

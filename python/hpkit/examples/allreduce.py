@@ -14,21 +14,23 @@ import sys
 import torch
 import torch.distributed as dist
 
+from hpkit.runtime.env import distributed
+
 
 def main() -> int:
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if backend == "nccl" else torch.device("cpu")
-    value = torch.tensor([float(rank)], device=device)
-    dist.all_reduce(value)
+    # What the launcher exported, read before joining: joining fills in whatever it left out.
+    launched = {name: os.environ.get(name) for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+    with distributed() as job:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        value = torch.tensor([float(rank)], device=job.device.torch_device())
+        dist.all_reduce(value)
     record = {
         "rank": rank,
         "world_size": world,
-        "env_rank": os.environ.get("RANK"),
-        "env_local_rank": os.environ.get("LOCAL_RANK"),
-        "env_world_size": os.environ.get("WORLD_SIZE"),
-        "master_addr": os.environ.get("MASTER_ADDR"),
+        "env_rank": launched["RANK"],
+        "env_local_rank": launched["LOCAL_RANK"],
+        "env_world_size": launched["WORLD_SIZE"],
+        "master_addr": launched["MASTER_ADDR"],
         "node": os.environ.get("SLURMD_NODENAME", socket.gethostname()),
         "sum": value.item(),
         "expected": world * (world - 1) / 2,
@@ -36,8 +38,6 @@ def main() -> int:
     # One write per record: ranks share the output file, and print() writes the newline separately.
     sys.stdout.write("allreduce " + json.dumps(record, sort_keys=True) + "\n")
     sys.stdout.flush()
-    dist.barrier()
-    dist.destroy_process_group()
     return 0 if record["sum"] == record["expected"] else 1
 
 

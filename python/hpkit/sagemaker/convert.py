@@ -19,11 +19,14 @@ from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any
 
+from pydantic import ValidationError
+
 from hpkit.catalog import lookup
 from hpkit.errors import SpecError
+from hpkit.runtime.collectives import smddp_verdict
 from hpkit.sagemaker.estimator import Estimator
-from hpkit.sagemaker.smddp import smddp_verdict
 from hpkit.spec import JobSpec, ParallelismSpec, parse_spec
+from hpkit.validation import format_validation_error
 
 SAGEMAKER_INPUT_DIR = "/opt/ml/input/data"
 
@@ -324,8 +327,8 @@ def _modelparallel(c: _Converter, block: dict[str, Any]) -> dict[str, Any]:
     extra: dict[str, Any] = {}
     try:
         parallelism = ParallelismSpec.model_validate(degrees)
-    except Exception as exc:
-        c.error(f"{field}.parameters", str(exc).splitlines()[-1].strip())
+    except ValidationError as exc:
+        c.errors.append(format_validation_error(exc, ParallelismSpec, c.source, (f"{field}.parameters",)))
         return {}
     out = parallelism.model_dump(exclude_defaults=True, exclude_none=True)
     if "pipeline" in params:

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from hpkit.errors import SpecError
 from hpkit.spec import read_document
+from hpkit.validation import format_validation_error
 
 
 class Estimator(BaseModel):
@@ -52,14 +53,9 @@ def parse_estimator(data: Any, source: str) -> Estimator:
     try:
         return Estimator.model_validate(data)
     except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            field = ".".join(str(p) for p in err["loc"])
-            msg = err["msg"].removeprefix("Value error, ")
-            if err["type"] == "missing":
-                msg = "missing: copy it from the estimator's arguments"
-            lines.append(f"{source}: {field}: {msg}")
-        raise SpecError("\n".join(lines)) from None
+        raise SpecError(
+            format_validation_error(exc, Estimator, source, missing="copy it from the estimator's arguments")
+        ) from None
 
 
 def load_estimator(path: str | Path) -> Estimator:

@@ -1,8 +1,9 @@
-"""Whether a job's collectives run on SMDDP (SageMaker's data-parallel library) or NCCL, and why.
+"""Which backend a GPU job's collectives run on: SMDDP (SageMaker's data-parallel library) or NCCL, and why.
 
 Torch-free at import: the decision is a pure function of (what the spec asks, whether SMDDP imported,
-the instance type), so that it is testable here; `decide` adds the one import that registers the
-"smddp" backend with torch.distributed.
+the instance type's row in hpkit.catalog), so that it is testable without GPUs; `decide` adds the one
+import that registers the "smddp" backend with torch.distributed. The SageMaker importer reads
+`smddp_verdict` from here too, so an imported spec and the job that runs it agree.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class BackendChoice:
 
 
 def smddp_verdict(instance_type: str | None) -> str | None:
-    """None when SMDDP may run on this type (supported, or unknown), else why not: the checker's table."""
+    """None when SMDDP may run on this type (supported, or unknown), else why not: the instance catalog."""
     if instance_type is None:
         return None
     row = lookup(instance_type)

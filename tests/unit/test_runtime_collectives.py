@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from hpkit.sagemaker.smddp import choose_backend, decide, import_smddp
+from hpkit.runtime.collectives import choose_backend, decide, import_smddp
 
 
 def test_auto_is_nccl_whatever_the_library():
@@ -42,3 +46,20 @@ def test_decide_imports_the_real_module_here_where_it_is_absent():
     assert error is not None and "smdistributed" in error
     choice = decide("smddp", True, None)
     assert choice.backend == "nccl" and "not installed" in choice.reason
+
+
+def test_importing_the_choice_loads_neither_torch_nor_the_importer_nor_the_checker(repo):
+    # The runtime reads this module; it must not drag in SageMaker's importer or the checks with it.
+    probe = (
+        "import sys, hpkit.runtime.collectives; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('hpkit.sagemaker', 'hpkit.checks'))))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(repo / "python")},
+        timeout=60,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,83 @@
+"""A private local Slurm cluster from slurm/dev (tests, benchmarks): its clients' environment, start, stop.
+
+A private cluster has its own state directory, controller port and first job id, so that it does not
+collide with a developer's `make cluster-up` cluster or another checkout's: job scripts derive their
+rendezvous port from the job id. Torch-free; works from a source checkout only (slurm/dev is not shipped).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from hpkit.errors import HpkitError
+
+# This module's package lives in <repo>/python/hpkit.
+PYTHON_DIR = Path(__file__).resolve().parents[1]
+DEV_DIR = PYTHON_DIR.parent / "slurm" / "dev"
+SCRIPT_TIMEOUT_S = 120
+
+
+class DevClusterError(HpkitError):
+    """The private cluster could not be started."""
+
+
+def client_env(
+    state_dir: Path,
+    port: str | int,
+    first_job_id: str | int,
+    nodes: int = 2,
+    cpus: int = 2,
+    base: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment for slurm/dev's scripts and the cluster's clients (sbatch, squeue, its jobs).
+
+    `base` (default: this process's environment) is copied, not changed.
+    """
+    env = dict(os.environ if base is None else base)
+    env.update(
+        HPKIT_DEV_CLUSTER_DIR=str(state_dir),
+        HPKIT_DEV_PORT=str(port),
+        FIRST_JOB_ID=str(first_job_id),
+        NODES=str(nodes),
+        CPUS=str(cpus),
+        SLURM_CONF=str(Path(state_dir) / "etc" / "slurm.conf"),
+        # Jobs import hpkit from this checkout whichever Python runs them.
+        PYTHONPATH=os.pathsep.join(p for p in (str(PYTHON_DIR), env.get("PYTHONPATH")) if p),
+    )
+    return env
+
+
+def _script(name: str) -> str:
+    path = DEV_DIR / name
+    if not path.is_file():
+        raise DevClusterError(f"{path} not found: the dev cluster runs from a source checkout of hpkit")
+    return str(path)
+
+
+def up(env: Mapping[str, str]) -> None:
+    """Start the cluster that `env` (from `client_env`) describes; a running one is left as it is."""
+    done = subprocess.run(
+        [_script("up.sh")], env=dict(env), capture_output=True, text=True, timeout=SCRIPT_TIMEOUT_S
+    )
+    if done.returncode != 0:
+        output = "\n".join(s.strip() for s in (done.stdout, done.stderr) if s.strip())
+        raise DevClusterError(f"the local cluster did not come up: {output or f'exit {done.returncode}'}")
+
+
+def down(env: Mapping[str, str]) -> None:
+    """Stop the daemons that `up` started for `env`. Best effort: it runs on the way out of errors too."""
+    subprocess.run([_script("down.sh")], env=dict(env), capture_output=True, timeout=SCRIPT_TIMEOUT_S)
+
+
+@contextlib.contextmanager
+def running(env: Mapping[str, str]) -> Iterator[Mapping[str, str]]:
+    """The cluster up for the body of a `with`, and down afterwards whatever happened."""
+    up(env)
+    try:
+        yield env
+    finally:
+        down(env)

@@ -1,0 +1,40 @@
+"""hpkit.devcluster: the private cluster's client environment, and a start that fails in one line."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hpkit import devcluster
+
+
+def test_client_env_points_the_scripts_and_clients_at_one_private_cluster(tmp_path):
+    base = {"PATH": "/usr/bin", "PYTHONPATH": "/elsewhere"}
+    env = devcluster.client_env(tmp_path / "c", 7917, 9000, nodes=3, cpus=1, base=base)
+    assert {
+        k: env[k] for k in ("HPKIT_DEV_CLUSTER_DIR", "HPKIT_DEV_PORT", "FIRST_JOB_ID", "NODES", "CPUS")
+    } == {
+        "HPKIT_DEV_CLUSTER_DIR": str(tmp_path / "c"),
+        "HPKIT_DEV_PORT": "7917",
+        "FIRST_JOB_ID": "9000",
+        "NODES": "3",
+        "CPUS": "1",
+    }
+    # up.sh writes the config here; sbatch and squeue must read the same one.
+    assert env["SLURM_CONF"] == str(tmp_path / "c" / "etc" / "slurm.conf")
+    # Jobs import this checkout's hpkit before anything else on the path.
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(devcluster.PYTHON_DIR), "/elsewhere"]
+    assert (devcluster.PYTHON_DIR / "hpkit" / "devcluster.py").is_file()
+    assert env["PATH"] == "/usr/bin"
+    assert base == {"PATH": "/usr/bin", "PYTHONPATH": "/elsewhere"}, "the base environment must not change"
+
+
+def test_a_cluster_that_cannot_start_is_one_line_naming_the_setting(tmp_path):
+    env = devcluster.client_env(tmp_path / "c", 7917, 9000, nodes=0)
+    with pytest.raises(devcluster.DevClusterError) as err:
+        devcluster.up(env)
+    assert str(err.value) == (
+        "the local cluster did not come up: cluster-up: NODES must be a positive integer, not '0'"
+    )
+    assert not (tmp_path / "c").exists()
