@@ -40,11 +40,11 @@ def _du(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def _timed_steps(trainer, n: int) -> list[float]:
+def _timed_steps(trainer, n: int, checkpointer=None) -> list[float]:
     times = []
     for _ in range(n):
         start = time.perf_counter()
-        trainer.train_step()
+        trainer.train_step(checkpointer)
         times.append(time.perf_counter() - start)
     return times
 
@@ -62,8 +62,8 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
     import torch.distributed as dist
 
     from hpkit.runtime.checkpoint import Checkpointer, committed
-    from hpkit.runtime.train import RunConfig, Trainer
-    from hpkit.spec import ModelSpec, ParallelismSpec, TrainSpec
+    from hpkit.runtime.config import CheckpointSpec, ModelSpec, ParallelismSpec, RunConfig, TrainSpec
+    from hpkit.runtime.trainer import Trainer
 
     rank0 = launch.rank == 0
     root = Path(args.dir)
@@ -80,9 +80,14 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
         ),
         train=TrainSpec(local_batch_size=1, tensorboard=False),
     )
-    sync_ck = Checkpointer(root / "sync", keep=1, async_save=False, rank=launch.rank)
-    async_ck = Checkpointer(root / "async", keep=1, async_save=True, rank=launch.rank)
-    trainer = Trainer(cfg, device, checkpointer=sync_ck)
+    sync_ck = Checkpointer(CheckpointSpec(keep=1), root / "sync", launch.rank)
+    async_ck = Checkpointer(CheckpointSpec(keep=1, async_save=True), root / "async", launch.rank)
+    trainer = Trainer(cfg, device)
+    current = [sync_ck]
+
+    def save() -> None:
+        current[0].save(trainer.step, trainer.checkpoint_state(), forced=True)
+
     trainer.train_step()  # optimizer state exists from here on, as in a real checkpoint
 
     # 1. throughput: sync DCP save vs dd of the same bytes, alternating which goes first.
@@ -92,8 +97,8 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
             dist.barrier()
             start = time.perf_counter()
             if which == "dcp":
-                trainer.checkpointer = sync_ck
-                trainer.save()
+                current[0] = sync_ck
+                save()
                 seconds = time.perf_counter() - start
                 nbytes = _du(committed(root / "sync")[-1][1])
                 dcp_bps.append(nbytes / seconds)
@@ -123,14 +128,14 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
     for i in range(2 * args.rounds):
         kind = "async" if i % 2 == 0 else "sync"
         for _ in range(args.interval):
-            trainer.train_step()
-        trainer.checkpointer = async_ck if kind == "async" else sync_ck
+            trainer.train_step(current[0])
+        current[0] = async_ck if kind == "async" else sync_ck
         waited_before = async_ck.staging_wait_s
         start = time.perf_counter()
-        trainer.save()
+        save()
         blocked = time.perf_counter() - start
         if kind == "async":
-            during_write += _timed_steps(trainer, cover)
+            during_write += _timed_steps(trainer, cover, async_ck)
             start = time.perf_counter()
             async_ck.wait()
             # the call, the optimizer steps' waits for the copy to host memory, and the final wait

@@ -33,7 +33,7 @@ def _parse() -> argparse.Namespace:
 def main() -> int:
     args = _parse()
     from hpkit.runtime.env import distributed
-    from hpkit.runtime.train import quiet_known_warnings
+    from hpkit.runtime.run import quiet_known_warnings
 
     quiet_known_warnings()
     with distributed() as job:
@@ -48,12 +48,13 @@ def _compare(args: argparse.Namespace, device_info) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hpkit.models.llama import build_model
+    from hpkit.runtime.config import parse_run_config, resolve_mixed_precision
     from hpkit.runtime.fsdp import mixed_precision_policy
-    from hpkit.runtime.train import RunConfig, Trainer, resolve_mixed_precision
+    from hpkit.runtime.trainer import Trainer
 
     world, rank = dist.get_world_size(), dist.get_rank()
     precision = resolve_mixed_precision("auto", device_info.type)
-    cfg = RunConfig.from_blocks(
+    cfg = parse_run_config(
         {
             "parallelism": {"dp_shard": -1},
             "model": {"name": args.model, "seq_len": args.seq_len},

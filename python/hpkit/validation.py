@@ -19,6 +19,7 @@ def check_no_control_chars(value: str, what: str) -> str:
         raise ValueError(f"{what} must not contain control characters (newlines, tabs, NUL)")
     return value
 
+
 REQUIRED = "this field is required"
 
 

@@ -67,23 +67,24 @@ LAYOUTS: dict[int, dict[str, tuple[dict[str, Any], dict[str, Any]]]] = {
 
 
 def config_for(parallelism: dict[str, Any], train: dict[str, Any], world_size: int):
+    from hpkit.runtime.config import parse_run_config
     from hpkit.runtime.parallel_dims import ParallelDims
-    from hpkit.runtime.train import RunConfig
 
     data = json.loads(json.dumps(BASE))
     data["parallelism"] = parallelism
     data["train"].update(train)
-    cfg = RunConfig.from_blocks(data)
+    cfg = parse_run_config(data)
     dims = ParallelDims.from_spec(cfg.parallelism, world_size)
     local = GLOBAL_BATCH // dims.dp
-    return RunConfig.from_blocks({**data, "train": {**data["train"], "local_batch_size": local}})
+    return parse_run_config({**data, "train": {**data["train"], "local_batch_size": local}})
 
 
 def main(out_path: str, only: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from hpkit.runtime.env import distributed
-    from hpkit.runtime.train import Trainer, quiet_known_warnings
+    from hpkit.runtime.run import quiet_known_warnings
+    from hpkit.runtime.trainer import Trainer
 
     quiet_known_warnings()
     results: dict[str, Any] = {}
@@ -100,6 +101,7 @@ def main(out_path: str, only: list[str] | None = None) -> int:
                 "grad_norm": [s.grad_norm for s in steps],
                 "seconds": time.perf_counter() - start,
             }
+            trainer.close()
             del trainer
             dist.barrier()
             if rank == 0:

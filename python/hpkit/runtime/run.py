@@ -17,11 +17,11 @@ from pathlib import Path
 
 from hpkit.errors import SpecError
 from hpkit.runtime.checkpoint import Checkpointer
+from hpkit.runtime.collectives import decide
 from hpkit.runtime.config import RunConfig, expand_job_pattern
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed
 from hpkit.runtime.metrics import MetricsLogger, StepStats, peak_memory_gib, peak_tflops
 from hpkit.runtime.trainer import StepResult, Trainer
-from hpkit.sagemaker.smddp import decide  # MERGE: hpkit.runtime.collectives
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
