@@ -175,7 +175,9 @@ def kill_during_save(run: Run, root: Path, nth: int, phase: str, timeout: float 
                 if not target.is_dir():  # committed before it reached the phase: take the next save
                     target = None
             exited = [p.returncode for p in run.procs if p.poll() is not None]
-            assert not exited, f"the run ended ({exited}) before its save {nth} reached {phase}:\n{run.output()}"
+            assert not exited, (
+                f"the run ended ({exited}) before its save {nth} reached {phase}:\n{run.output()}"
+            )
             assert time.monotonic() < deadline, f"no save reached {phase} in {timeout} s:\n{run.output()}"
     assert run.wait(60) == [-signal.SIGKILL] * 2
     # The ranks are dead, so nothing can have renamed or added to the directory since the kill.
