@@ -59,6 +59,8 @@ def test_login_profile_end_to_end_under_one_second(env: dict[str, str]) -> None:
         assert done.returncode in (0, 1), done.stderr
         verdicts = _verdicts(done.stdout)
         assert set(verdicts) == {"python", "imds", "slurm", "pyxis", "enroot", "shared-fs", "disk"}
+        # This Python passes; the endpoint is a closed port, which a login node only warns about.
+        assert verdicts["python"] == "PASS" and verdicts["imds"] == "WARN", verdicts
         assert done.returncode == (1 if "FAIL" in verdicts.values() else 0)
     print(f"login profile wall times: {', '.join(f'{t:.3f} s' for t in times)}")
     assert min(times) < LOGIN_BUDGET_S
@@ -89,7 +91,12 @@ def test_script_without_the_package_gives_the_same_verdicts(
         [str(SCRIPT), *argv, "--json"], env=script_env, capture_output=True, text=True, timeout=30, cwd="/"
     )
     assert script.returncode == installed.returncode, script.stderr
-    assert _verdicts(script.stdout) == _verdicts(installed.stdout)
+    verdicts = _verdicts(installed.stdout)
+    assert _verdicts(script.stdout) == verdicts
+    # Equal verdicts prove little if both sides are broken alike: pin the ones known here.
+    assert verdicts["python"] == "PASS", verdicts
+    assert verdicts["imds"] == ("WARN" if argv[1] == "login" else "FAIL"), verdicts
+    assert installed.returncode == (1 if "FAIL" in verdicts.values() else 0)
 
 
 def test_script_plain_output_and_usage_error(env: dict[str, str], bare_python: str, tmp_path: Path) -> None:

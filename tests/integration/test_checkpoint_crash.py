@@ -1,8 +1,9 @@
 """Checkpoints under SIGKILL and corruption: a resume always starts from a complete checkpoint.
 
-Saves every step, so that kills at different moments land in different phases of a save (shards
-being written, the rename, the `latest` pointer); after each kill the next run must resume from what
-was complete, and in the end the losses must equal a run that was never interrupted.
+Saves every step. A 2-rank run is killed (every rank at once, as a node crash would) at the moment a
+save is in progress: when its `.tmp` directory appears, when shard files appear in it, when DCP's
+`.metadata` lands in it. Each restart must resume from the newest checkpoint committed before its
+kill, and every run's losses, not only the last one's, must equal those of a run never interrupted.
 """
 
 from __future__ import annotations
@@ -11,19 +12,25 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
+from _dirwatch import DirWatch
 
 from hpkit.runtime.checkpoint import find_latest
 
 pytestmark = pytest.mark.dist
 
 STEPS = 40
+REPO = Path(__file__).resolve().parents[2]
+TMP_DIR = re.compile(r"^step-(\d{8})\.tmp$")
+COMMITTED_DIR = re.compile(r"^step-(\d{8})$")
 
 
 def config(tmp_path: Path, name: str, steps: int = STEPS) -> Path:
@@ -47,69 +54,193 @@ def config(tmp_path: Path, name: str, steps: int = STEPS) -> Path:
     return path
 
 
-def launch(cfg: Path) -> subprocess.Popen:
+def clean_env() -> dict[str, str]:
     env = {
-        k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_JOB_ID", "SLURM_PROCID")
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+        and not k.startswith(("SLURM_", "TORCHELASTIC_"))
     }
     env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def launch(cfg: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "hpkit", "train", "--config", str(cfg)],
-        env=env,
+        env=clean_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
 
 
-def losses(path: Path) -> dict[int, float]:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Run:
+    """Two ranks in one process group (so one killpg takes both down at once), rank 0's output in a file."""
+
+    procs: list[subprocess.Popen]
+    log: Path
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+    def wait(self, timeout: float) -> list[int]:
+        return [proc.wait(timeout=timeout) for proc in self.procs]
+
+
+def launch_2_ranks(cfg: Path, log: Path) -> Run:
+    port, procs = free_port(), []
+    for rank in range(2):
+        env = clean_env()
+        env.update(
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+        )
+        group = procs[0].pid if procs else 0  # rank 0 leads a new group, rank 1 joins it
+        with log.with_suffix(f".rank{rank}").open("w") as out:
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "hpkit", "train", "--config", str(cfg)],
+                    env=env,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    process_group=group,
+                )
+            )
+    return Run(procs, log.with_suffix(".rank0"))
+
+
+def losses(path: Path, start: int = 0) -> dict[int, float]:
+    """step -> loss from byte `start` on (one run's records); a step logged twice keeps its last value."""
     out = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
+    text = path.read_bytes()[start:].decode() if path.exists() else ""
+    for line in text.splitlines():
         record = json.loads(line)
         if "loss" in record:
             out[record["step"]] = record["loss"]
     return out
 
 
+def newest_committed(root: Path) -> int | None:
+    steps = [int(m.group(1)) for e in os.scandir(root) if (m := COMMITTED_DIR.match(e.name)) and e.is_dir()]
+    return max(steps, default=None)
+
+
+@dataclass
+class Kill:
+    tmp: Path  # the save in progress when the kill landed
+    contents: list[str]  # what that save had written by then
+    newest_committed: int | None
+
+
+PHASES = {
+    "created": lambda tmp: tmp.is_dir(),
+    "writing": lambda tmp: any(e.is_file() for e in os.scandir(tmp)) if tmp.is_dir() else False,
+    "metadata": lambda tmp: (tmp / ".metadata").is_file(),
+}
+
+
+def kill_during_save(run: Run, root: Path, nth: int, phase: str, timeout: float = 240) -> Kill:
+    """SIGKILL every rank the moment this run's `nth` save reaches `phase` (while its .tmp exists)."""
+    reached = PHASES[phase]
+    deadline = time.monotonic() + timeout
+    created, target = 0, None
+    with DirWatch() as watch:
+        assert watch.add(root)
+        while True:
+            for parent, name, is_dir in watch.events(0.2):
+                # A leftover .tmp from the previous kill is renamed aside at start (a move out, no event).
+                if parent == root and is_dir and TMP_DIR.match(name):
+                    created += 1
+                    if created >= nth and target is None:
+                        target = root / name
+                        watch.add(target)  # its files from now on; those before are seen by `reached`
+            if target is not None:
+                if reached(target):
+                    os.killpg(run.procs[0].pid, signal.SIGKILL)
+                    break
+                if not target.is_dir():  # committed before it reached the phase: take the next save
+                    target = None
+            exited = [p.returncode for p in run.procs if p.poll() is not None]
+            assert not exited, (
+                f"the run ended ({exited}) before its save {nth} reached {phase}:\n{run.output()}"
+            )
+            assert time.monotonic() < deadline, f"no save reached {phase} in {timeout} s:\n{run.output()}"
+    assert run.wait(60) == [-signal.SIGKILL] * 2
+    # The ranks are dead, so nothing can have renamed or added to the directory since the kill.
+    assert target.is_dir(), f"{target} was gone by the kill: the kill missed the save"
+    return Kill(target, sorted(os.listdir(target)), newest_committed(root))
+
+
+def resume_step(output: str) -> int | None:
+    found = re.findall(r"hpkit train: resumed from (\S+) at step (\d+)", output)
+    assert len(found) <= 1, output
+    return int(found[0][1]) if found else None
+
+
 def test_sigkill_during_saves_never_breaks_resume(tmp_path):
-    reference = launch(config(tmp_path, "reference"))
+    reference = launch_2_ranks(config(tmp_path, "reference"), tmp_path / "reference.log")
     cfg = config(tmp_path, "crashy")
     root = tmp_path / "crashy-ckpt"
-    resumed_steps = []
-    for delay in (0.05, 0.2, 0.45, 0.8):
-        proc = launch(cfg)
-        # Wait until a step has been saved (its successor is logged), then kill at a different moment
-        # each time.
-        seen = 0
-        for line in proc.stdout:
-            seen += line.startswith("step ")
-            if seen == 2:
-                break
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        out, _ = proc.communicate(timeout=60)
-        latest = find_latest(root)
-        pointer = root / "latest"
-        if pointer.exists():
-            named = root / pointer.read_text().strip()
-            # `latest` may lag a committed rename, but never names something incomplete.
-            assert (named / ".metadata").is_file(), f"latest names an incomplete checkpoint: {named}"
-        assert latest is not None and (latest / ".metadata").is_file()
-        resumed_steps.append(int(latest.name.split("-")[1]))
+    root.mkdir()
+    metrics = tmp_path / "crashy.jsonl"
+    # (which save of the run, which moment of it): shards half written, the metadata, a bare directory.
+    plan = [(3, "created"), (2, "writing"), (2, "metadata"), (1, "created")]
+    kills: list[Kill] = []
+    runs: list[tuple[str, dict[int, float]]] = []
+    for i, (nth, phase) in enumerate([*plan, (None, None)]):
+        start = metrics.stat().st_size if metrics.exists() else 0
+        run = launch_2_ranks(cfg, tmp_path / f"crashy-{i}.log")
+        if phase is None:
+            assert run.wait(300) == [0, 0], run.output()
+        else:
+            kill = kill_during_save(run, root, nth, phase)
+            step = int(TMP_DIR.match(kill.tmp.name).group(1))
+            assert kill.newest_committed is None or kill.newest_committed < step, kill
+            if phase == "metadata":
+                assert ".metadata" in kill.contents, kill
+            if phase == "writing":
+                assert kill.contents, kill
+            kills.append(kill)
+            pointer = root / "latest"
+            if pointer.exists():
+                named = root / pointer.read_text().strip()
+                # `latest` may lag a committed rename, but never names something incomplete.
+                assert (named / ".metadata").is_file(), f"latest names an incomplete checkpoint: {named}"
+        output = run.output()
+        resumed = resume_step(output)
+        expected_resume = kills[i - 1].newest_committed if i else None
+        assert resumed == expected_resume, f"run {i} resumed at {resumed}, not {expected_resume}:\n{output}"
+        got = losses(metrics, start)
+        first = (resumed or 0) + 1
+        last = STEPS if phase is None else int(TMP_DIR.match(kills[-1].tmp.name).group(1))
+        # Each step is logged before its save, so the run got at least to the step it was saving.
+        assert sorted(got)[:1] == [first] and max(got) >= last, (i, sorted(got))
+        assert sorted(got) == list(range(first, max(got) + 1)), (i, sorted(got))
+        runs.append((output, got))
 
-    final = launch(cfg)
-    out, _ = final.communicate(timeout=300)
-    assert final.returncode == 0, out
-    match = re.search(r"resumed from (\S+) at step (\d+)", out)
-    assert match, out
-    assert int(match.group(2)) == resumed_steps[-1]
-    assert f"done steps={STEPS}" in out
-
-    ref_out, _ = reference.communicate(timeout=300)
-    assert reference.returncode == 0, ref_out
-    expected, got = losses(tmp_path / "reference.jsonl"), losses(tmp_path / "crashy.jsonl")
-    assert sorted(got) == list(range(1, STEPS + 1))
-    for step, loss in expected.items():
-        assert got[step] == pytest.approx(loss, rel=1e-6), f"step {step} differs after the crashes"
+    print("kills:", *kills, sep="\n  ")  # shown with -s or on failure: where each kill landed
+    assert f"done steps={STEPS}" in runs[-1][0]
+    assert find_latest(root) == root / f"step-{STEPS:08d}"
+    assert reference.wait(300) == [0, 0], reference.output()
+    expected = losses(tmp_path / "reference.jsonl")
+    assert sorted(expected) == list(range(1, STEPS + 1))
+    for i, (_, got) in enumerate(runs):
+        for step, loss in got.items():
+            assert loss == pytest.approx(expected[step], rel=1e-6), f"run {i}, step {step}"
 
 
 def test_a_corrupt_checkpoint_is_skipped_for_the_previous_one(tmp_path):

@@ -7,6 +7,8 @@ The warning signal is what Slurm itself sends before a time-limit or preemption 
 from __future__ import annotations
 
 import json
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -104,7 +106,6 @@ def test_preempted_job_checkpoints_requeues_and_matches_an_uninterrupted_run(slu
     metrics = tmp_path / "preempted.jsonl"
     wait_for(lambda: len(losses(metrics)) >= 3, 240, "the preempted job's first steps")
     subprocess.run(["scancel", "--batch", "--signal=USR1", preempted], env=slurm_cluster, check=True)
-    stopped_at = max(losses(metrics))
     info = wait_for(
         lambda: (i := backend.info(preempted)).state == JobState.PENDING and i,
         120,
@@ -119,13 +120,20 @@ def test_preempted_job_checkpoints_requeues_and_matches_an_uninterrupted_run(slu
     log = job_log(info)
     assert info.state == JobState.COMPLETED, log
     assert "USR1 received" in log and "requeueing job" in log
-    assert "resumed from" in log
+    # A trainer that ignored the signal would run all its steps, save the last (save_final) and
+    # "resume" at the end: the stop line and a resume short of the end are what prove it stopped.
+    stops = re.findall(r"hpkit train: stopping at step (\d+) on signal (\d+)", log)
+    assert len(stops) == 1, log
+    stopped_at, signum = int(stops[0][0]), int(stops[0][1])
+    assert signum == signal.SIGUSR1, log
+    assert stopped_at < steps, "the signal came too late to interrupt anything"
+    resumes = [int(s) for s in re.findall(r"hpkit train: resumed from \S+ at step (\d+)", log)]
+    assert resumes == [stopped_at], f"expected one resume at the stop step {stopped_at}:\n{log}"
 
     ref_info = wait_for(lambda: (i := backend.info(reference)).state.finished and i, 300, "the reference job")
     assert ref_info.state == JobState.COMPLETED, job_log(ref_info)
     expected, got = losses(tmp_path / "reference.jsonl"), losses(metrics)
     assert sorted(got) == list(range(1, steps + 1))
-    assert stopped_at < steps, "the signal came too late to interrupt anything"
     for step in expected:
         assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-7), f"step {step}"
 

@@ -51,7 +51,9 @@ def test_v2_token_then_get() -> None:
 def test_v2_with_v1_still_open_is_v2() -> None:
     with imds_server(mode="v2-optional") as (url, _):
         found, _ = _probe(url)
+        status, detail, _ = _check(url)
     assert found.mode == imds.V2
+    assert status is Status.PASS and "ml.p4d.24xlarge" in detail
 
 
 def test_server_requires_tokens_for_get() -> None:
@@ -85,25 +87,38 @@ def test_silent_server_is_no_imds_within_budget() -> None:
 
 
 def test_slow_server_past_the_budget() -> None:
-    with imds_server(mode="slow", delay=5.0) as (url, _):
+    with imds_server(mode="slow", delay=5.0) as (url, server):
         found, took = _probe(url)
-    assert found.mode == imds.NONE
+        status, detail, fix = _check(url)
+        login_status, _, login_fix = _check(url, profile="login")
+    assert found.mode == imds.NONE and found.instance_type is None
     assert took < CONTRACT_S
+    # It was asked (the token PUT, then a tokenless GET), and its silence is what failed.
+    assert [r[:2] for r in server.requests[:2]] == [
+        ("PUT", "/latest/api/token"),
+        ("GET", "/latest/meta-data/instance-type"),
+    ]
+    assert status is Status.FAIL and "did not answer within 0.8 s" in detail, detail
+    assert "--http-endpoint enabled" in fix and "--http-put-response-hop-limit 2" in fix, fix
+    assert "AWS_EC2_METADATA_DISABLED=true" in fix
+    assert login_status is Status.WARN and login_fix == fix
 
 
 def test_slow_server_within_the_budget_passes() -> None:
     with imds_server(mode="slow", delay=0.1) as (url, _):
         found, took = _probe(url)
+        status, detail, _ = _check(url)
     assert found.mode == imds.V2 and took < CONTRACT_S
+    assert status is Status.PASS and "IMDSv2 answers" in detail and "ml.p4d.24xlarge" in detail, detail
 
 
 def test_token_answer_lost_but_v1_answers_is_hop_limit() -> None:
     with imds_server(mode="hop-limit") as (url, _):
         found, took = _probe(url)
-        _, _, fix = _check(url)
+        status, detail, fix = _check(url)
     assert found.mode == imds.V2_BLOCKED and found.instance_type == "ml.p4d.24xlarge"
     assert took < CONTRACT_S
-    assert "hop-limit 2" in fix
+    assert status is Status.FAIL and "IMDSv1 answers" in detail and "hop-limit 2" in fix
 
 
 @pytest.mark.parametrize("mode", ["garbage", "garbage-token", "garbage-type"])
@@ -150,8 +165,9 @@ def test_sdk_timeout_variable_caps_the_probe() -> None:
         env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": url, "AWS_METADATA_SERVICE_TIMEOUT": "0.2"}
         ctx = Context(profile="compute", env=env)
         started = time.monotonic()
-        imds.imds(ctx)
+        result = imds.imds(ctx)
     assert time.monotonic() - started < 0.6
+    assert result.status is Status.FAIL and "did not answer within 0.2 s" in result.detail, result
 
 
 def test_probe_runs_once_for_all_checks_that_need_it() -> None:
