@@ -67,6 +67,7 @@ lint: venv
 	$(BIN)/ruff check python tests bench
 	$(BIN)/ruff format --check python tests bench
 	$(BIN)/shellcheck slurm/dev/*.sh scripts/*.sh docker/*.sh .ci/run
+	$(BIN)/deptry python --no-ansi
 
 test: setup lint image-test-deps
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)

@@ -11,7 +11,7 @@ import sys
 
 # command -> (module, one-line help). Each module exposes main(argv, prog) -> exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
-    "check": ("hpkit.checks.cli", "check whether this node can run distributed training"),
+    "check": ("hpkit.commands.check", "check whether this node can run distributed training"),
     "render": ("hpkit.commands.jobs", "render a job spec to an sbatch script (dry run)"),
     "submit": ("hpkit.commands.jobs", "render and submit a job spec"),
     "status": ("hpkit.commands.jobs", "show a job's state"),
@@ -20,8 +20,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
     "train": ("hpkit.commands.train", "run the training loop (inside a job)"),
     "ckpt": ("hpkit.commands.ckpt", "verify or list checkpoints against their commit records"),
-    "bench": ("hpkit.bench.cli", "benchmarks: collective bandwidth; nccl-tests scripts and their output"),
-    "image": ("hpkit.image", "build, tag and export the training image through the Docker Engine API"),
+    "bench": (
+        "hpkit.commands.bench",
+        "benchmarks: collective bandwidth; nccl-tests scripts and their output",
+    ),
+    "image": (
+        "hpkit.commands.image",
+        "build, tag and export the training image through the Docker Engine API",
+    ),
     "import-sagemaker": (
         "hpkit.sagemaker.importer",
         "turn a SageMaker estimator description into a job spec",

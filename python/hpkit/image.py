@@ -1,4 +1,4 @@
-"""`hpkit image`: build, tag and import the training images through the Docker Engine API (docker SDK).
+"""Build, tag and import the training images through the Docker Engine API (docker SDK).
 
 The SDK speaks the Engine API, so the same code drives Docker and podman's Docker-compatible service; DOCKER_HOST
 picks the engine. Versions come from docker/versions.env only: each key the Dockerfile declares as an ARG is
@@ -8,7 +8,6 @@ and the engine is told to remove intermediate containers even on failure (forcer
 
 from __future__ import annotations
 
-import argparse
 import configparser
 import os
 import platform
@@ -377,67 +376,29 @@ def stage_torch_wheel(
     return None
 
 
-# --- the command ----------------------------------------------------------------------------------------
+# --- a build from the checkout ---------------------------------------------------------------------------
 
 
-def _parse_kv(values: list[str], what: str) -> dict[str, str]:
-    out = {}
-    for value in values:
-        key, sep, val = value.partition("=")
-        if not sep or not key:
-            raise ImageError(f"{what} {value!r}: expected KEY=VALUE")
-        out[key] = val
-    return out
-
-
-def _parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="Build and import training images (Docker Engine API)."
-    )
-    sub = parser.add_subparsers(dest="action", required=True)
-
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("--cpu", action="store_true", help="the CPU image (docker/Dockerfile.cpu)")
-        p.add_argument("--repo", default=DEFAULT_REPO, help="image repository name (default: %(default)s)")
-        p.add_argument("--context", type=Path, default=Path.cwd(), help="the hpkit checkout (default: .)")
-
-    b = sub.add_parser("build", help="build the GPU image (or --cpu) and tag it with its versions")
-    common(b)
-    b.add_argument(
-        "--base-image", help="the CPU image's base (e.g. hpkit-base:bookworm from `make image-base`)"
-    )
-    b.add_argument(
-        "--build-arg", action="append", default=[], metavar="KEY=VALUE", help="override a build arg"
-    )
-    b.add_argument("--network", help="network mode for RUN steps (e.g. host)")
-    b.add_argument("--no-cache", action="store_true")
-    b.add_argument("--quiet", "-q", action="store_true", help="show only the steps, not their output")
-
-    t = sub.add_parser("tags", help="print the tags a build gives (versioned first)")
-    common(t)
-
-    i = sub.add_parser("import-base", help="import a root file system tarball as the CPU image's base")
-    i.add_argument("tarball", type=Path)
-    i.add_argument("--tag", default=BASE_TAG, help="default: %(default)s")
-    return parser
-
-
-def _versions(context: Path) -> dict[str, str]:
+def checkout_versions(context: Path) -> dict[str, str]:
+    """The versions file of the hpkit checkout at `context`."""
     path = context / VERSIONS_FILE
     if not path.is_file():
         raise ImageError(f"{path}: not found: run from the hpkit checkout or pass --context")
     return read_versions(path)
 
 
-def _run_build(args: argparse.Namespace) -> int:
-    variant = VARIANTS["cpu" if args.cpu else "gpu"]
-    context = args.context.resolve()
-    versions = _versions(context)
+def prepare_build(
+    context: Path,
+    variant: Variant,
+    repo: str = DEFAULT_REPO,
+    extra_args: dict[str, str] | None = None,
+    network_mode: str | None = None,
+    nocache: bool = False,
+) -> BuildRequest:
+    """The request that builds `variant` from the checkout; for the CPU image, its torch wheel is staged first."""
+    versions = checkout_versions(context)
     dockerfile = context / variant.dockerfile
-    extra = _parse_kv(args.build_arg, "--build-arg")
-    if args.base_image:
-        extra["BASE_IMAGE"] = args.base_image
-    buildargs = build_args(dockerfile.read_text(encoding="utf-8"), versions, extra)
+    buildargs = build_args(dockerfile.read_text(encoding="utf-8"), versions, extra_args)
     if variant.name == "cpu" and not buildargs.get("TORCH_EXTRA_INDEX"):
         torch, release = buildargs["TORCH_VERSION"], buildargs["DEBIAN_RELEASE"]
         if stage_torch_wheel(context, torch, release) is None:
@@ -445,37 +406,11 @@ def _run_build(args: argparse.Namespace) -> int:
                 f"no torch-{torch}+cpu wheel for {release}'s Python on {platform.machine()} in {WHEELHOUSE} or pip's "
                 "find-links: put it there, or pass --build-arg TORCH_EXTRA_INDEX=https://download.pytorch.org/whl/cpu"
             )
-    client = connect()
-    request = BuildRequest(
+    return BuildRequest(
         context=context,
         dockerfile=variant.dockerfile,
-        tags=image_tags(variant, versions, args.repo),
+        tags=image_tags(variant, versions, repo),
         buildargs=buildargs,
-        network_mode=args.network,
-        nocache=args.no_cache,
+        network_mode=network_mode,
+        nocache=nocache,
     )
-
-    def show(line: str) -> None:
-        if not args.quiet or line.startswith(("[", "sending")):
-            print(line, flush=True)
-
-    result = build(client, request, show)
-    print(
-        f"built {result.image_id[:19]} in {result.seconds:.0f} s, tagged {' '.join(result.tags)}", flush=True
-    )
-    return 0
-
-
-def main(argv: list[str], prog: str = "hpkit image") -> int:
-    args = _parser(prog).parse_args(argv[1:])
-    if args.action == "build":
-        return _run_build(args)
-    if args.action == "tags":
-        variant = VARIANTS["cpu" if args.cpu else "gpu"]
-        print("\n".join(image_tags(variant, _versions(args.context.resolve()), args.repo)))
-        return 0
-    if args.action == "import-base":
-        image_id = import_base(connect(), args.tarball.resolve(), args.tag)
-        print(f"imported {args.tarball} as {args.tag} ({image_id[:19]})")
-        return 0
-    return 2

@@ -7,6 +7,7 @@ so a spec can carry any characters without them being executed.
 
 from __future__ import annotations
 
+import importlib.resources
 import json
 import shlex
 from dataclasses import dataclass
@@ -18,7 +19,20 @@ from hpkit import __version__
 from hpkit.rendezvous import port_shell_expression
 from hpkit.spec import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, JobSpec
 
-TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+
+def _template_dir() -> Path:
+    """slurm/templates of the checkout this module runs from, else the copy an installed wheel carries.
+
+    The checkout wins so that code run from one checkout (PYTHONPATH=python) never renders with the
+    templates of another hpkit installed in the same environment.
+    """
+    checkout = Path(__file__).resolve().parents[2] / "slurm" / "templates"
+    if (checkout / "train.sbatch.j2").is_file():
+        return checkout
+    return Path(str(importlib.resources.files("hpkit") / "templates"))
+
+
+TEMPLATE_DIR = _template_dir()
 
 
 def shell_quote(value: object) -> str:

@@ -23,7 +23,7 @@ def test_collectives_job_reports_nccl_tests_bandwidths(slurm_cluster, tmp_path, 
     spec = yaml.safe_load((repo / "slurm/jobs/collectives.yaml").read_text())
     csv_path = tmp_path / "collectives.csv"
     spec["command"] = [
-        sys.executable, "-m", "hpkit.bench.collectives", "-b", "1K", "-e", "64K", "-f", "8",
+        sys.executable, "-m", "hpkit", "bench", "collectives", "-b", "1K", "-e", "64K", "-f", "8",
         "-n", "3", "-w", "1", "--csv", str(csv_path),
     ]  # fmt: skip
     assert (spec["nodes"], spec["tasks_per_node"]) == (2, 2)

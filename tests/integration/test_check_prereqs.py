@@ -113,6 +113,26 @@ def test_script_plain_output_and_usage_error(env: dict[str, str], bare_python: s
     assert bad.returncode == 2 and "unknown check" in bad.stderr
 
 
+def test_script_runs_on_the_system_python_with_no_venv(tmp_path: Path) -> None:
+    """A fresh login node: the distribution's python3 on a bare PATH, no venv, nothing else in the environment."""
+    system = shutil.which("python3", path="/usr/bin:/bin")
+    if system is None:
+        pytest.skip("no system python3 in /usr/bin or /bin")
+    clean = {
+        "PATH": "/usr/bin:/bin",
+        "HOME": str(tmp_path),
+        "AWS_EC2_METADATA_SERVICE_ENDPOINT": _closed_port(),
+    }
+    done = subprocess.run(
+        [str(SCRIPT), "--json"], env=clean, capture_output=True, text=True, timeout=30, cwd="/"
+    )
+    assert done.returncode in (0, 1), done.stderr
+    rows = {row["name"]: row for row in json.loads(done.stdout)["checks"]}
+    assert set(rows) == {"python", "imds", "slurm", "pyxis", "enroot", "shared-fs", "disk"}
+    assert rows["python"]["detail"].endswith(f" at {system}"), rows["python"]
+    assert done.returncode == (1 if any(r["status"] == "FAIL" for r in rows.values()) else 0)
+
+
 def test_script_without_python(env: dict[str, str]) -> None:
     done = subprocess.run(
         [str(SCRIPT)],

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from hpkit import image
+from hpkit.commands import image as image_command
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "unit"))
@@ -123,7 +124,7 @@ def base_image(engine: Engine) -> str:
 @pytest.fixture(scope="module")
 def cpu_image(engine: Engine, base_image: str) -> str:
     started = time.monotonic()
-    code = image.main(
+    code = image_command.main(
         ["image", "build", "--cpu", "--quiet", "--base-image", base_image, "--context", str(REPO)]
     )
     assert code == 0

@@ -13,7 +13,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "hpkit.bench.cli", *args],
+        [sys.executable, "-m", "hpkit", "bench", *args],
         capture_output=True, text=True, env={"PYTHONPATH": str(REPO / "python")}, timeout=60,
     )  # fmt: skip
 

@@ -93,7 +93,7 @@ def test_not_nccl_tests_output():
 def test_cli_parse_writes_the_same_csv_columns(tmp_path):
     csv_path = tmp_path / "out.csv"
     proc = subprocess.run(
-        [sys.executable, "-m", "hpkit.bench.cli", "nccl-tests", "parse", str(FIXTURES / "all_reduce_perf-2x8-h100.txt"),
+        [sys.executable, "-m", "hpkit", "bench", "nccl-tests", "parse", str(FIXTURES / "all_reduce_perf-2x8-h100.txt"),
          "--csv", str(csv_path)],
         capture_output=True, text=True, env={"PYTHONPATH": str(REPO / "python")}, timeout=60,
     )  # fmt: skip
@@ -102,7 +102,7 @@ def test_cli_parse_writes_the_same_csv_columns(tmp_path):
     assert csv_path.read_text().splitlines()[0] == ",".join(COLUMNS)
     assert len(from_csv(csv_path.read_text())) == 62
     bad = subprocess.run(
-        [sys.executable, "-m", "hpkit.bench.cli", "nccl-tests", "parse", str(tmp_path / "missing.out")],
+        [sys.executable, "-m", "hpkit", "bench", "nccl-tests", "parse", str(tmp_path / "missing.out")],
         capture_output=True, text=True, env={"PYTHONPATH": str(REPO / "python")}, timeout=60,
     )  # fmt: skip
     assert bad.returncode == 1

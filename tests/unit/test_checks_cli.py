@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from _imds_server import closed_port
 
-from hpkit.checks import cli, registry, report, runner
+from hpkit.checks import registry, report, runner
 from hpkit.checks.context import PROFILES, Context
 from hpkit.checks.registry import Check
 from hpkit.checks.result import Result, Status
+from hpkit.commands import check
 
 
 @pytest.fixture(autouse=True)
@@ -24,7 +25,7 @@ def _never_real_imds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]:
-    code = cli.main(["check", *argv, "--json"])
+    code = check.main(["check", *argv, "--json"])
     return code, json.loads(capsys.readouterr().out)
 
 
@@ -88,14 +89,14 @@ def test_exit_1_when_something_failed(tmp_path: Path, capsys: pytest.CaptureFixt
     ],
 )
 def test_usage_errors_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["check", *argv]) == 2
+    assert check.main(["check", *argv]) == 2
     assert "error" in capsys.readouterr().err
 
 
 def test_help_and_list_exit_0(capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(["check", "--help"]) == 0
+    assert check.main(["check", "--help"]) == 0
     assert "--profile" in capsys.readouterr().out
-    assert cli.main(["check", "--list"]) == 0
+    assert check.main(["check", "--list"]) == 0
     assert "var-log-mount" in capsys.readouterr().out
 
 

@@ -8,9 +8,10 @@ import time
 import pytest
 from _imds_server import TOKEN, TTL_HEADER, closed_port, imds_server, silent_server
 
-from hpkit.checks import cli, imds
+from hpkit.checks import imds
 from hpkit.checks.context import Context
 from hpkit.checks.result import Status
+from hpkit.commands import check
 
 CONTRACT_S = 2.0  # each mode's verdict must come within this
 
@@ -205,7 +206,7 @@ def test_cli_json_through_the_environment(
 ) -> None:
     with imds_server(mode="v1") as (url, _):
         monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", url)
-        code = cli.main(["check", "--profile", "compute", "--only", "imds,instance-type", "--json"])
+        code = check.main(["check", "--profile", "compute", "--only", "imds,instance-type", "--json"])
     report = json.loads(capsys.readouterr().out)
     assert code == 1
     assert {c["name"]: c["status"] for c in report["checks"]} == {"imds": "FAIL", "instance-type": "PASS"}

@@ -1,4 +1,4 @@
-"""`hpkit bench collectives`: time torch.distributed collectives over a sweep of sizes.
+"""Time torch.distributed collectives over a sweep of sizes.
 
 Runs in whatever process group the launch gives it (torchrun, srun, or one process), on the backend
 the device implies (nccl on GPUs, gloo on CPUs), and reports nccl-tests' time/algbw/busbw so that a
@@ -9,15 +9,12 @@ figure here and one from all_reduce_perf mean the same thing. Like nccl-tests, e
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from hpkit.bench.bandwidth import OPS, algbw_gbps, busbw_gbps
-from hpkit.bench.results import BenchRow, table, write_outputs
-from hpkit.bench.sizes import parse_size, sweep
+from hpkit.bench.results import BenchRow
 from hpkit.errors import HpkitError
 
 DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
@@ -198,114 +195,3 @@ def measure(cfg: SweepConfig, device, backend: str) -> list[BenchRow]:
                 )
             )
     return rows
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _ops(text: str) -> tuple[str, ...]:
-    ops = tuple(o.strip() for o in text.split(",") if o.strip())
-    unknown = [o for o in ops if o not in OPS]
-    if unknown or not ops:
-        raise argparse.ArgumentTypeError(
-            f"unknown collective(s) {', '.join(unknown) or '(none given)'}: choose from {', '.join(OPS)}"
-        )
-    return ops
-
-
-def build_parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Time collectives over a sweep of sizes and report time, algbw and busbw as nccl-tests "
-        "does. Launch it with torchrun or srun (one process per rank), or in a Slurm job: "
-        "slurm/jobs/collectives.yaml.",
-    )
-    parser.add_argument(
-        "--ops", type=_ops, default=DEFAULT_OPS, help=f"comma-separated (default: {','.join(DEFAULT_OPS)})"
-    )
-    parser.add_argument(
-        "-b", "--min-bytes", type=_size, default=parse_size("8"), help="smallest size (default 8)"
-    )
-    parser.add_argument(
-        "-e", "--max-bytes", type=_size, default=parse_size("64M"), help="largest (default 64M)"
-    )
-    parser.add_argument("-f", "--factor", type=_positive_int, default=2, help="size step factor (default 2)")
-    parser.add_argument("-n", "--iters", type=_positive_int, default=20, help="timed iterations (default 20)")
-    parser.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations first (default 5)")
-    parser.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float", help="element type")
-    parser.add_argument("--no-check", action="store_true", help="skip checking each result's values")
-    parser.add_argument("--csv", help="also write the rows as CSV here (rank 0)")
-    parser.add_argument("--json", help="also write the rows as JSON here (rank 0)")
-    return parser
-
-
-def parse_config(argv: list[str], prog: str) -> tuple[SweepConfig, argparse.Namespace]:
-    parser = build_parser(prog)
-    args = parser.parse_args(argv)
-    if args.warmup < 0:
-        parser.error("argument -w/--warmup: must be 0 or more")
-    try:
-        sizes = sweep(args.min_bytes, args.max_bytes, args.factor)
-    except ValueError as exc:
-        parser.error(f"argument -b/-e/-f: {exc}")
-    cfg = SweepConfig(args.ops, tuple(sizes), args.iters, args.warmup, args.dtype, not args.no_check)
-    return cfg, args
-
-
-def main(argv: list[str], prog: str = "hpkit bench collectives") -> int:
-    cfg, args = parse_config(argv, prog)
-    from hpkit.runtime.env import choose_device, configure_threads, init_distributed, read_launch_env
-
-    launch = read_launch_env()
-    configure_threads(launch)
-    device = choose_device(launch)
-    init_distributed(launch, device)
-    import torch.distributed as dist
-
-    try:
-        rows = measure(cfg, device.torch_device(), device.backend)
-        if launch.is_rank0:
-            print(
-                f"# hpkit bench collectives: {launch.world_size} rank(s), backend {device.backend}, "
-                f"device {device.type}, dtype {cfg.dtype}, iters {cfg.iters}, warmup {cfg.warmup}"
-            )
-            sys.stdout.write(table(rows))
-            for op in cfg.ops:
-                busbw = [r.busbw_gbps for r in rows if r.op == op]
-                print(f"# Avg bus bandwidth {op:<15}: {sum(busbw) / len(busbw):.6f} GB/s")
-            write_outputs(rows, args.csv, args.json)
-            sys.stdout.flush()
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
-    bad = sum(r.wrong or 0 for r in rows)
-    if bad:
-        if launch.is_rank0:
-            print(
-                f"# hpkit bench collectives: {bad} wrong element(s): the collectives returned bad data",
-                file=sys.stderr,
-            )
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:], prog="python -m hpkit.bench.collectives"))
-    except HpkitError as exc:
-        print(f"hpkit bench collectives: error: {exc}", file=sys.stderr)
-        sys.exit(1)

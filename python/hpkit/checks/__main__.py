@@ -10,7 +10,7 @@ if sys.version_info < (3, 8):  # noqa: UP036
     print("              fix: set PYTHON=/path/to/python3.10-or-newer (or create the venv from one)")
     sys.exit(1)
 
-from hpkit.checks.cli import main
+from hpkit.commands.check import main
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:], prog="check-prereqs.sh"))

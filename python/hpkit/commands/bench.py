@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hpkit.errors import HpkitError, SpecError
+from hpkit.errors import SpecError
 
 USAGE = """usage: hpkit bench SUBCOMMAND [ARGS]
 
@@ -25,9 +25,7 @@ def main(argv: list[str], prog: str = "hpkit bench") -> int:
         return 0 if rest else 2
     sub, rest = rest[0], rest[1:]
     if sub == "collectives":
-        from hpkit.bench.collectives import main as collectives_main
-
-        return collectives_main(rest, prog=f"{prog} collectives")
+        return _collectives(rest, f"{prog} collectives")
     if sub == "nccl-tests":
         if rest[:1] == ["render"]:
             return _render(rest[1:], f"{prog} nccl-tests render")
@@ -46,6 +44,94 @@ def _size(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _ops(text: str) -> tuple[str, ...]:
+    from hpkit.bench.bandwidth import OPS
+
+    ops = tuple(o.strip() for o in text.split(",") if o.strip())
+    unknown = [o for o in ops if o not in OPS]
+    if unknown or not ops:
+        raise argparse.ArgumentTypeError(
+            f"unknown collective(s) {', '.join(unknown) or '(none given)'}: choose from {', '.join(OPS)}"
+        )
+    return ops
+
+
+def _collectives_parser(prog: str) -> argparse.ArgumentParser:
+    from hpkit.bench.collectives import DEFAULT_OPS, DTYPES
+
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Time collectives over a sweep of sizes and report time, algbw and busbw as nccl-tests "
+        "does. Launch it with torchrun or srun (one process per rank), or in a Slurm job: "
+        "slurm/jobs/collectives.yaml.",
+    )
+    parser.add_argument(
+        "--ops", type=_ops, default=DEFAULT_OPS, help=f"comma-separated (default: {','.join(DEFAULT_OPS)})"
+    )
+    parser.add_argument("-b", "--min-bytes", type=_size, default=_size("8"), help="smallest size (default 8)")
+    parser.add_argument("-e", "--max-bytes", type=_size, default=_size("64M"), help="largest (default 64M)")
+    parser.add_argument("-f", "--factor", type=_positive_int, default=2, help="size step factor (default 2)")
+    parser.add_argument("-n", "--iters", type=_positive_int, default=20, help="timed iterations (default 20)")
+    parser.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations first (default 5)")
+    parser.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float", help="element type")
+    parser.add_argument("--no-check", action="store_true", help="skip checking each result's values")
+    parser.add_argument("--csv", help="also write the rows as CSV here (rank 0)")
+    parser.add_argument("--json", help="also write the rows as JSON here (rank 0)")
+    return parser
+
+
+def _collectives(argv: list[str], prog: str) -> int:
+    from hpkit.bench.collectives import SweepConfig
+    from hpkit.bench.sizes import sweep
+
+    parser = _collectives_parser(prog)
+    args = parser.parse_args(argv)
+    if args.warmup < 0:
+        parser.error("argument -w/--warmup: must be 0 or more")
+    try:
+        sizes = sweep(args.min_bytes, args.max_bytes, args.factor)
+    except ValueError as exc:
+        parser.error(f"argument -b/-e/-f: {exc}")
+    cfg = SweepConfig(args.ops, tuple(sizes), args.iters, args.warmup, args.dtype, not args.no_check)
+
+    from hpkit.bench.collectives import measure
+    from hpkit.bench.results import table, write_outputs
+    from hpkit.runtime.env import distributed
+
+    with distributed() as run:
+        rows = measure(cfg, run.device.torch_device(), run.device.backend)
+        if run.launch.is_rank0:
+            print(
+                f"# hpkit bench collectives: {run.launch.world_size} rank(s), backend {run.device.backend}, "
+                f"device {run.device.type}, dtype {cfg.dtype}, iters {cfg.iters}, warmup {cfg.warmup}"
+            )
+            sys.stdout.write(table(rows))
+            for op in cfg.ops:
+                busbw = [r.busbw_gbps for r in rows if r.op == op]
+                print(f"# Avg bus bandwidth {op:<15}: {sum(busbw) / len(busbw):.6f} GB/s")
+            write_outputs(rows, args.csv, args.json)
+            sys.stdout.flush()
+    bad = sum(r.wrong or 0 for r in rows)
+    if bad:
+        if run.launch.is_rank0:
+            print(
+                f"# hpkit bench collectives: {bad} wrong element(s): the collectives returned bad data",
+                file=sys.stderr,
+            )
+        return 1
+    return 0
 
 
 def _env_pair(text: str) -> tuple[str, str]:
@@ -147,11 +233,3 @@ def _parse(argv: list[str], prog: str) -> int:
         print(f"# {run.op}: {run.ranks} rank(s), {len(run.rows)} row(s), nccl-tests' avg busbw {avg} GB/s")
     write_outputs(rows, args.csv, args.json)
     return 0
-
-
-if __name__ == "__main__":
-    try:
-        sys.exit(main(sys.argv[1:], prog="python -m hpkit.bench.cli"))
-    except HpkitError as exc:
-        print(f"hpkit bench: error: {exc}", file=sys.stderr)
-        sys.exit(1)

@@ -1,0 +1,254 @@
+"""Every install path in the README works on its own: the built wheel, one extra at a time, in a scratch venv.
+
+`make setup` installs every extra at once, so the rest of the suite cannot see an import that only another
+extra declares. Here the wheel is built once (sdist first, then the wheel from it, as a release would be),
+and each path gets a venv of its own without the system site-packages and without PYTHONPATH, so only what
+the wheel and its declared dependencies bring is importable. torch comes from the local CPU wheel through
+pip's own configuration (find-links), as in `make setup`; downloads go through pip's cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import tomllib
+import yaml
+
+pytestmark = pytest.mark.install
+
+REPO = Path(__file__).resolve().parents[2]
+# What a source release holds; everything else in the checkout must not be needed to build.
+SOURCES = ("pyproject.toml", "README.md", "python", "slurm/templates")
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("wheel")
+    src = tmp / "src"
+    for name in SOURCES:
+        if (REPO / name).is_dir():
+            shutil.copytree(
+                REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info")
+            )
+        else:
+            (src / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, src / name)
+    started = time.monotonic()
+    # --no-isolation: the dev extra already has the build backend; an isolated build would fetch it again.
+    done = subprocess.run(
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(tmp / "dist"), str(src)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (built,) = (tmp / "dist").glob("hpkit-*.whl")
+    print(f"built {built.name} (sdist, then wheel) in {time.monotonic() - started:.1f} s")
+    return built
+
+
+@pytest.fixture(scope="module")
+def wheelhouse(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every extra's dependencies, resolved once through pip's own configuration (torch from the local wheel).
+
+    Each venv then installs from here alone, so no install waits on the index, and each still resolves only
+    what its own extra declares: a missing declaration fails as it would for a user.
+    """
+    started = time.monotonic()
+    house = tmp_path_factory.mktemp("wheelhouse")
+    extras = ",".join(_extras())
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--dest", str(house), f"{wheel}[{extras}]"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    print(f"wheelhouse for [{extras}] filled in {time.monotonic() - started:.1f} s")
+    return house
+
+
+def _extras() -> list[str]:
+    declared = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    return [name for name in declared["optional-dependencies"] if name != "dev"]
+
+
+def _closed_port() -> str:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    return f"http://127.0.0.1:{port}"
+
+
+@dataclass
+class Venv:
+    root: Path
+    env: dict[str, str]
+    cwd: Path
+
+    def run(self, *argv: str, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            list(argv),
+            env={**self.env, **env},
+            cwd=self.cwd,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def ok(self, *argv: str, timeout: float = 300) -> str:
+        done = self.run(*argv, timeout=timeout)
+        assert done.returncode == 0, (
+            f"{argv}: exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+        )
+        return done.stdout
+
+    def importable(self, module: str) -> bool:
+        return self.run("python", "-c", f"import {module}").returncode == 0
+
+
+def _venv(tmp: Path, wheel: Path, house: Path, extra: str | None) -> Venv:
+    started = time.monotonic()
+    root = tmp / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=120)
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "HPKIT_SPEC")
+        and k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        PATH=f"{root / 'bin'}{os.pathsep}{os.environ.get('PATH', '')}",
+        VIRTUAL_ENV=str(root),
+        TMPDIR=str(tmp),
+        OMP_NUM_THREADS="1",
+        # Never the real 169.254.169.254: the metadata probe goes to a closed local port.
+        AWS_EC2_METADATA_SERVICE_ENDPOINT=_closed_port(),
+    )
+    venv = Venv(root, env, tmp)
+    requirement = f"{wheel}[{extra}]" if extra else str(wheel)
+    # --no-compile: byte-compiling all of torch up front costs more than the few modules a run imports.
+    venv.ok(
+        "python",
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--no-compile",
+        "--no-index",
+        "--find-links",
+        str(house),
+        requirement,
+        timeout=600,
+    )
+    where = venv.ok("python", "-c", "import hpkit; print(hpkit.__file__)").strip()
+    assert Path(where).is_relative_to(root), f"hpkit came from {where}, not the venv"
+    print(f"venv {extra or 'core'}: installed in {time.monotonic() - started:.1f} s")
+    return venv
+
+
+def test_core_checks_and_renders_from_the_wheel(wheel: Path, wheelhouse: Path, tmp_path: Path) -> None:
+    venv = _venv(tmp_path, wheel, wheelhouse, None)
+    assert not venv.importable("torch")
+
+    done = venv.run("hpkit", "check", "--json", timeout=60)
+    assert done.returncode in (0, 1), done.stderr
+    checks = {row["name"]: row["status"] for row in json.loads(done.stdout)["checks"]}
+    assert checks and done.returncode == (1 if "FAIL" in checks.values() else 0)
+
+    # The templates come from the installed package: nothing of the checkout is on this venv's path.
+    template_dir = Path(venv.ok("python", "-c", "import hpkit.render as r; print(r.TEMPLATE_DIR)").strip())
+    assert template_dir.is_relative_to(venv.root) and (template_dir / "train.sbatch.j2").is_file()
+    script = venv.ok("hpkit", "render", str(REPO / "slurm" / "jobs" / "demo.yaml"))
+    assert script.startswith("#!/bin/bash\n# Run with: sbatch demo.sbatch\n")
+    assert "world size 4, launcher torchrun" in script
+    nccl = venv.ok("hpkit", "bench", "nccl-tests", "render", "--nodes", "1", "--gpus-per-node", "1")
+    assert nccl.startswith("#!/bin/bash") and "all_reduce_perf" in nccl
+
+
+def _train_config(tmp: Path, tag: str) -> Path:
+    config = {
+        "name": f"install-{tag}",
+        "output_dir": str(tmp / "out"),
+        "model": {
+            "name": "debug",
+            "dim": 32,
+            "n_layers": 2,
+            "n_heads": 2,
+            "ffn_dim": 64,
+            "vocab_size": 128,
+            "seq_len": 16,
+        },
+        "train": {"steps": 2, "local_batch_size": 2, "mixed_precision": "fp32"},
+        "checkpoint": {"dir": str(tmp / f"ckpt-{tag}")},
+    }
+    path = tmp / f"{tag}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def test_train_extra_trains_on_one_process_and_under_torchrun(
+    wheel: Path, wheelhouse: Path, tmp_path: Path
+) -> None:
+    venv = _venv(tmp_path, wheel, wheelhouse, "train")
+    assert not venv.importable("docker")
+
+    one = venv.ok("hpkit", "train", "--config", str(_train_config(tmp_path, "one")))
+    assert "hpkit train: done steps=2 " in one and " world=1 " in one, one
+
+    two = venv.ok(
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "hpkit",
+        "train",
+        "--config",
+        str(_train_config(tmp_path, "two")),
+    )
+    assert "hpkit train: done steps=2 " in two and " world=2 " in two, two
+
+
+def test_image_extra_shows_help_and_says_when_no_engine_answers(
+    wheel: Path, wheelhouse: Path, tmp_path: Path
+) -> None:
+    venv = _venv(tmp_path, wheel, wheelhouse, "image")
+    assert not venv.importable("torch")
+
+    assert "--cpu" in venv.ok("hpkit", "image", "build", "--help")
+    done = venv.run(
+        "hpkit",
+        "image",
+        "build",
+        "--context",
+        str(REPO),
+        DOCKER_HOST=f"unix://{tmp_path}/nothing.sock",
+    )
+    assert done.returncode == 1 and done.stdout == "", done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert lines[0].startswith("hpkit image: error: no container engine answers at DOCKER_HOST=")
+
+
+@pytest.mark.parametrize(
+    ("extra", "example"),
+    [("mpi", "hpkit.examples.mpi_collectives"), ("lightning", "hpkit.examples.lightning_ddp")],
+)
+def test_example_extras_import_their_examples(
+    wheel: Path, wheelhouse: Path, tmp_path: Path, extra: str, example: str
+) -> None:
+    venv = _venv(tmp_path, wheel, wheelhouse, extra)
+    # Open MPI's singleton start (mpi4py initialises MPI on import) refuses root unless told otherwise.
+    venv.env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    venv.ok("python", "-c", f"import {example}")
