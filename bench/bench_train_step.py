@@ -64,6 +64,8 @@ def _compare(args: argparse.Namespace, device_info) -> None:
                 "grad_clip": 1.0,
                 "mixed_precision": precision,
                 "tensorboard": False,
+                # The host reads the loss and grad norm on logging steps only (torchtitan logs every 10).
+                "log_every": 10,
             },
         }
     )
