@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import yaml
+from test_check_prereqs import _closed_port
 
 pytestmark = pytest.mark.install
 
@@ -80,14 +80,6 @@ def wheelhouse(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _extras() -> list[str]:
     declared = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["project"]
     return [name for name in declared["optional-dependencies"] if name != "dev"]
-
-
-def _closed_port() -> str:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    sock.close()
-    return f"http://127.0.0.1:{port}"
 
 
 @dataclass
