@@ -7,6 +7,7 @@ so a spec can carry any characters without them being executed.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import json
 import shlex
@@ -259,8 +260,12 @@ def build_context(
     )
 
 
+@functools.cache
 def template_environment() -> jinja2.Environment:
-    """Strict (a missing value is an error) and unescaped: quoting is done before values reach it."""
+    """Strict (a missing value is an error) and unescaped: quoting is done before values reach it.
+
+    One per process: compiling the template was half of a render (jinja2 still reloads a template
+    whose file changed)."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from hpkit import devcluster
 
@@ -177,3 +178,60 @@ def test_wait_rides_out_a_controller_restart_and_gives_up_on_a_long_outage(tmp_p
         assert waiter.returncode == 0, text
         assert text.count("Slurm did not answer") == 1, text
         assert (work / f"out-{job}.txt").read_text().strip() == f"done-{job}"
+
+
+CALLER_WRAPPER = """#!/bin/sh
+# Logs which process of the job asked the controller (step and task, or the batch shell), then asks.
+echo "{name} step=${{SLURM_STEP_ID:-none}} procid=${{SLURM_PROCID:-none}} node=${{SLURMD_NODENAME:-?}} $*" >> "$CALL_LOG"
+exec {real} "$@"
+"""
+RANK_START = (
+    "import os; from hpkit.runtime.env import read_launch_env; e = read_launch_env(os.environ); "
+    # one write per line: the ranks share the output file (opened O_APPEND)
+    "os.write(1, f'RANKINFO {e.rank} {e.world_size} {e.master_addr} {e.source}\\n'.encode())"
+)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_only_the_batch_script_asks_the_controller_at_start_up(slurm_cluster, tmp_path, launcher):
+    """Every rank of a 2-node job starts without calling scontrol, sinfo or squeue: the batch shell
+    resolves the rendezvous address once and exports it."""
+    bin_dir = tmp_path / "caller-bin"
+    bin_dir.mkdir()
+    for name in ("scontrol", "sinfo", "squeue"):
+        real = shutil.which(name)
+        assert real, name
+        (bin_dir / name).write_text(CALLER_WRAPPER.format(name=name, real=real))
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    env = {**slurm_cluster, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALL_LOG": str(log)}
+    spec = {
+        "name": f"startup-{launcher}",
+        "nodes": 2,
+        "tasks_per_node": 2,
+        "launcher": launcher,
+        "sagemaker_env": {},  # SM_HOSTS too comes from the batch shell
+        "command": [sys.executable, "-c", RANK_START],
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpkit", "submit", "spec.yaml", "--wait", "--follow", "--timeout", "180"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Ranks share the output file: find the records wherever a line break landed.
+    ranks = sorted(m.split() for m in re.findall(r"RANKINFO (\d+ \d+ \S+ [a-z]+)", proc.stdout))
+    assert [r[0] for r in ranks] == ["0", "1", "2", "3"], proc.stdout
+    # One world, one rendezvous address for all, from the launcher's variables (no lookup of their own).
+    assert {(r[1], r[3]) for r in ranks} == {("4", "torchrun" if launcher == "torchrun" else "env")}, ranks
+    assert len({r[2] for r in ranks}) == 1, ranks
+    in_job = [line for line in log.read_text().splitlines() if "node=?" not in line]  # hpkit wait's own polls
+    print(f"{launcher}: controller calls from inside the job: {in_job}")
+    assert in_job, "the batch shell's calls should be logged too (is the wrapper on the job's PATH?)"
+    assert all(line.startswith("scontrol step=none") for line in in_job), in_job
+    assert len(in_job) == 3  # hostnames and NodeAddr for the rendezvous, hostnames for SM_HOSTS

@@ -12,8 +12,12 @@ import time
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpkit.errors import HpkitError, SlurmError
+
+if TYPE_CHECKING:
+    from hpkit.spec import JobSpec
 
 
 def _parser(command: str, prog: str) -> argparse.ArgumentParser:
@@ -104,14 +108,18 @@ def _write_new(path: Path, text: str, mode: int = 0o644) -> None:
         ) from None
 
 
-def _submit(args: argparse.Namespace) -> int:
+def prepare_submission(spec_file: str | Path) -> tuple[JobSpec, Path, Path]:
+    """Everything `hpkit submit` does before sbatch: check the spec, write its snapshot and the script.
+
+    Returns (spec, script path, output directory). Nothing here depends on the node count
+    (bench/bench_render_scale.py compares 2,048 nodes with 2).
+    """
     import yaml
 
     from hpkit.render import render
-    from hpkit.slurm import get_backend
     from hpkit.spec import load_spec
 
-    spec = load_spec(args.spec)
+    spec = load_spec(spec_file)
     base = Path(spec.workdir) if spec.workdir else Path.cwd()
     out_dir = (base / spec.output_dir).resolve()
     # A snapshot of the spec travels with the job: editing the YAML after submitting must not
@@ -121,6 +129,13 @@ def _submit(args: argparse.Namespace) -> int:
     script_path = out_dir / f"{spec.name}-{stamp}.sbatch"
     _write_new(spec_copy, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
     _write_new(script_path, render(spec, script_name=str(script_path), spec_path=str(spec_copy)), mode=0o755)
+    return spec, script_path, out_dir
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from hpkit.slurm import get_backend
+
+    spec, script_path, out_dir = prepare_submission(args.spec)
     if args.dry_run:
         print(f"dry run: wrote {script_path}")
         return 0
