@@ -198,6 +198,7 @@ class CliBackend:
         self.env = env
         self._version: tuple[int, int] | None = None
         self._stdout_cache: dict[str, str] = {}
+        self._no_slurmdbd = False
 
     @property
     def version(self) -> tuple[int, int]:
@@ -263,7 +264,10 @@ class CliBackend:
                 else (text[-1] if text else f"exit {proc.returncode}")
             )
             if "Invalid job id" in why and job_ids:
-                return {}  # 23.02+: every job named has left the controller
+                if len(job_ids) == 1:
+                    return {}  # 23.02+: the one job named has left the controller
+                # some named jobs are gone: ask for the whole queue instead (still one more call)
+                return {j: r for j, r in self.queue(None).items() if j in set(job_ids)}
             raise TransientSlurmError(f"squeue failed: {why}")
         wanted = set(job_ids) if job_ids else None
         return {
@@ -311,11 +315,14 @@ class CliBackend:
         if shutil.which("sacct") is None:
             return {}
         found: dict[str, JobInfo] = {}
-        # Without slurmdbd only the job-completion log answers (`sacct -c`), and not in JSON.
+        # Without slurmdbd only the job-completion log answers (`sacct -c`), and not in JSON; once
+        # plain sacct has failed, later polls go to the log directly.
         for extra in ([], ["-c"]):
             missing = [j for j in job_ids if j not in found]
             if not missing:
                 break
+            if not extra and self._no_slurmdbd:
+                continue
             proc = _run(
                 [
                     "sacct",
@@ -332,6 +339,7 @@ class CliBackend:
                 check=False,
             )
             if proc.returncode != 0:
+                self._no_slurmdbd = self._no_slurmdbd or not extra
                 continue
             for line in proc.stdout.splitlines():
                 cols = line.split("|")

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from hpkit import devcluster
+from hpkit.slurm import CliBackend, JobState
 
 pytestmark = pytest.mark.cluster
 
@@ -89,6 +90,15 @@ def test_waiting_for_many_jobs_costs_one_call_per_poll(slurm_cluster, tmp_path):
         f"polling: {len(jobs)} jobs, {len(names)} squeue calls in {took:.1f} s, gaps {[round(g, 1) for g in gaps]}"
     )
     assert max(gaps) >= 1.8, gaps  # after 10 s without a state change, polls are 2 s apart
+
+    # Once jobs leave the controller, sacct answers for all of them at once (here: the job-completion
+    # log, since there is no slurmdbd; plain sacct is tried once, then skipped).
+    log.write_text("")
+    backend = CliBackend({**env, **extra})
+    for _ in range(2):
+        gone = backend._from_sacct(jobs)
+        assert {j: i.state for j, i in gone.items()} == dict.fromkeys(jobs, JobState.COMPLETED)
+    assert [n for _, n in calls(log)] == ["sacct", "sacct", "sacct"]
 
     # `hpkit status` without a job id: the user's jobs as a table, from one squeue call.
     log.write_text("")
