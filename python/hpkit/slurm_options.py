@@ -235,11 +235,17 @@ def signal(value: str) -> str:
     match = _SIGNAL.match(value)
     if not match:
         raise ValueError(f"{value!r} is not of the form [{{R|B}}:]<signal>[@seconds] (B:USR1@300)")
-    _, sig, seconds = match.groups()
+    prefix, sig, seconds = match.groups()
     if not (sig.isdigit() and 1 <= int(sig) <= 64) and sig.upper() not in SIGNALS:
         raise ValueError(f"{value!r}: signal {sig!r} is not a number 1-64 or one of {', '.join(SIGNALS)}")
     if seconds is not None and int(seconds) > 65535:
         raise ValueError(f"{value!r}: the time before the end must be 0-65535 seconds")
+    # The batch shell traps USR1 only (to checkpoint and requeue); another signal would kill it.
+    if prefix and "B" in prefix.upper() and sig.upper() not in ("USR1", "10"):
+        raise ValueError(
+            f"{value!r}: hpkit's batch script handles only USR1 (B:USR1@<seconds>); to send {sig} "
+            "to the job's steps instead, leave out B:"
+        )
     return value
 
 

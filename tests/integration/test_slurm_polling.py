@@ -245,3 +245,40 @@ def test_only_the_batch_script_asks_the_controller_at_start_up(slurm_cluster, tm
     assert in_job, "the batch shell's calls should be logged too (is the wrapper on the job's PATH?)"
     assert all(line.startswith("scontrol step=none") for line in in_job), in_job
     assert len(in_job) == 3  # hostnames and NodeAddr for the rendezvous, hostnames for SM_HOSTS
+
+
+def test_logs_follow_streams_the_file_between_rare_polls(slurm_cluster, tmp_path):
+    env = dict(slurm_cluster)
+    proc = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "-o",
+            "follow-%j.txt",
+            "--wrap",
+            "for i in 1 2 3 4 5 6; do echo line-$i; sleep 1; done",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip()
+    extra, log = counting_path(tmp_path)
+    started = time.monotonic()
+    follow = subprocess.run(
+        [sys.executable, "-m", "hpkit", "logs", "-f", job, "--backend", "cli"],
+        env={**env, **extra},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert follow.returncode == 0, follow.stderr
+    assert follow.stdout.splitlines() == [f"line-{i}" for i in range(1, 7)], follow.stdout
+    names = [n for _, n in calls(log)]
+    # No scontrol: the output path comes from squeue's record (its %j pattern expanded by hpkit).
+    assert set(names) == {"squeue"} and len(names) <= took + 2, (names, took)

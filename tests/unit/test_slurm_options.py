@@ -92,6 +92,7 @@ INVALID = [
     ("signal", "USR1@99999", "signal: 'USR1@99999': the time before the end must be 0-65535"),
     ("signal", "C:USR1", "signal: 'C:USR1' is not of the form"),
     ("signal", "SIGNOPE", "signal: 'SIGNOPE': signal 'NOPE' is not"),
+    ("signal", "B:TERM@60", "signal: 'B:TERM@60': hpkit's batch script handles only USR1"),
     (
         "sbatch_options",
         ["--job-name=y"],
