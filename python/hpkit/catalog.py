@@ -32,8 +32,8 @@ def _sizes(gpu: str, memory: int, rows: dict[str, tuple[int, int]]) -> dict[str,
 # EC2 names; HyperPod and SageMaker spell the same types with an "ml." prefix (see normalise()).
 INSTANCE_TYPES: dict[str, InstanceSpec] = {
     # P3: https://aws.amazon.com/ec2/instance-types/p3/ (8 × V100 16 GB, NVLink; EFA only on p3dn)
-    # SMDDP: https://docs.aws.amazon.com/sagemaker/latest/dg/distributed-data-parallel-support.html
-    # names P4d and P4de as the types the current library supports.
+    # SMDDP: https://docs.aws.amazon.com/sagemaker/latest/dg/distributed-data-parallel-support.html and
+    # .../model-parallel-core-features-v2-smddp-allgather.html ("The SMDDP library supports P4 and P4de").
     "p3.16xlarge": InstanceSpec(8, "V100", 0, gpu_memory_gib=16),
     # P4: https://aws.amazon.com/ec2/instance-types/p4/ (A100 40 GB / 80 GB, 400 Gbps EFA = 4 cards)
     "p4d.24xlarge": InstanceSpec(8, "A100", 4, smddp=True, gpu_memory_gib=40),
@@ -44,7 +44,8 @@ INSTANCE_TYPES: dict[str, InstanceSpec] = {
     "p5.48xlarge": InstanceSpec(8, "H100", 32, gpu_memory_gib=80),
     "p5e.48xlarge": InstanceSpec(8, "H200", 32, gpu_memory_gib=141),
     "p5en.48xlarge": InstanceSpec(8, "H200", 16, gpu_memory_gib=141),
-    # P6-B200: https://aws.amazon.com/ec2/instance-types/p6/ (8 × B200 179 GB, 8 × 400 Gbps EFAv4)
+    # P6-B200: https://aws.amazon.com/ec2/instance-types/p6/ (8 × B200 179 GB, 8 × 400 Gbps EFAv4).
+    # Not confirmed through the search tool's stored pages (nor P5en's 16 cards): re-check on AWS's page.
     "p6-b200.48xlarge": InstanceSpec(8, "B200", 8, gpu_memory_gib=179),
     # G5 (A10G 24 GB), G6 (L4 24 GB), G6e (L40S 48 GB): https://aws.amazon.com/ec2/instance-types/g5/,
     # .../g6/, .../g6e/ and https://docs.aws.amazon.com/batch/latest/userguide/gpu-jobs.html (GPUs per size);
