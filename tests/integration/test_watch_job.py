@@ -7,6 +7,8 @@ WorkDir, the script's HPKIT_SPEC) is tested on such paths.
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
 import subprocess
 import sys
@@ -158,3 +160,26 @@ def test_a_job_that_is_not_hpkit_training_shows_only_its_slurm_state(slurm_clust
     assert line == CliBackend().info(job_id).summary()
     follow = hpkit("wait", job_id, "--follow", cwd=tmp_path, env=slurm_cluster)
     assert follow.returncode == 0 and follow.stdout.strip() == line
+    # On a terminal the line is rewritten in place (carriage return, erase line) and ends with a newline.
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "hpkit", "wait", job_id, "--follow"],
+        cwd=tmp_path,
+        env=slurm_cluster,
+        stdout=child,
+        stderr=subprocess.PIPE,
+    )
+    os.close(child)
+    assert proc.wait(timeout=60) == 0, proc.stderr.read()
+    seen = b""
+    while chunk := _read_pty(main):
+        seen += chunk
+    os.close(main)
+    assert seen == b"\r\x1b[K" + line.encode() + b"\r\n"  # the terminal turns \n into \r\n
+
+
+def _read_pty(fd: int) -> bytes:
+    try:
+        return os.read(fd, 4096)
+    except OSError:  # EIO: the writer has closed its side
+        return b""

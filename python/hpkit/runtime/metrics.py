@@ -132,7 +132,7 @@ class MetricsLogger:
         print(stats.line(), file=self.stream, flush=True)
         record = stats.record()
         if self._file is not None:
-            # The wall-clock time lets `hpkit status` say how fresh the numbers are.
+            # The wall-clock time tells readers (`hpkit status --json`: updated) how fresh the numbers are.
             self._file.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
             self._file.flush()
         if self._tb is not None:
