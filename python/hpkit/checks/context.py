@@ -27,6 +27,20 @@ class Roots:
     etc: Path = Path("/etc")
     var_log: Path = Path("/var/log")
     usr: Path = Path("/usr")
+    # This process itself (which libstdc++ the loader mapped): unlike the node's mounts under proc, a
+    # prepared system tree cannot describe it, so a sysroot leaves it alone.
+    proc_self: Path = Path("/proc/self")
+
+    @classmethod
+    def under(cls, sysroot: Path) -> Roots:
+        """The node's roots inside one prepared system tree (a mounted image, a node's snapshot)."""
+        defaults = cls()
+        return cls(
+            **{
+                name: sysroot / str(getattr(defaults, name)).lstrip("/")
+                for name in ("proc", "sys", "opt", "etc", "var_log", "usr")
+            }
+        )
 
 
 @dataclass

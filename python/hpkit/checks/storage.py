@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 
 from hpkit.checks.context import Context
-from hpkit.checks.mounts import SHARED_FS_TYPES, mount_of, read_mounts
+from hpkit.checks.mounts import SHARED_FS_TYPES, Mount, mount_of, read_mounts
 from hpkit.checks.registry import check
 from hpkit.checks.result import Result
 
@@ -27,6 +27,11 @@ def shared_fs(ctx: Context) -> Result:
     mounts = read_mounts(ctx.roots.proc)
     if mounts is None:
         return Result.fail("cannot read /proc/self/mountinfo", "run the check where /proc is mounted")
+    shared = sorted({f"{m.mount_point} ({m.fstype})" for m in mounts if m.fstype in SHARED_FS_TYPES})
+    return _shared_fs_verdict(ctx, mounts).with_facts(shared_mounts=shared)
+
+
+def _shared_fs_verdict(ctx: Context, mounts: list[Mount]) -> Result:
     if ctx.shared_fs is not None:
         wanted = str(ctx.shared_fs).rstrip("/") or "/"
         mount = mount_of(wanted, mounts)
