@@ -1,4 +1,4 @@
-"""`hpkit check --all-nodes` on a real 4-node Slurm cluster with two bad nodes, each bad for real.
+"""`hpkit check --all-nodes` on a real Slurm cluster: 4 nodes up, two of them bad for real, one drained.
 
 - node2 sees another system: the cluster's TaskProlog exports a per-node HPKIT_SYSROOT (slurm/dev's
   etc/node-env/<node>), and its prepared tree has 7 GPUs instead of 8, an older driver and no /fsx.
@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 NODES = ("node1", "node2", "node3", "node4")
 ODD, SLOW = "node2", "node4"
 GOOD = ("node1", "node3")
+# Drained before the checks: out of service in Slurm's view, so not checked but still named.
+DRAINED = "node5"
 # A twentieth of one CPU. The test machine is shared and often loaded (a process there may get a
 # fifth of a CPU), so the quota must sit well below that for the node to be slow; importing torch
 # (about 2 CPU seconds) then takes some 40 s on that node, the bulk of this test's time.
@@ -124,7 +126,7 @@ def cluster4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
     if shutil.which("slurmctld") is None:
         pytest.fail("slurmctld not found: `make test` installs slurm-wlm; run it, or `make system-deps`")
     state = tmp_path_factory.mktemp("c4")
-    env = devcluster.client_env(state, PORT, FIRST_JOB_ID, nodes=len(NODES), cpus=2)
+    env = devcluster.client_env(state, PORT, FIRST_JOB_ID, nodes=len(NODES) + 1, cpus=2)
     # Never the real metadata service: a closed port, reported the same way on every node.
     env = {
         **{k: v for k, v in env.items() if not k.startswith("AWS_EC2_METADATA")},
@@ -133,6 +135,8 @@ def cluster4(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str
     quota = CpuQuota(f"hpkit-test-{PORT}-{SLOW}")
     try:
         devcluster.up(env)
+        drain = ["scontrol", "update", f"NodeName={DRAINED}", "State=DRAIN", "Reason=hpkit-test"]
+        subprocess.run(drain, env=env, check=True, timeout=30)
         good = make_sysroot(state / "sysroot-good", gpus=8, driver="550.90.07", fsx=True)
         odd = make_sysroot(state / "sysroot-odd", gpus=7, driver="535.104.05", fsx=False)
         for node in NODES:
@@ -151,7 +155,7 @@ def _hpkit_check(env: dict[str, str], out: Path, *extra: str) -> subprocess.Comp
 
 
 def test_odd_node_is_named_in_json_and_good_nodes_are_not(cluster4: dict[str, str], tmp_path: Path) -> None:
-    done = _hpkit_check(cluster4, tmp_path / "out", "--json")
+    done = _hpkit_check(cluster4, tmp_path / "out", "--nodelist", "node[1-4]", "--json")
     assert done.returncode == 1, done.stderr
     report = json.loads(done.stdout)
     assert report["nodes"] == list(NODES), report["no_result"]
@@ -190,12 +194,14 @@ def test_slow_and_odd_nodes_are_named_in_table_json_and_exclude_line(
     assert any(line.strip().startswith("gpu_count: 8 on node[1,3-4], but node2: 7") for line in lines), (
         done.stdout
     )
+    assert f"not checked, Slurm has them out of service: {DRAINED} (drain)" in lines, done.stdout
     slow_lines = [line for line in lines if line.endswith("SLOW")]
     assert [line.split()[0] for line in slow_lines] == [SLOW], done.stdout
     assert f"exclude these nodes: --exclude={ODD},{SLOW}" in lines, done.stdout
 
     saved = json.loads(next(out.glob("report-*.json")).read_text())
     assert saved["exclude"] == [ODD, SLOW]
+    assert saved["not_checked"] == {DRAINED: "drain"}
     bandwidth = saved["bandwidth"]
     assert bandwidth["slow"] == [SLOW], bandwidth
     values = bandwidth["busbw_gbps"]

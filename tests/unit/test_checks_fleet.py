@@ -93,6 +93,9 @@ def test_bandwidth_outliers() -> None:
     bw = fleet.bandwidth_outliers({"node1": 10.0, "node2": 9.0, "node3": 4.0, "node4": 11.0, "node5": None})
     assert bw.median_gbps == 9.5 and bw.slow == ("node3", "node5")
     assert fleet.bandwidth_outliers({"a": 10.0, "b": 6.0}, fraction=0.5).slow == ()
+    # The test itself failed: no node is to blame, but the fleet is not declared fine either.
+    failed = fleet.analyse([report("a", {}), report("b", {})], {"a": None, "b": None})
+    assert failed.exclude == () and not failed.ok
 
 
 def test_parse_node_report_tags_the_node_and_merges_facts() -> None:

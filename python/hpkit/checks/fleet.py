@@ -94,7 +94,8 @@ class FleetReport:
 
     @property
     def ok(self) -> bool:
-        return not (self.exclude or self.cluster_wide or any(f.split for f in self.facts))
+        unmeasured = self.bandwidth is not None and self.bandwidth.median_gbps is None
+        return not (self.exclude or self.cluster_wide or unmeasured or any(f.split for f in self.facts))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -169,12 +170,15 @@ def _spread(name: str, values: Mapping[str, Any]) -> FactSpread | None:
 def bandwidth_outliers(
     busbw: Mapping[str, float | None], fraction: float = DEFAULT_BANDWIDTH_FRACTION
 ) -> Bandwidth:
-    """Nodes below fraction × the median of all nodes' figures, and nodes never measured."""
+    """Nodes below fraction × the median of all nodes' figures, and nodes never measured while others were.
+
+    With no figure at all (the test itself failed) nobody is flagged: that says nothing about any one node.
+    """
     known = [v for v in busbw.values() if v is not None]
-    median = statistics.median(known) if known else None
-    slow = [
-        node for node, value in busbw.items() if value is None or median is None or value < fraction * median
-    ]
+    if not known:
+        return Bandwidth(dict(busbw), None, fraction, ())
+    median = statistics.median(known)
+    slow = [node for node, value in busbw.items() if value is None or value < fraction * median]
     return Bandwidth(dict(busbw), median, fraction, _sorted(slow))
 
 

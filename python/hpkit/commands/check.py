@@ -290,7 +290,12 @@ def _all_nodes(args: argparse.Namespace) -> int:
         return 1
     import json
 
-    document = {"job_id": gathered.job_id, "job_state": gathered.state, **gathered.report.to_json()}
+    document = {
+        "job_id": gathered.job_id,
+        "job_state": gathered.state,
+        **gathered.report.to_json(),
+        "not_checked": gathered.not_checked,
+    }
     text = json.dumps(document, indent=2)
     # The whole record stays next to the nodes' own files, whichever form the screen got.
     saved = gathered.files / f"report-{gathered.job_id}.json"

@@ -8,12 +8,13 @@ This side only submits, waits and reads: hpkit.checks.fleet decides what is wron
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpkit.checks import fleet
@@ -52,6 +53,8 @@ class Gathered:
     report: fleet.FleetReport
     seconds: float
     files: Path
+    # Down, drained or failed in Slurm's view: not checked, and not schedulable anyway.
+    not_checked: dict[str, str] = field(default_factory=dict)
 
 
 def _slurm(*args: str) -> str:
@@ -69,22 +72,21 @@ def _token(option: str, value: str) -> str:
     return value
 
 
-def node_count(req: Request) -> int:
-    """How many nodes the job asks for: --nodes, the --nodelist's length, else every usable node."""
+def node_count(req: Request) -> tuple[int, dict[str, str]]:
+    """How many nodes the job asks for (--nodes, the --nodelist's length, else every node that is up),
+    and the nodes left out because Slurm has them down, drained or failed (name -> state)."""
     if req.nodes is not None:
-        return req.nodes
+        return req.nodes, {}
     if req.nodelist:
-        return len(_slurm("scontrol", "show", "hostnames", req.nodelist).split())
+        return len(_slurm("scontrol", "show", "hostnames", req.nodelist).split()), {}
     args = ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", req.partition] if req.partition else [])
-    usable = {
-        name
-        for name, state in (line.split()[:2] for line in _slurm(*args).splitlines() if len(line.split()) >= 2)
-        if state.rstrip("*~#!%$@^-+") in _USABLE
-    }
+    states = dict(line.split()[:2] for line in _slurm(*args).splitlines() if len(line.split()) >= 2)
+    usable = [name for name, state in states.items() if state.rstrip("*~#!%$@^-+") in _USABLE]
     if not usable:
         where = f"partition {req.partition}" if req.partition else "the default partition"
         raise HpkitError(f"{where} has no node that is up: see `sinfo -N`, or name nodes with --nodelist")
-    return len(usable)
+    left_out = {name: state for name, state in states.items() if name not in usable}
+    return len(usable), {name: left_out[name] for name in sorted(left_out, key=natural_key)}
 
 
 def validate(req: Request) -> None:
@@ -180,7 +182,7 @@ def run(req: Request, backend=None) -> Gathered:
 
     validate(req)
     backend = backend or slurm.get_backend()
-    count = node_count(req)
+    count, left_out = node_count(req)
     if req.bandwidth and count < 2:
         raise HpkitError("--bandwidth needs at least 2 nodes: pairs are measured against each other")
     req.output_dir.mkdir(parents=True, exist_ok=True)
@@ -194,17 +196,20 @@ def run(req: Request, backend=None) -> Gathered:
     )
     try:
         info = slurm.wait(backend, job_id, poll_s=1.0, timeout_s=req.wait_timeout_s)
-    except SlurmError:
-        backend.cancel(job_id)
-        raise SlurmError(
-            f"job {job_id} did not finish within {req.wait_timeout_s:g} s (cancelled): are the nodes busy? "
-            "raise --wait-timeout, or pick free nodes with --partition/--nodelist"
-        ) from None
+    except BaseException as exc:  # also Ctrl-C: a check job nobody waits for should not hold the nodes
+        with contextlib.suppress(SlurmError):
+            backend.cancel(job_id)
+        if isinstance(exc, SlurmError) and time.monotonic() - started > req.wait_timeout_s:
+            raise SlurmError(
+                f"job {job_id} did not finish within {req.wait_timeout_s:g} s (cancelled): are the nodes "
+                "busy? raise --wait-timeout, or pick free nodes with --partition/--nodelist"
+            ) from None
+        raise
     nodes = _job_nodes(info.nodes)
     reports, pairs = gather(req, job_id, nodes)
     busbw = best_per_node(pairs) if pairs is not None else None
     report = fleet.analyse(reports, busbw, req.fraction)
-    return Gathered(job_id, info.state.value, report, time.monotonic() - started, req.output_dir)
+    return Gathered(job_id, info.state.value, report, time.monotonic() - started, req.output_dir, left_out)
 
 
 def _cell(nodes: tuple[str, ...]) -> str:
@@ -224,6 +229,9 @@ def print_report(g: Gathered, out=None) -> None:
     widths = [max(len(line[i]) for line in table) for i in range(len(header))]
     for line in table:
         write("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)).rstrip() + "\n")
+    if g.not_checked:
+        shown = ", ".join(f"{node} ({state})" for node, state in g.not_checked.items())
+        write(f"\nnot checked, Slurm has them out of service: {shown}\n")
     if r.no_result:
         write("\nno report from:\n")
         for node, why in r.no_result.items():
@@ -252,6 +260,8 @@ def print_report(g: Gathered, out=None) -> None:
                 write(f"  {node} {name}: {r.reports[node].details.get(name, '')}\n")
     if r.bandwidth is not None:
         bw = r.bandwidth
+        if bw.median_gbps is None:
+            write(f"\npairwise bandwidth: no figures at all; see {g.files}/pairs-{g.job_id}.err\n")
         median = f"{bw.median_gbps:.3f} GB/s" if bw.median_gbps is not None else "n/a"
         write(
             f"\npairwise all_reduce busbw (each node's best pair): median {median}, flagged below {bw.fraction:g} x median\n"
