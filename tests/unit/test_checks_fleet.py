@@ -226,3 +226,19 @@ def test_the_job_script_runs_one_check_per_node_and_the_pairs(tmp_path: Path) ->
     assert f"--output={tmp_path}/check-%j-%t.json" in check_step
     assert check_step.endswith("--profile compute --json --skip imds")
     assert any("-m hpkit.bench.pairs --rounds 3" in line for line in lines)
+
+
+def test_paths_named_inside_a_sysroot_stay_inside_it(tmp_path: Path) -> None:
+    from hpkit.checks import network_efa
+    from hpkit.checks.context import Context, Roots
+
+    root = tmp_path / "image"
+    plugin = root / "opt" / "amazon" / "ofi-nccl" / "lib" / "libnccl-net.so"
+    plugin.parent.mkdir(parents=True)
+    plugin.touch()
+    conf = root / "etc" / "ld.so.conf.d" / "ofi.conf"
+    conf.parent.mkdir(parents=True)
+    conf.write_text("/opt/amazon/ofi-nccl/lib\n")  # as the image's own loader reads it
+    ctx = Context(profile="compute", roots=Roots.under(root), env={})
+    result = network_efa.aws_ofi_nccl(ctx)
+    assert result.status.value == "PASS" and str(plugin) in result.detail

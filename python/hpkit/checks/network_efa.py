@@ -37,7 +37,7 @@ def _ld_conf_dirs(ctx: Context) -> list[Path]:
         for line in (read_text(conf) or "").splitlines():
             line = line.split("#", 1)[0].strip()
             if line.startswith("/"):
-                dirs.append(Path(line))
+                dirs.append(ctx.roots.inside(line))
     return dirs
 
 

@@ -230,7 +230,8 @@ def main(argv: list[str] | None = None, prog: str = "hpkit check") -> int:
         **{
             field: getattr(args, f"{field}_root") or getattr(defaults, field)
             for field in ("proc", "sys", "opt", "etc", "var_log", "usr")
-        }
+        },
+        tree=defaults.tree,
     )
     ctx = Context(
         profile=args.profile,
