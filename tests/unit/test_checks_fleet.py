@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -226,6 +227,11 @@ def test_the_job_script_runs_one_check_per_node_and_the_pairs(tmp_path: Path) ->
     assert f"--output={tmp_path}/check-%j-%t.json" in check_step
     assert check_step.endswith("--profile compute --json --skip imds")
     assert any("-m hpkit.bench.pairs --rounds 3" in line for line in lines)
+    path = tmp_path / "check-nodes.sbatch"
+    path.write_text(script)
+    for lint in (["bash", "-n", str(path)], ["shellcheck", str(path)]):
+        done = subprocess.run(lint, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_paths_named_inside_a_sysroot_stay_inside_it(tmp_path: Path) -> None:
