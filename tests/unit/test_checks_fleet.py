@@ -157,14 +157,27 @@ def test_sysroot_from_the_environment_moves_every_probe(
     info.write_text("Model: \t NVIDIA H100 80GB HBM3\n")
     (root / "proc" / "sys" / "kernel").mkdir(parents=True)
     (root / "proc" / "sys" / "kernel" / "osrelease").write_text("6.1.0-test\n")
+    (root / "proc" / "self").mkdir(parents=True)
+    (root / "proc" / "self" / "mountinfo").write_text(
+        "22 1 259:1 / / rw - ext4 /dev/nvme0n1p1 rw\n"
+        "30 22 259:2 / /opt/dlami/nvme rw - ext4 /dev/nvme1n1 rw\n"
+        "31 22 0:60 / /fsx rw - lustre 10.0.0.5@tcp:/fsx rw\n"
+        "40 22 0:70 / /var/lib/docker/overlay2/abc/merged rw - overlay overlay rw\n"
+        "41 22 259:1 /pods/x /var/lib/kubelet/pods/x rw - ext4 /dev/nvme0n1p1 rw\n"
+    )
     monkeypatch.setenv(check.SYSROOT_ENV, str(root))
     monkeypatch.setenv("SLURMD_NODENAME", "node42")
-    code = check.main(["check", "--only", "gpus,kernel,libstdcxx", "--json"])
+    code = check.main(["check", "--only", "gpus,kernel,libstdcxx,shared-fs", "--json"])
     doc = json.loads(capsys.readouterr().out)
     assert doc["node"] == "node42" and doc["sysroot"] == str(root)
     rows = {row["name"]: row for row in doc["checks"]}
     assert rows["gpus"]["facts"] == {"gpu_count": 1, "gpu_model": "NVIDIA H100 80GB HBM3"}
     assert rows["kernel"]["facts"] == {"kernel": "6.1.0-test"}
+    # The node's layout, without what container runtimes mount per container.
+    assert rows["shared-fs"]["facts"] == {
+        "shared_mounts": ["/fsx (lustre)"],
+        "local_mounts": ["/ (ext4)", "/opt/dlami/nvme (ext4)"],
+    }
     # This process's own libraries are not the tree's: libstdc++ is still found where it was loaded.
     assert rows["libstdcxx"]["status"] == "PASS"
     assert code == 0

@@ -13,6 +13,12 @@ from hpkit.checks.registry import check
 from hpkit.checks.result import Result
 
 ALL = ("login", "compute", "container")
+# Disk filesystems whose mount points are a node's layout (/, /opt/dlami/nvme, /scratch): a node
+# missing one is set up differently from its peers.
+LOCAL_DISK_TYPES = frozenset({"ext4", "xfs", "btrfs", "zfs", "ext3"})
+# Mounts that container runtimes and kubelet make per container or pod: they differ from node to node
+# without saying anything about the node.
+_PER_CONTAINER = ("/var/lib/docker/", "/var/lib/containers/", "/var/lib/kubelet/", "/run/")
 DISK_WARN_GIB = 20
 DISK_FAIL_GIB = 2
 
@@ -28,7 +34,14 @@ def shared_fs(ctx: Context) -> Result:
     if mounts is None:
         return Result.fail("cannot read /proc/self/mountinfo", "run the check where /proc is mounted")
     shared = sorted({f"{m.mount_point} ({m.fstype})" for m in mounts if m.fstype in SHARED_FS_TYPES})
-    return _shared_fs_verdict(ctx, mounts).with_facts(shared_mounts=shared)
+    local = sorted(
+        {
+            f"{m.mount_point} ({m.fstype})"
+            for m in mounts
+            if m.fstype in LOCAL_DISK_TYPES and not m.mount_point.startswith(_PER_CONTAINER)
+        }
+    )
+    return _shared_fs_verdict(ctx, mounts).with_facts(shared_mounts=shared, local_mounts=local)
 
 
 def _shared_fs_verdict(ctx: Context, mounts: list[Mount]) -> Result:
