@@ -1,0 +1,1 @@
+"""SageMaker's distributed-training APIs on hpkit's runtime, opt-in per job through a shim on PYTHONPATH."""
