@@ -4,7 +4,7 @@ torch-native way to get it. Parameters that change nothing that matters here onl
 from __future__ import annotations
 
 import os
-import warnings
+import sys
 from typing import NoReturn
 
 # parameter -> the torch-native way to get what it did
@@ -58,7 +58,13 @@ def bad_setting(line: str) -> NoReturn:
 
 
 def warn_ignored(name: str, value: object) -> None:
-    warnings.warn(f"smp: {name}={value!r} is ignored: {IGNORED_PARAMETERS[name]}", UserWarning, stacklevel=3)
+    """One line, from rank 0 only (every rank reads the same parameters)."""
+    if _is_rank0():
+        print(
+            f"smp: warning: {name}={value!r} is ignored: {IGNORED_PARAMETERS[name]}",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def unsupported_call(feature: str, fix: str):
