@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -314,10 +315,43 @@ def _run_pipeline(
             model.schedule.eval(*inputs, target=target, losses=[])
     finally:
         _pipeline_run = None
-    mine = [run.results[i] for i in range(n)] if pp_rank == pp - 1 else None
-    box: list[Any] = [_to(mine, torch.device("cpu"))]
-    dist.broadcast_object_list(box, group=topology.get_pp_process_group(), group_src=pp - 1)
-    return _to(box[0], st.device)
+    if pp_rank == pp - 1:
+        mine = [run.results[i] for i in range(n)]
+        _send_results(mine, st.device)
+        return mine
+    return _receive_results(pp - 1, st.device)
+
+
+# The last stage's sends of step results, still in flight: the last stage does not wait for the other
+# stages to finish their backward passes (a blocking broadcast there cost ~20 % of a step).
+_pending_sends: list[tuple[Any, torch.Tensor]] = []
+
+
+def finish_sends() -> None:
+    while _pending_sends:
+        work, _buffer = _pending_sends.pop()
+        work.wait()
+
+
+def _send_results(results: list[Any], device: torch.device) -> None:
+    finish_sends()
+    group = topology.get_pp_process_group()
+    payload = pickle.dumps(_to(results, torch.device("cpu")))
+    data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+    src = dist.get_group_rank(group, dist.get_rank())
+    for buffer in (size, data):
+        work = dist.broadcast(buffer, group=group, group_src=src, async_op=True)
+        _pending_sends.append((work, buffer))
+
+
+def _receive_results(src: int, device: torch.device) -> list[Any]:
+    group = topology.get_pp_process_group()
+    size = torch.zeros(1, dtype=torch.long, device=device)
+    dist.broadcast(size, group=group, group_src=src)
+    data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(data, group=group, group_src=src)
+    return _to(pickle.loads(data.cpu().numpy().tobytes()), device)
 
 
 def _capture_inputs(func: Callable[..., Any], model: DistributedModel, piece: tuple[tuple, dict]) -> tuple:
