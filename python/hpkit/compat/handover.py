@@ -9,6 +9,7 @@ real library and none to hpkit's. Torch-free and cheap: it only looks at the fil
 from __future__ import annotations
 
 import importlib.machinery
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -56,3 +57,23 @@ def take_over(module: ModuleType) -> bool:
         return False
     hand_over(module, real)
     return True
+
+
+SHIM_INIT = ("hpkit", "compat", "shim", PACKAGE, "__init__.py")
+
+
+def shim_answers() -> bool:
+    """True when `import smdistributed` gives (or would give) hpkit's shim, not SageMaker's libraries.
+
+    For `hpkit train`, which must not mistake the alias for SMDDP; it imports nothing to find out.
+    """
+    module = sys.modules.get(PACKAGE)
+    if module is not None:
+        return all(Path(p).parts[-4:] == SHIM_INIT[:-1] for p in getattr(module, "__path__", []))
+    try:
+        spec = importlib.util.find_spec(PACKAGE)
+    except (ImportError, ValueError):
+        return False
+    if spec is None or not spec.origin or Path(spec.origin).parts[-5:] != SHIM_INIT:
+        return False
+    return find_real(Path(spec.origin).resolve().parent.parent, sys.path) is None
