@@ -27,6 +27,11 @@ def train_step(model, x, y):
     return loss
 
 
+@smp.step
+def eval_step(model, x):
+    return model(x)
+
+
 def main(root: str, layout: str) -> None:
     smp.init(json.loads(layout))
     torch.manual_seed(0)
@@ -59,7 +64,15 @@ def main(root: str, layout: str) -> None:
     smp.save(model.local_state_dict(), f"{root}/local.pt", partial=True)
     local = smp.load(f"{root}/local.pt", partial=True)
     same_local = all(torch.equal(v, model.local_state_dict()[k]) for k, v in local.items())
+    # A forward-only step (no grad): the last stage's outputs reach every rank, and equal one process's
+    # forward of the gathered weights.
+    model.eval()
+    with torch.no_grad():
+        out = eval_step(model, x).concat()
+    reference = Mlp()
+    reference.load_state_dict(model.state_dict())
     record = {
+        "eval_matches": bool(torch.allclose(out.cpu(), reference(x), atol=1e-5)),
         "rank": smp.rank(),
         "moved": moved,
         "same_model": same_model,

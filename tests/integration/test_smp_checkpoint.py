@@ -1,4 +1,5 @@
-"""smp.save_checkpoint / resume_from_checkpoint (DCP) and smp.save / load, on 4 real processes (tp 2 x pp 2)."""
+"""smp.save_checkpoint / resume_from_checkpoint (DCP), smp.save / load and a forward-only step, on 4 real
+processes (tp 2 x pp 2)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ def test_checkpoint_round_trip_on_a_tp_pp_layout(tmp_path, monkeypatch):
     assert sorted(r["rank"] for r in records) == [0, 1, 2, 3], done.stdout
     for r in records:
         assert r["moved"] and r["same_model"] and r["same_opt"] and r["same_local"] and r["repeat"], r
+        assert r["eval_matches"], r
         assert r["content"] == {"step": 1}
         assert r["keys"] == ["a.bias", "a.weight", "b.bias", "b.weight", "c.bias", "c.weight"]
     assert (tmp_path / "ckpt/newest").read_text().strip() == "after-1"

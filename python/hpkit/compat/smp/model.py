@@ -114,17 +114,17 @@ class DistributedModel(nn.Module):
         st = topology.state()
         cfg, coords = st.config, st.coords
         self.device = st.device
-        module = module.to(self.device)
         self.original = [module]  # kept out of the module tree: its parameters are the stage's, or not here
         graph: fx.GraphModule | None
         if cfg.pp > 1:
             from hpkit.compat.smp.partition import partition
 
             parts = partition(module, cfg.pp)
-            local: nn.Module = parts.stages[coords.pp_rank]
+            # Only this stage's layers move to the device (the stage holds the model's own submodules).
+            local: nn.Module = parts.stages[coords.pp_rank].to(self.device)
             graph = parts.stages[coords.pp_rank]
         else:
-            local = module
+            local = module.to(self.device)
             graph = _try_trace(module) if cfg.tp > 1 else None
         plan = tp_plan(local, graph) if cfg.tp > 1 else {}
         if plan:

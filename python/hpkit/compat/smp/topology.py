@@ -129,12 +129,16 @@ def state() -> _State:
 
 
 def _spec_parameters() -> dict[str, Any] | SmpConfig:
+    from hpkit.errors import HpkitError
     from hpkit.runtime.config import SPEC_ENV, load_run_config
 
     path = os.environ.get(SPEC_ENV)
     if not path:
         return {}
-    spec = load_run_config(path)
+    try:
+        spec = load_run_config(path)
+    except HpkitError as exc:
+        bad_setting(f"cannot read the job spec {SPEC_ENV}={path}: {exc}")
     return SmpConfig.from_parallelism(spec.parallelism, dict(getattr(spec, "smp_parameters", None) or {}))
 
 
