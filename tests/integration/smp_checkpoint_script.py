@@ -37,8 +37,13 @@ def main(root: str, layout: str) -> None:
     torch.manual_seed(0)
     with smp.tensor_parallelism():
         net = Mlp()
+    torch.manual_seed(0)
+    # The same model on this process alone is the reference for every loss; SGD, unlike Adam, changes
+    # its steps with the gradients' scale, so a wrong microbatch or replica scaling shows in the losses.
+    single = Mlp()
+    single_opt = torch.optim.SGD(single.parameters(), lr=0.05, momentum=0.9)
     model = smp.DistributedModel(net)
-    opt = smp.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=0.1))
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     x, y = torch.randn(8, 8), torch.randn(8, 4)
 
     def one_step() -> float:
@@ -47,7 +52,15 @@ def main(root: str, layout: str) -> None:
         opt.step()
         return loss
 
-    one_step()
+    def single_step() -> float:
+        single_opt.zero_grad()
+        loss = F.mse_loss(single(x), y)
+        loss.backward()
+        single_opt.step()
+        return loss.item()
+
+    losses = [one_step()]
+    expected = [single_step()]
     smp.save_checkpoint(root, "after-1", model=model, optimizer=opt, user_content={"step": 1})
     saved_model, saved_opt = model.state_dict(), opt.state_dict()
     loss_2 = one_step()  # moves weights and optimizer state on
@@ -60,6 +73,8 @@ def main(root: str, layout: str) -> None:
         for k, v in saved_opt.items()
     )
     again = one_step()  # the resumed run repeats step 2 exactly
+    losses += [loss_2, one_step()]
+    expected += [single_step(), single_step()]
     # smp.save/smp.load: one file per model shard.
     smp.save(model.local_state_dict(), f"{root}/local.pt", partial=True)
     local = smp.load(f"{root}/local.pt", partial=True)
@@ -74,6 +89,8 @@ def main(root: str, layout: str) -> None:
     record = {
         "eval_matches": bool(torch.allclose(out.cpu(), reference(x), atol=1e-5)),
         "rank": smp.rank(),
+        "losses": losses,
+        "expected": expected,
         "moved": moved,
         "same_model": same_model,
         "same_opt": same_opt,

@@ -7,6 +7,7 @@ import json
 import os
 import re
 
+import pytest
 from _torchrun import REPO, run
 
 from hpkit.compat import SHIM_DIR
@@ -14,9 +15,17 @@ from hpkit.compat import SHIM_DIR
 SCRIPT = REPO / "tests/integration/smp_checkpoint_script.py"
 
 
-def test_checkpoint_round_trip_on_a_tp_pp_layout(tmp_path, monkeypatch):
+LAYOUTS = {
+    "tp2xpp2": {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2},
+    # No pipeline: @smp.step runs the microbatches itself and FSDP2 replicas sync on the last one.
+    "tp2xdp2": {"tensor_parallel_degree": 2, "microbatches": 2, "ddp": True},
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_checkpoint_round_trip_and_losses_of_one_process(tmp_path, monkeypatch, name):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(SHIM_DIR), os.environ.get("PYTHONPATH", "")]))
-    layout = {"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2}
+    layout = LAYOUTS[name]
     done = run([str(SCRIPT), str(tmp_path / "ckpt"), json.dumps(layout)], tmp_path / "tmp", nproc=4)
     # Ranks share stdout: read each record from where its prefix starts.
     decoder = json.JSONDecoder()
@@ -25,13 +34,13 @@ def test_checkpoint_round_trip_on_a_tp_pp_layout(tmp_path, monkeypatch):
     for r in records:
         assert r["moved"] and r["same_model"] and r["same_opt"] and r["same_local"] and r["repeat"], r
         assert r["eval_matches"], r
+        # Three steps (the third after the resume) with the losses of the same model on one process.
+        assert r["losses"] == pytest.approx(r["expected"], abs=1e-5), r
         assert r["content"] == {"step": 1}
         assert r["keys"] == ["a.bias", "a.weight", "b.bias", "b.weight", "c.bias", "c.weight"]
     assert (tmp_path / "ckpt/newest").read_text().strip() == "after-1"
     assert (tmp_path / "ckpt/after-1/latest").exists()
+    pp = layout.get("pipeline_parallel_degree", 1)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("local.pt_*")) == [
-        "local.pt_0_0",
-        "local.pt_0_1",
-        "local.pt_1_0",
-        "local.pt_1_1",
+        f"local.pt_{s}_{t}" for s in range(pp) for t in range(2)
     ]
