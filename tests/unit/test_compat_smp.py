@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -171,9 +173,16 @@ def test_smp_nn_layers_stop_with_the_torch_native_way(monkeypatch):
     from hpkit.compat import SHIM_DIR
 
     monkeypatch.syspath_prepend(str(SHIM_DIR))
-    import smdistributed.modelparallel.torch as smp
+    before = set(sys.modules)
+    try:
+        import smdistributed.modelparallel.torch as smp
 
-    with pytest.raises(SmpExit) as exc:
-        smp.nn.DistributedTransformerLMHead  # noqa: B018 - the attribute access is what stops
-    assert one_line(exc).startswith("smp: smp.nn.DistributedTransformerLMHead is not supported")
-    assert smp.DistributedModel is not None and smp.step is not None
+        with pytest.raises(SmpExit) as exc:
+            smp.nn.DistributedTransformerLMHead  # noqa: B018 - the attribute access is what stops
+        assert one_line(exc).startswith("smp: smp.nn.DistributedTransformerLMHead is not supported")
+        assert smp.DistributedModel is not None and smp.step is not None
+    finally:
+        # The shim must not outlive this test: later tests ask whether SMDDP is really installed.
+        for name in set(sys.modules) - before:
+            if name.split(".")[0] == "smdistributed":
+                del sys.modules[name]
