@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from hpkit.errors import SpecError
 from hpkit.runtime.checkpoint import Checkpointer
+from hpkit.runtime.checkpoint_record import CommitRecord
 from hpkit.runtime.collectives import decide
 from hpkit.runtime.config import RunConfig, expand_job_pattern
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed, node_name
@@ -47,12 +48,24 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     trainer = Trainer(cfg, device)
     peak = peak_tflops(device.name, device.type, trainer.mixed_precision)
     report = StepReporter(trainer, metrics, _exporter(cfg, launch), peak, say)
-    checkpointer = _checkpointer(cfg, launch.rank, trainer, say)
+    checkpointer = _checkpointer(cfg, launch.rank, trainer, say, metrics)
     say(_banner(cfg, launch, device, trainer))
+    resumed = None
     if checkpointer is not None and cfg.checkpoint.resume:
         resumed = trainer.resume(checkpointer)
         if resumed is not None:
             say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
+    # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
+    metrics.event(
+        {
+            "event": "start",
+            "step": trainer.step,
+            "total_steps": cfg.train.steps,
+            "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            "resumed_from": str(resumed) if resumed is not None else None,
+            "world_size": launch.world_size,
+        }
+    )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
     last: StepResult | None = None
     try:
@@ -74,6 +87,14 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                 if last is not None and not trainer.stop_requested:
                     checkpointer.save(last.step, trainer.checkpoint_state(), final=True)
                 checkpointer.close()
+        metrics.event(
+            {
+                "event": "end",
+                "step": trainer.step,
+                "total_steps": cfg.train.steps,
+                "stopped_by_signal": trainer.stop_signal if trainer.stop_requested else None,
+            }
+        )
     finally:
         trainer.close()
         report.close()
@@ -161,12 +182,18 @@ def _exporter(cfg: RunConfig, launch: LaunchEnv) -> PrometheusExporter | None:
 
 
 def _checkpointer(
-    cfg: RunConfig, rank: int, trainer: Trainer, say: Callable[[str], None]
+    cfg: RunConfig, rank: int, trainer: Trainer, say: Callable[[str], None], metrics: MetricsLogger
 ) -> Checkpointer | None:
     if not cfg.checkpoint.dir:
         return None
     root = expand_job_pattern(cfg.checkpoint.dir)
-    return Checkpointer(cfg.checkpoint, root, rank, layout=trainer.dims.degrees(), log=say)
+
+    def committed(record: CommitRecord, path: Path) -> None:
+        metrics.event({"event": "checkpoint", "step": record.step, "path": str(path)})
+
+    return Checkpointer(
+        cfg.checkpoint, root, rank, layout=trainer.dims.degrees(), log=say, on_commit=committed
+    )
 
 
 def _banner(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, trainer: Trainer) -> str:
