@@ -1,10 +1,12 @@
-"""Run a command under a CPU quota when it is one chosen Slurm task: a real slow rank, made by the kernel.
+"""A real slow rank, made by the kernel: a CPU quota on one process's cgroup.
 
-    python _cpu_quota.py CGROUP_NAME TASK PERCENT -- COMMAND...
+    python _cpu_quota.py PID_DIR -- COMMAND...
 
-Task TASK (SLURM_PROCID) moves itself into a new cgroup allowed PERCENT of one CPU (cgroup v1
-cpu.cfs_quota_us, or v2 cpu.max), then execs COMMAND; the other tasks exec it as they are. The test
-removes the cgroup afterwards (`remove`). Needs root and the cpu controller.
+runs as each Slurm task: it writes its pid to PID_DIR/task-<SLURM_PROCID>.pid and execs COMMAND (the pid
+stays the same). Once training has started, the test calls `limit(name, pid, percent)`, which moves that
+process (all its threads) into a new cgroup allowed `percent` of one CPU (cgroup v1 cpu.cfs_quota_us, or
+v2 cpu.max), and `remove(name)` after the job. Limiting after start-up, not before, keeps the slow rank's
+`import torch` from taking minutes. Needs root and the cpu controller.
 """
 
 from __future__ import annotations
@@ -28,10 +30,10 @@ def root() -> Path | None:
     return None
 
 
-def limit(name: str, percent: int) -> Path:
+def limit(name: str, pid: int, percent: int) -> Path:
     base = root()
     if base is None:
-        raise SystemExit("no cgroup cpu controller here (v1 /sys/fs/cgroup/cpu or v2 with cpu)")
+        raise RuntimeError("no cgroup cpu controller here (v1 /sys/fs/cgroup/cpu or v2 with cpu)")
     group = base / name
     group.mkdir(exist_ok=True)
     quota = PERIOD_US * percent // 100
@@ -40,7 +42,7 @@ def limit(name: str, percent: int) -> Path:
         (group / "cpu.cfs_quota_us").write_text(str(quota))
     else:
         (group / "cpu.max").write_text(f"{quota} {PERIOD_US}")
-    (group / "cgroup.procs").write_text(str(os.getpid()))
+    (group / "cgroup.procs").write_text(str(pid))  # the whole process: every thread moves
     return group
 
 
@@ -51,14 +53,10 @@ def remove(name: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    name, task, percent, sep, *command = argv
+    pid_dir, sep, *command = argv
     assert sep == "--" and command, __doc__
-    if os.environ.get("SLURM_PROCID") == task:
-        group = limit(name, int(percent))
-        print(
-            f"cpu-quota: task {task} on {os.environ.get('SLURMD_NODENAME')} limited to {percent}% in {group}"
-        )
-        sys.stdout.flush()
+    task = os.environ["SLURM_PROCID"]
+    (Path(pid_dir) / f"task-{task}.pid").write_text(f"{os.getpid()}\n")
     os.execvp(command[0], command)
 
 
