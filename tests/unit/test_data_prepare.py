@@ -265,3 +265,35 @@ def test_inputs_that_match_nothing_or_have_an_unknown_format(tmp_path, capsys):
         capsys, str(tmp_path / "data.csv"), "--tokenizer", str(tok), "--out", str(tmp_path / "o")
     )
     assert code == 1 and "unknown format .csv" in err
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_stop_after_any_shard_resumes_to_the_same_output_in_each_format(corpus, tmp_path, monkeypatch):
+    from hpkit.data.shards import ShardWriter
+
+    reference = tmp_path / "reference"
+    total = len(_prepare(corpus, reference, shard_tokens=300).shards)
+    real_cut = ShardWriter.cut
+    sources_seen = set()
+    for stop_at in (total // 6, total // 2, 5 * total // 6):
+        out = tmp_path / f"stop-{stop_at}"
+
+        def cut(self, stop_at=stop_at):
+            if self.number == stop_at:
+                raise _Stop  # as if killed before this shard's file appeared
+            return real_cut(self)
+
+        monkeypatch.setattr(ShardWriter, "cut", cut)
+        with pytest.raises(_Stop):
+            _prepare(corpus, out, shard_tokens=300)
+        monkeypatch.setattr(ShardWriter, "cut", real_cut)
+        state = json.loads((out / STATE_NAME).read_text())
+        assert len(state["shards"]) == stop_at
+        sources_seen.add(min(state["cursor"]["source"], 2))
+        result = _prepare(corpus, out, shard_tokens=300, workers=2 if stop_at == total // 2 else 1)
+        assert result.resumed_shards == stop_at
+        assert _tree(out) == _tree(reference)
+    assert sources_seen == {0, 1, 2}, "resumed inside the JSONL file, the Parquet file and the text files"

@@ -158,7 +158,7 @@ def _parquet(src: Source, at: Position, text_field: str, _bytes: int, chunk_rows
         return
     row = group_start
     batches = pf.iter_batches(
-        batch_size=chunk_rows, row_groups=range(first_group, pf.num_row_groups), columns=[text_field]
+        batch_size=chunk_rows, row_groups=list(range(first_group, pf.num_row_groups)), columns=[text_field]
     )
     for batch in batches:
         values = batch.column(0).to_pylist()
