@@ -18,9 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import yaml
-from transformers import LlamaForCausalLM
-
 from _torchrun import REPO, run
+from transformers import LlamaForCausalLM
 
 from hpkit.commands import ckpt
 from hpkit.errors import HpkitError
@@ -28,7 +27,7 @@ from hpkit.models.llama import build_model, config_from_dict
 from hpkit.runtime.checkpoint_record import read_record
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))
-from test_hf_weights import LLAMA3_SCALING, make_hf  # noqa: E402  (the tiny model the unit tests use)
+from test_hf_weights import LLAMA3_SCALING, make_hf
 
 pytestmark = pytest.mark.dist
 HERE = Path(__file__).resolve().parent
