@@ -6,6 +6,10 @@ placements, computed as DCP computes it, and safetensors slices the memory-mappe
 nothing else is read. The q and k projections are read by whole heads (at most one head more on each
 side of the box): their rows are permuted within each head, because Hugging Face rotates the halves
 of a head where the runtime rotates interleaved pairs.
+
+Why not DCP's HuggingFaceStorageReader (torch has one): it would load each shard as stored, and an FSDP
+shard boundary may fall inside a head, where the permutation needs rows that another rank holds. Reading
+whole heads from the file costs a few rows; fixing them up afterwards would cost a collective per tensor.
 """
 
 from __future__ import annotations
