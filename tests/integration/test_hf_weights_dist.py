@@ -3,8 +3,8 @@
 - model.init_from under FSDP 2, TP 2 and PP 2 (torchrun, one launch each): the logits on a fixed batch and the
   first step's loss equal transformers' on the same tokens, and each rank read only about its share of the bytes.
 - `hpkit train` from init_from for 3 steps (FSDP 2, checkpointing), then a resume on one process, which takes the
-  checkpoint and not init_from; `hpkit ckpt export --hf` of that checkpoint loads in transformers, whose logits
-  equal hpkit's own from the checkpoint.
+  checkpoint and not init_from; `hpkit ckpt export --hf` of either checkpoint (FSDP-sharded, single) loads in
+  transformers, whose logits equal hpkit's own from that checkpoint.
 """
 
 from __future__ import annotations
@@ -119,14 +119,21 @@ def test_train_resume_and_export_round_trip(hf_dir: Path, tmp_path: Path, capsys
     saved = json.loads((out / "config.json").read_text())
     assert saved["rope_scaling"]["rope_type"] == "llama3" and saved["num_key_value_heads"] == 2
 
-    exported = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    # And step 3, saved sharded by FSDP over 2 ranks, as one file.
+    sharded = tmp_path / "export-step3"
+    assert ckpt.main(["export", "--hf", str(ckpt_dir / "step-00000003"), str(sharded)]) == 0
+    assert (sharded / "model.safetensors").is_file()
+
     tokens = torch.randint(0, 128, (2, 32), generator=torch.Generator().manual_seed(3))
-    ours = _hpkit_logits_from_checkpoint(ckpt_dir / "step-00000004", tokens)
     with torch.no_grad():
-        theirs = exported(tokens).logits
         before = _reference(hf_dir)(tokens).logits
-    torch.testing.assert_close(theirs, ours, atol=ATOL, rtol=0)
-    assert (theirs - before).abs().max() > 1e-3, "training changed nothing: the comparison proves nothing"
+    for directory, step in ((out, "step-00000004"), (sharded, "step-00000003")):
+        exported = LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+        ours = _hpkit_logits_from_checkpoint(ckpt_dir / step, tokens)
+        with torch.no_grad():
+            theirs = exported(tokens).logits
+        torch.testing.assert_close(theirs, ours, atol=ATOL, rtol=0)
+        assert (theirs - before).abs().max() > 1e-3, "training changed nothing: the comparison proves nothing"
 
     with pytest.raises(HpkitError, match=r"export: not empty: export into a new directory"):
         ckpt.main(["export", "--hf", str(ckpt_dir), str(out)])
