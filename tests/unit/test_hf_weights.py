@@ -209,3 +209,16 @@ def test_init_from_takes_the_shape_so_shape_fields_are_refused() -> None:
         parse_run_config({"model": {"init_from": "/ckpt/llama", "dim": 64}})
     with pytest.raises(SpecError, match=r"name cannot be given with init_from"):
         parse_run_config({"model": {"init_from": "/ckpt/llama", "name": "8B"}})
+
+
+def test_export_of_a_checkpoint_without_a_model_record_says_what_to_do(tmp_path: Path) -> None:
+    from hpkit.errors import HpkitError
+    from hpkit.hf.export import export_hf
+    from hpkit.runtime.checkpoint_record import CommitRecord, write_record
+
+    step = tmp_path / "ckpt" / "step-00000010"
+    step.mkdir(parents=True)
+    write_record(step, CommitRecord(10, {}, 2))  # as hpkit saved before it recorded the model
+    with pytest.raises(HpkitError, match=r"has no model config .*: resume the run for one step"):
+        export_hf(tmp_path / "ckpt", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
