@@ -185,3 +185,48 @@ def test_ckpt_verify_and_ls_name_each_bad_file(tmp_path, repo, capsys):
     assert hpkit_main(["ckpt", "verify", str(root)]) == 1
     assert "INCOMPLETE" in capsys.readouterr().out
     assert find_latest(root) is None, "a checkpoint without its record is never a resume candidate"
+
+
+def test_checksum_writer_starts_writeback_of_what_it_wrote_and_keeps_the_checksum(tmp_path, monkeypatch):
+    import io
+    import os
+
+    import crc32c
+
+    from hpkit.runtime.checkpoint_record import ChecksumWriter
+
+    calls: list[tuple[int, int, int]] = []  # (offset, length, file size on disk at the call)
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        calls.append((offset, length, os.fstat(fd).st_size))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    # Small writes (zip headers) and large ones (tensor data) that straddle the 64 KiB steps.
+    # The 20 crosses a step while still in the buffer of `raw`: it must be flushed before the advice.
+    chunks = [os.urandom(n) for n in (100, 70_000, 30, 200_000, 5, 65_520, 20, 1)]
+    digests = []
+    path = tmp_path / "shard.distcp"
+    with path.open("wb") as raw:
+        writer = ChecksumWriter(raw, digests.append, writeback_bytes=64 << 10)
+        for chunk in chunks:
+            assert writer.write(chunk) == len(chunk)
+        writer.close()
+    data = b"".join(chunks)
+    assert path.read_bytes() == data and writer.size == len(data) and writer.crc == crc32c.crc32c(data)
+    assert digests == [writer]
+    # Writeback was asked for in contiguous ranges from the start, each only once its bytes had left
+    # Python's buffer for the file, and never for more than had been written.
+    assert [c[0] for c in calls] == [0, *[sum(c[:2]) for c in calls[:-1]]]
+    assert len(calls) >= 3 and all(offset + length <= size for offset, length, size in calls)
+    assert sum(c[1] for c in calls) > len(data) - (64 << 10)
+
+    # A stream without a file descriptor: no writeback, and the checksum is still right.
+    calls.clear()
+    sink = io.BytesIO()
+    writer = ChecksumWriter(sink, lambda w: None, writeback_bytes=16)
+    for chunk in chunks:
+        writer.write(chunk)
+    assert sink.getvalue() == data and writer.crc == crc32c.crc32c(data) and calls == []

@@ -126,12 +126,18 @@ def find_latest(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
+# Start writing a shard to disk every this many bytes instead of all at its fsync: the flush then
+# overlaps serialisation (measured on one virtio disk, 720 MB: fsync 0.26 s -> 0.01 s per save).
+WRITEBACK_BYTES = 32 << 20
+
+
 class ChecksummingFileSystem(FileSystem):
     """DCP's local filesystem, with every file written checksummed on its way to disk."""
 
-    def __init__(self, log: DigestLog) -> None:
+    def __init__(self, log: DigestLog, writeback_bytes: int = WRITEBACK_BYTES) -> None:
         super().__init__()
         self.log = log
+        self.writeback_bytes = writeback_bytes
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -141,7 +147,9 @@ class ChecksummingFileSystem(FileSystem):
             return
         name = Path(path).name
         with super().create_stream(path, mode) as raw:
-            writer = ChecksumWriter(raw, lambda w: self.log.add(name, FileDigest(w.size, w.crc)))
+            writer = ChecksumWriter(
+                raw, lambda w: self.log.add(name, FileDigest(w.size, w.crc)), self.writeback_bytes
+            )
             try:
                 yield writer
             finally:
