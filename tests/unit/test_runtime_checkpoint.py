@@ -187,13 +187,15 @@ def test_ckpt_verify_and_ls_name_each_bad_file(tmp_path, repo, capsys):
     assert find_latest(root) is None, "a checkpoint without its record is never a resume candidate"
 
 
-def test_checksum_writer_starts_writeback_of_what_it_wrote_and_keeps_the_checksum(tmp_path, monkeypatch):
+def test_checkpoint_streams_checksum_what_they_write_and_start_its_writeback(tmp_path, monkeypatch):
+    """The stream DCP writes each checkpoint file through: bytes, offsets, digest, writeback, fsync."""
     import io
     import os
 
     import crc32c
 
-    from hpkit.runtime.checkpoint_record import ChecksumWriter
+    from hpkit.runtime.checkpoint import ChecksummingFileSystem
+    from hpkit.runtime.checkpoint_record import ChecksumWriter, DigestLog
 
     calls: list[tuple[int, int, int]] = []  # (offset, length, file size on disk at the call)
     real = os.posix_fadvise
@@ -204,24 +206,30 @@ def test_checksum_writer_starts_writeback_of_what_it_wrote_and_keeps_the_checksu
         real(fd, offset, length, advice)
 
     monkeypatch.setattr(os, "posix_fadvise", spy)
-    # Small writes (zip headers) and large ones (tensor data) that straddle the 64 KiB steps.
-    # The 20 crosses a step while still in the buffer of `raw`: it must be flushed before the advice.
+    # Small writes (zip headers, kept in the buffer) and large ones (tensor data) across the 64 KiB steps.
     chunks = [os.urandom(n) for n in (100, 70_000, 30, 200_000, 5, 65_520, 20, 1)]
-    digests = []
-    path = tmp_path / "shard.distcp"
-    with path.open("wb") as raw:
-        writer = ChecksumWriter(raw, digests.append, writeback_bytes=64 << 10)
+    log = DigestLog()
+    fs = ChecksummingFileSystem(log, writeback_bytes=64 << 10)
+    path = tmp_path / "__0_0.distcp"
+    with fs.create_stream(path, "wb") as stream:
+        written = 0
         for chunk in chunks:
-            assert writer.write(chunk) == len(chunk)
-        writer.close()
+            assert stream.tell() == written  # DCP records each item's offset from tell()
+            assert stream.write(chunk) == len(chunk)
+            written += len(chunk)
+        # DCP fsyncs the descriptor before closing: by then every byte must have left the buffer.
+        assert os.fstat(stream.fileno()).st_size == written
     data = b"".join(chunks)
-    assert path.read_bytes() == data and writer.size == len(data) and writer.crc == crc32c.crc32c(data)
-    assert digests == [writer]
-    # Writeback was asked for in contiguous ranges from the start, each only once its bytes had left
-    # Python's buffer for the file, and never for more than had been written.
+    assert path.read_bytes() == data
+    assert log.files == {path.name: digest_file(path)} and log.files[path.name].crc32c == crc32c.crc32c(data)
+    # Writeback was asked for in contiguous ranges from the start, only for bytes already in the file.
     assert [c[0] for c in calls] == [0, *[sum(c[:2]) for c in calls[:-1]]]
     assert len(calls) >= 3 and all(offset + length <= size for offset, length, size in calls)
     assert sum(c[1] for c in calls) > len(data) - (64 << 10)
+
+    # Reading goes to DCP's own stream, untouched.
+    with fs.create_stream(path, "rb") as stream:
+        assert stream.read() == data
 
     # A stream without a file descriptor: no writeback, and the checksum is still right.
     calls.clear()

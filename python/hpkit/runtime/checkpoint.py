@@ -19,6 +19,7 @@ so DCP can load them into a different parallel layout or world size.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import threading
@@ -129,6 +130,18 @@ def find_latest(root: Path) -> Path | None:
 # Start writing a shard to disk every this many bytes instead of all at its fsync: the flush then
 # overlaps serialisation (measured on one virtio disk, 720 MB: fsync 0.26 s -> 0.01 s per save).
 WRITEBACK_BYTES = 32 << 20
+# torch.save writes each tensor as a zip of ~11 pieces, most of them a few bytes of header; this
+# buffer gathers them before they reach the checksum (Python code), and larger writes go straight
+# through. torch.save flushes after every tensor, so a bigger buffer would not gather more.
+_BUFFER_BYTES = 64 << 10
+
+
+class _FlushingBufferedWriter(io.BufferedWriter):
+    """DCP fsyncs `stream.fileno()` without flushing the stream first: flush before handing it out."""
+
+    def fileno(self) -> int:
+        self.flush()
+        return super().fileno()
 
 
 class ChecksummingFileSystem(FileSystem):
@@ -146,14 +159,16 @@ class ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         name = Path(path).name
-        with super().create_stream(path, mode) as raw:
-            writer = ChecksumWriter(
+        # file <- checksum (one call per buffer flush or large write) <- buffer <- DCP/torch.save
+        with Path(path).open(mode, buffering=0) as raw:
+            checksummed = ChecksumWriter(
                 raw, lambda w: self.log.add(name, FileDigest(w.size, w.crc)), self.writeback_bytes
             )
+            stream = _FlushingBufferedWriter(checksummed, buffer_size=_BUFFER_BYTES)
             try:
-                yield writer
+                yield stream
             finally:
-                writer.close()
+                stream.close()  # flushes, then closes the checksum, which records the digest
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
