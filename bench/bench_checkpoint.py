@@ -8,8 +8,11 @@ them alike (median of `--rounds`):
          side is a memory copy) with `dd bs=1M conv=fsync`, one dd per file, the ranks at once;
      (b) hpkit: a sync `Checkpointer.save()` with CRC-32C checksums (the whole call: plan, write,
          fsync per file, commit record, rename, `latest`);
+     (b') (b) with the early writeback off (the shard flushed only by its fsync);
      (c) the same save with DCP's plain FileSystemWriter (no checksums, empty commit record).
-     Targets: (b)/(a) >= 0.7; (b)/(c) shows what the checksums cost.
+     Target: (b)/(a) >= 0.7; (b')/(c) is what the checksums cost, (b)/(b') what early writeback gains.
+     Each side's CPU seconds (all ranks, dd included) are printed too: on a shared machine they
+     vary far less than wall time.
   2. `hpkit ckpt verify` of the last hpkit checkpoint (rank 0): cold (its pages dropped with
      POSIX_FADV_DONTNEED first, so the files come from disk) and warm (page cache), in GB/s.
   3. training with saves, alternating an async and a sync Checkpointer: the time the loop is blocked
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -68,6 +72,13 @@ def _dd(sources: list[Path], target: Path) -> None:
         )  # fmt: skip
 
 
+def _cpu_s() -> float:
+    """CPU seconds (user + system) of this process and of its finished children (the dd's)."""
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
 def _drop_cache(path: Path) -> None:
     """Evict a file's (clean, already fsynced) pages, so the next read comes from disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -107,6 +118,7 @@ def _gbps(nbytes: int, seconds: list[float]) -> str:
 
 
 def _measure(args: argparse.Namespace, launch, device) -> None:
+    import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
@@ -168,8 +180,9 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
     if rank0:
         dd_dir.mkdir()
 
-    # 1. throughput: the three sides in rotating order, each round.
+    # 1. throughput: the four sides in rotating order, each round.
     seconds: dict[str, list[float]] = {side: [] for side in SIDES}
+    cpu: dict[str, list[float]] = {side: [] for side in SIDES}  # CPU seconds, all ranks and their dd's
     for i in range(args.rounds):
         order = SIDES[i % len(SIDES) :] + SIDES[: i % len(SIDES)]
         for side in order:
@@ -184,6 +197,7 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
                 for old in dd_dir.iterdir() if rank0 else ():
                     old.unlink()
             dist.barrier()
+            cpu_start = _cpu_s()
             start = time.perf_counter()
             if side == "dd":
                 _dd(mine, dd_dir)
@@ -192,6 +206,9 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
                 save()
             dist.barrier()
             seconds[side].append(time.perf_counter() - start)
+            used = torch.tensor([_cpu_s() - cpu_start], dtype=torch.float64)
+            dist.all_reduce(used)
+            cpu[side].append(used.item())
             if side != "dd":
                 current[0].close()  # joins the thread deleting the pruned checkpoint, outside the timing
     newest = committed(root / "sync")[-1][1]
@@ -249,7 +266,10 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
             ("no_writeback", "(b') (b) without early writeback"),
             ("plain", "(c) same save, plain DCP writer"),
         ):
-            print(f"checkpoint save {what}: {med[side]:.3f} s, {_gbps(nbytes, seconds[side])}")
+            print(
+                f"checkpoint save {what}: {med[side]:.3f} s, {_gbps(nbytes, seconds[side])},"
+                f" CPU {statistics.median(cpu[side]):.2f} s"
+            )
 
         def ratio(name: str, fast: str, slow: str, note: str) -> None:
             # medians of each side, and (as a check on drift in the load) each round's own ratio
