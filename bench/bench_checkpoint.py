@@ -274,7 +274,10 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
         def ratio(name: str, fast: str, slow: str, note: str) -> None:
             # medians of each side, and (as a check on drift in the load) each round's own ratio
             rounds = [round(f / s, 3) for f, s in zip(seconds[fast], seconds[slow], strict=True)]
-            print(f"RATIO {name} = {med[fast] / med[slow]:.3f} {note}; per round {rounds}")
+            best = min(seconds[fast]) / min(seconds[slow])  # each side's fastest round: the least disturbed
+            print(
+                f"RATIO {name} = {med[fast] / med[slow]:.3f} {note}; per round {rounds}; best rounds {best:.3f}"
+            )
 
         ratio("checkpoint_save_vs_dd", "dd", "hpkit", "(b)/(a) throughput, target >= 0.7")
         ratio("checkpoint_save_checksums_vs_plain", "plain", "no_writeback", "(b')/(c), 1.0: checksums free")
