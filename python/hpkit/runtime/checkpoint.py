@@ -127,9 +127,11 @@ def find_latest(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
-# Start writing a shard to disk every this many bytes instead of all at its fsync: the flush then
-# overlaps serialisation (measured on one virtio disk, 720 MB: fsync 0.26 s -> 0.01 s per save).
-WRITEBACK_BYTES = 32 << 20
+# Start writing a shard to disk every this many bytes instead of all at its fsync, so that the flush
+# overlaps serialisation (e.g. 32 << 20). Off: on the 2-core test VM it cut the final fsync from 0.26
+# to 0.01 s per 720 MB at low load, but cost 0.1-0.2 CPU-s per save in every loaded run and lost
+# there as often as it won (BENCHMARKS.md, P4). bench_checkpoint.py measures it as side (b').
+WRITEBACK_BYTES = 0
 # torch.save writes each tensor as a zip of ~11 pieces, most of them a few bytes of header; this
 # buffer gathers them before they reach the checksum (Python code), and larger writes go straight
 # through. torch.save flushes after every tensor, so a bigger buffer would not gather more.
