@@ -7,8 +7,10 @@ so a spec can carry any characters without them being executed.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import json
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -74,11 +76,22 @@ def sbatch_directives(spec: JobSpec) -> list[Directive]:
         ("qos", spec.qos),
         ("time", spec.time_limit),
         ("chdir", spec.workdir),
+        ("exclude", spec.exclude),
+        ("nodelist", spec.nodelist),
+        ("constraint", spec.constraint),
+        ("mem", spec.mem),
+        ("gres", spec.gres),
+        ("reservation", spec.reservation),
+        ("dependency", spec.dependency),
+        ("mail-type", ",".join(spec.mail_type) or None),
+        ("mail-user", spec.mail_user),
     ):
         if value is not None:
             directives.append(Directive(option, value))
     if spec.exclusive:
         directives.append(Directive("exclusive"))
+    # The escape hatch last, as written: spec.py checked each is a known option and one token.
+    directives += [Directive(*entry[2:].split("=", 1)) for entry in spec.sbatch_options]
     return directives
 
 
@@ -99,9 +112,39 @@ def resilience_directives(spec: JobSpec) -> list[Directive]:
         # A requeued job writes to the same file: append, or the first run's log is lost.
         Directive("open-mode", "append"),
         # B: signals the batch shell, which forwards to the step and then decides about requeueing.
-        Directive("signal", f"B:USR1@{spec.resilience.signal_grace_s}"),
+        # A spec's own `signal` replaces it (the requeue path then runs only for B:USR1).
+        Directive("signal", spec.signal or f"B:USR1@{spec.resilience.signal_grace_s}"),
         Directive("requeue" if spec.resilience.max_restarts else "no-requeue"),
     ]
+
+
+_PYTHON = re.compile(r"^python[0-9.]*$")
+
+
+def compat_python(spec: JobSpec) -> str:
+    """The interpreter that tells a task where hpkit's shim folder is.
+
+    Asked in the task, not at render time: in a pyxis container hpkit may live at another path than on
+    the login node. The command's own interpreter when it is one (it is the Python that will import
+    `smdistributed`), else `python3` from the task's PATH.
+    """
+    program = spec.command[0]
+    return program if _PYTHON.match(PurePosixPath(program).name) else "python3"
+
+
+def compat_step(spec: JobSpec) -> str | None:
+    """Shell that puts the shim first on the task's PYTHONPATH (spec `compat`), or None."""
+    if not spec.compat:
+        return None
+    python = shell_quote(compat_python(spec))
+    fix = (
+        f"hpkit: compat: {compat_python(spec)} cannot import hpkit where the task runs: install hpkit "
+        "there (in the container image too), or drop compat from the spec"
+    )
+    return (
+        f"shim=$({python} -m hpkit.compat 2>/dev/null) || {{ echo {shell_quote(fix)} >&2; exit 1; }}; "
+        'export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"'
+    )
 
 
 def launch_words(spec: JobSpec) -> list[str]:
@@ -109,6 +152,8 @@ def launch_words(spec: JobSpec) -> list[str]:
     steps = []
     if exports := task_exports(spec):
         steps.append(f"export {' '.join(exports)}")
+    if compat := compat_step(spec):
+        steps.append(compat)
     if spec.container is not None and spec.container.startup_check != "off":
         # pyxis does not run an image's entry point, so hpkit's images would skip their start-up check
         # (IMDSv2, the host's /var/log): the first task of each node runs it, where the image has it.
@@ -143,6 +188,8 @@ def srun_options(spec: JobSpec) -> list[str]:
     if spec.launcher == "mpi":
         # Open MPI (and mpi4py on it) wires up through Slurm's PMIx server: no mpirun, no hostfile.
         options.append("--mpi=pmix")
+    # The spec's own srun options, quoted like every other spec value that reaches the shell.
+    options += [shell_quote(entry) for entry in spec.srun_options]
     return options
 
 
@@ -237,7 +284,7 @@ def build_context(
         else None,
         threads=threads_expression(spec),
         master_port=port_shell_expression(),
-        signal_grace_s=spec.resilience.signal_grace_s,
+        signal_grace_s=spec.signal_grace_s,
         max_restarts=spec.resilience.max_restarts,
         world_size=spec.world_size,
         ranks_per_node=spec.ranks_per_node,
@@ -245,8 +292,12 @@ def build_context(
     )
 
 
+@functools.cache
 def template_environment() -> jinja2.Environment:
-    """Strict (a missing value is an error) and unescaped: quoting is done before values reach it."""
+    """Strict (a missing value is an error) and unescaped: quoting is done before values reach it.
+
+    One per process: compiling the template was half of a render (jinja2 still reloads a template
+    whose file changed)."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,

@@ -129,6 +129,52 @@ class DataSpec(StrictModel):
         return self
 
 
+class StragglerSpec(StrictModel):
+    """Find a rank that drags the job: compare each rank's own work time with the others' every few steps.
+
+    Every `every_steps` steps the ranks exchange their mean local work time over that window (one small
+    all-gather on a CPU group, started without waiting and read a step later). A rank slower than the
+    median of the others by `factor` in `windows` windows in a row is named once in a warning.
+    """
+
+    enabled: bool = True
+    every_steps: int = Field(default=20, ge=1, description="steps in one window (one all-gather per window)")
+    factor: float = Field(default=1.5, gt=1, description="how many times slower than the others' median")
+    windows: int = Field(default=3, ge=1, description="consecutive slow windows before the warning")
+
+
+class PrometheusSpec(StrictModel):
+    """Training metrics for Prometheus through prometheus-client: a textfile for node_exporter, or HTTP."""
+
+    textfile_dir: str | None = Field(
+        default=None,
+        description="node_exporter's textfile-collector directory; each rank writes <name>-<job>-rank<r>.prom there",
+    )
+    port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="serve /metrics over HTTP; local rank r listens on port + r",
+    )
+
+    @field_validator("textfile_dir")
+    @classmethod
+    def _dir(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_no_control_chars(value, "textfile_dir")
+            if not value.strip():
+                raise ValueError("textfile_dir is empty: name the directory node_exporter reads")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> PrometheusSpec:
+        if (self.textfile_dir is None) == (self.port is None):
+            raise ValueError(
+                "give exactly one of textfile_dir (a directory node_exporter reads) or port (an HTTP endpoint)"
+            )
+        return self
+
+
 class TrainSpec(StrictModel):
     steps: int = Field(default=20, ge=1)
     local_batch_size: int = Field(default=8, ge=1, description="sequences per data-parallel rank per step")
@@ -148,6 +194,10 @@ class TrainSpec(StrictModel):
         default=None, description="JSONL metrics path; a relative one is inside output_dir (default: there)"
     )
     tensorboard: bool = Field(default=True, description="also write TensorBoard events when it is installed")
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
+    prometheus: PrometheusSpec | None = Field(
+        default=None, description="also export the metrics to Prometheus (None: do not)"
+    )
     data: DataSpec = Field(default_factory=DataSpec)
 
     @field_validator("metrics_file")

@@ -29,11 +29,12 @@ from hpkit.runtime.activation_checkpoint import apply_ac
 from hpkit.runtime.checkpoint import Checkpointer, ModelState, OptimizerState
 from hpkit.runtime.compile import apply_compile, check_compile_allowed
 from hpkit.runtime.config import ModelSpec, RunConfig, resolve_mixed_precision
-from hpkit.runtime.env import DeviceInfo
+from hpkit.runtime.env import DeviceInfo, node_name
 from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
 from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
 from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
 from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model
+from hpkit.runtime.stragglers import StragglerMonitor, Window
 from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape
 
 
@@ -46,6 +47,7 @@ class StepResult:
     step_time_s: float
     loss: float | None = None
     grad_norm: float | None = None
+    window: Window | None = None  # a straggler window's verdict, on the step after the window ended
 
     @property
     def logged(self) -> bool:
@@ -60,8 +62,8 @@ class StopFlag:
     step after the step in which it arrived was checked.
     """
 
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
         self.received = 0
         self.agreed = 0
         self._pending: tuple[Any, torch.Tensor] | None = None
@@ -115,7 +117,16 @@ class Trainer:
         self.pp_group = self.coords.pp_mesh.get_group() if self.dims.pp_enabled else None
         self.step = 0
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.model.seq_len)
-        self.stop = StopFlag()
+        # Host-side agreements (the stop flag, straggler windows) travel on a CPU group of their own, so
+        # that they never queue behind the device's collectives.
+        self.cpu_group = dist.new_group(backend="gloo")
+        self.stop = StopFlag(self.cpu_group)
+        self.stragglers = (
+            StragglerMonitor(tr.stragglers, self.cpu_group, self.device, node_name())
+            if tr.stragglers.enabled
+            else None
+        )
+        self._work = self.stragglers.timer if self.stragglers is not None else _NoTimer()
 
     # ----------------------------------------------------------------------------------------------
     # Construction
@@ -229,23 +240,29 @@ class Trainer:
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, labels = self.loader.next_batch()
-        local_loss = self._forward_backward(
-            inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-        )
+        # Only the segments timed by self._work wait for no other rank: they measure this rank's speed.
+        with self._work.host():
+            inputs, labels = self.loader.next_batch()
+            inputs = inputs.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+        local_loss = self._forward_backward(inputs, labels)
         norm = total_grad_norm(self.params, self.pp_group)
         if self.cfg.train.grad_clip is not None:
-            clip_grads_(self.params, self.cfg.train.grad_clip, norm)
+            with self._work.device():
+                clip_grads_(self.params, self.cfg.train.grad_clip, norm)
         if checkpointer is not None:
             checkpointer.wait_for_staging()  # an async save may still be copying these weights
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self._work.device():
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.stop.exchange()
         result = StepResult(self.step, lr, 0.0)
         if self.is_logging_step(self.step):
             result.loss = self._global_loss(local_loss)
             result.grad_norm = float(norm)
         result.step_time_s = time.perf_counter() - start
+        if self.stragglers is not None:
+            result.window = self.stragglers.end_step(self.step, result.step_time_s)
         return result
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -296,8 +313,24 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.cfg.train.local_batch_size * self.dims.dp * self.cfg.model.seq_len
 
+    def last_window(self) -> Window | None:
+        """The verdict on the window that ended with the last step (its exchange is still in flight)."""
+        return self.stragglers.settle() if self.stragglers is not None else None
+
     def close(self) -> None:
         self.stop.settle()
+        if self.stragglers is not None:
+            self.stragglers.settle()
+
+
+class _NoTimer:
+    """Straggler detection off: the timed segments cost nothing."""
+
+    @contextlib.contextmanager
+    def host(self) -> Any:
+        yield
+
+    device = host
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
