@@ -100,8 +100,44 @@ def resilience_directives(spec: JobSpec) -> list[Directive]:
         Directive("open-mode", "append"),
         # B: signals the batch shell, which forwards to the step and then decides about requeueing.
         Directive("signal", f"B:USR1@{spec.resilience.signal_grace_s}"),
-        Directive("requeue" if spec.resilience.max_restarts else "no-requeue"),
+        # A requeueable batch job whose node fails (the batch host included) is requeued by slurmctld
+        # itself, and the script's next run resumes. Without it Slurm ends such a job as NODE_FAIL; the
+        # script can still requeue itself after USR1 (it turns the flag on just for that).
+        Directive("requeue" if spec.resilience.requeues_on_failure() else "no-requeue"),
     ]
+
+
+# sinfo's short node states (%t) that mean a node is gone: down, failing, or not answering
+# slurmctld's pings (the trailing `*`). Drained nodes are an administrator's choice, not a failure.
+LOST_NODE_STATES = r"^(down|fail)|[*]$"
+
+
+def runs_file(spec: JobSpec) -> str:
+    """A shell word: where each run of the job records its nodes and whether hpkit requeued it.
+
+    Next to the job's log, which a requeued run appends to, so any batch host of a later run reads it.
+    """
+    return f'{shell_quote(str(Path(spec.output_dir)))}/.hpkit-"$SLURM_JOB_ID".runs'
+
+
+def requeue_off_from(spec: JobSpec) -> int:
+    """The restart from which a run turns Slurm's own requeue off (`scontrol update Requeue=0`).
+
+    With requeue_on_failure, on the last run the budget allows: a node failure then ends the job
+    instead of requeueing it past max_restarts. Without it, on every requeued run: hpkit turned the
+    flag on only for its own USR1 requeue.
+    """
+    return spec.resilience.max_restarts if spec.resilience.requeues_on_failure() else 1
+
+
+def node_failure_outcome(spec: JobSpec) -> str:
+    """What Slurm does with the job after a node failure, for the script's log line."""
+    if spec.resilience.requeues_on_failure():
+        return (
+            "Slurm requeues the job while the restart budget lasts "
+            f"(resilience.max_restarts={spec.resilience.max_restarts}) and ends it as NODE_FAIL after"
+        )
+    return "Slurm ends the job as NODE_FAIL (resilience.requeue_on_failure is off)"
 
 
 def launch_words(spec: JobSpec) -> list[str]:
@@ -208,6 +244,11 @@ class RenderContext:
     master_port: str
     signal_grace_s: int
     max_restarts: int
+    requeue_on_failure: bool
+    requeue_off_from: int
+    lost_node_states: str
+    runs_file: str
+    node_failure_outcome: str
     world_size: int
     ranks_per_node: int
     nodes: int
@@ -239,6 +280,11 @@ def build_context(
         master_port=port_shell_expression(),
         signal_grace_s=spec.resilience.signal_grace_s,
         max_restarts=spec.resilience.max_restarts,
+        requeue_on_failure=spec.resilience.requeues_on_failure(),
+        requeue_off_from=requeue_off_from(spec),
+        lost_node_states=shell_quote(LOST_NODE_STATES),
+        runs_file=runs_file(spec),
+        node_failure_outcome=shell_quote(node_failure_outcome(spec)),
         world_size=spec.world_size,
         ranks_per_node=spec.ranks_per_node,
         nodes=spec.nodes,
