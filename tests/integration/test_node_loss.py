@@ -123,8 +123,10 @@ def wait_for_first_commit(ckpt_dir: Path, timeout: float) -> None:
     pytest.fail(f"no checkpoint committed in {ckpt_dir} after {timeout:.0f} s")
 
 
+# The batch host's loss takes the batch script with it: only Slurm itself can requeue then.
+@pytest.mark.parametrize("lost", ["worker", "batch-host"])
 def test_a_lost_node_requeues_the_job_and_it_resumes_to_the_same_losses(
-    three_nodes, reference_losses, tmp_path
+    three_nodes, reference_losses, tmp_path, lost
 ):
     env, backend = three_nodes, CliBackend()
     spec = training_spec("lost", tmp_path, STEPS, interval=INTERVAL)
@@ -135,7 +137,8 @@ def test_a_lost_node_requeues_the_job_and_it_resumes_to_the_same_losses(
     wait_for_first_commit(tmp_path / "lost-ckpt", 240)
     fields = job_fields(job, env)
     first_nodes = hostnames(fields["NodeList"], env)
-    lost_node = next(n for n in first_nodes if n != fields["BatchHost"])
+    batch_host = fields["BatchHost"]
+    lost_node = batch_host if lost == "batch-host" else next(n for n in first_nodes if n != batch_host)
     victims = kill_node(env, job, lost_node)
     killed_at = time.monotonic()
     assert victims, f"no processes of job {job} on {lost_node}"
