@@ -200,3 +200,45 @@ def test_a_program_that_fails_by_itself_is_not_requeued(three_nodes, tmp_path):
     assert re.search(r"hpkit: the training program failed on healthy nodes \(exit \d+\); not requeued", log)
     assert "requeue" not in log.replace("not requeued", "")
     assert job_fields(job, env)["Restarts"] == "0"
+
+
+def test_node_failures_past_the_restart_budget_end_the_job(three_nodes, tmp_path):
+    """max_restarts=1: the first node failure is requeued, the second ends the job as NODE_FAIL.
+
+    No training here (the step only sleeps): what is under test is Slurm's requeue and the budget.
+    """
+    env, backend = three_nodes, CliBackend()
+    spec = training_spec("budget", tmp_path, 10, interval=5, launcher="srun")
+    spec["command"] = ["sleep", "600"]
+    spec["resilience"].update(max_restarts=1)
+    job = submit(spec, tmp_path, env)
+    lost_nodes = []
+    try:
+        for restart in (0, 1):
+            # The event: this run's step has started on a node other than the batch host.
+            fields = wait_for(
+                lambda r=restart: (
+                    (f := job_fields(job, env))["JobState"] == "RUNNING"
+                    and f["Restarts"] == str(r)
+                    and any(
+                        job_processes_on(job, n) for n in hostnames(f["NodeList"], env) if n != f["BatchHost"]
+                    )
+                    and f
+                ),
+                300,
+                f"run {restart}'s step",
+            )
+            node = next(n for n in hostnames(fields["NodeList"], env) if n != fields["BatchHost"])
+            assert kill_node(env, job, node)
+            lost_nodes.append(node)
+            if restart == 0:
+                wait_for(lambda: job_fields(job, env)["Restarts"] == "1", 120, "the requeue")
+        info = wait_for(lambda: (i := backend.info(job)).state.finished and i, 120, "the job to end")
+    finally:
+        for node in lost_nodes:
+            subprocess.run(["slurmd", "-N", node, "-f", env["SLURM_CONF"]], env=env, check=False)
+    log = job_log(info)
+    fields = job_fields(job, env)
+    assert fields["JobState"] == "NODE_FAIL" and fields["Restarts"] == "1", (fields, log)
+    assert f"node(s) {lost_nodes[0]} of the previous run" in log, log
+    assert "restart budget" not in log and "failed on healthy nodes" not in log, log
