@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
     "train": ("hpkit.commands.train", "run the training loop (inside a job)"),
     "ckpt": ("hpkit.commands.ckpt", "verify or list checkpoints against their commit records"),
+    "plot": ("hpkit.commands.plot", "plot training curves or collective bandwidth to PNG/SVG (hpkit[plot])"),
     "bench": (
         "hpkit.commands.bench",
         "benchmarks: collective bandwidth; nccl-tests scripts and their output",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.resources
 import json
+import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -140,11 +141,42 @@ def node_failure_outcome(spec: JobSpec) -> str:
     return "Slurm ends the job as NODE_FAIL (resilience.requeue_on_failure is off)"
 
 
+_PYTHON = re.compile(r"^python[0-9.]*$")
+
+
+def compat_python(spec: JobSpec) -> str:
+    """The interpreter that tells a task where hpkit's shim folder is.
+
+    Asked in the task, not at render time: in a pyxis container hpkit may live at another path than on
+    the login node. The command's own interpreter when it is one (it is the Python that will import
+    `smdistributed`), else `python3` from the task's PATH.
+    """
+    program = spec.command[0]
+    return program if _PYTHON.match(PurePosixPath(program).name) else "python3"
+
+
+def compat_step(spec: JobSpec) -> str | None:
+    """Shell that puts the shim first on the task's PYTHONPATH (spec `compat`), or None."""
+    if not spec.compat:
+        return None
+    python = shell_quote(compat_python(spec))
+    fix = (
+        f"hpkit: compat: {compat_python(spec)} cannot import hpkit where the task runs: install hpkit "
+        "there (in the container image too), or drop compat from the spec"
+    )
+    return (
+        f"shim=$({python} -m hpkit.compat 2>/dev/null) || {{ echo {shell_quote(fix)} >&2; exit 1; }}; "
+        'export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"'
+    )
+
+
 def launch_words(spec: JobSpec) -> list[str]:
     """The program each srun task runs, before the user's command (already shell-quoted words)."""
     steps = []
     if exports := task_exports(spec):
         steps.append(f"export {' '.join(exports)}")
+    if compat := compat_step(spec):
+        steps.append(compat)
     if spec.container is not None and spec.container.startup_check != "off":
         # pyxis does not run an image's entry point, so hpkit's images would skip their start-up check
         # (IMDSv2, the host's /var/log): the first task of each node runs it, where the image has it.

@@ -59,6 +59,7 @@ _CHANNEL_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 _DIRECTIVE_PATH = re.compile(r"^[^\s\"'#\\]+$")
 
 VAR_LOG_MOUNT = "/var/log:/var/log"
+COMPAT_LAYERS = ("smp", "smddp")
 HYPERPOD_LOG_DIR = "/var/log/aws/clusters"
 
 
@@ -177,6 +178,17 @@ class JobSpec(RunConfig):
     sagemaker_env: SageMakerEnvSpec | None = Field(
         default=None, description="export SM_HOSTS, SM_CURRENT_HOST, SM_CHANNEL_* ... for SageMaker scripts"
     )
+    compat: list[Literal["smp", "smddp"]] = Field(
+        default_factory=list,
+        description=(
+            "run SageMaker scripts unchanged: smp provides smdistributed.modelparallel.torch, smddp "
+            "smdistributed.dataparallel.torch, on hpkit's runtime (a real install of either still wins)"
+        ),
+    )
+    smp_parameters: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the estimator's SMP parameters under SMP's names, for smp.init() (compat: [smp])",
+    )
 
     @field_validator("name")
     @classmethod
@@ -248,6 +260,21 @@ class JobSpec(RunConfig):
                 for k, v in value.items()
             }
         return value
+
+    @field_validator("compat", mode="before")
+    @classmethod
+    def _compat(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]  # `compat: smddp` reads as the one-entry list
+        if not isinstance(value, list):
+            raise ValueError(f"give a list such as [smddp], not {value!r}")
+        for entry in value:
+            if entry not in COMPAT_LAYERS:
+                raise ValueError(
+                    f"{entry!r} is not a compat layer: use {' and/or '.join(COMPAT_LAYERS)} "
+                    "(smdistributed.modelparallel.torch, smdistributed.dataparallel.torch)"
+                )
+        return list(dict.fromkeys(value))  # each once, in the order given
 
     @field_validator("command", mode="before")
     @classmethod

@@ -6,3 +6,13 @@
 # after the hostname, the job and the local rank, collide between node1's and node2's local rank 0
 # and the ranks crash. Each node gets its own directory for them (its TmpFS). Real nodes need none.
 echo "export OMPI_MCA_btl_vader_backing_directory=@DIR@/tmp/${SLURMD_NODENAME:-unknown}"
+
+# Per-node settings: each NAME=value line of etc/node-env/<node> is exported into that node's tasks,
+# e.g. HPKIT_SYSROOT to give one emulated node another view of the system than its peers.
+env_file="@DIR@/etc/node-env/${SLURMD_NODENAME:-unknown}"
+if [[ -r $env_file ]]; then
+  while IFS= read -r line || [[ -n $line ]]; do
+    [[ $line =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] && echo "export $line"
+  done <"$env_file"
+fi
+exit 0

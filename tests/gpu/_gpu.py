@@ -36,7 +36,8 @@ def train(config: dict[str, Any], workdir: Path, *, cpu: bool, steps: int | None
     assert done.returncode == 0, f"hpkit train failed:\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     (workdir / "stdout.txt").write_text(done.stdout, encoding="utf-8")
     metrics = workdir / "metrics.jsonl"
-    return [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
+    records = [json.loads(line) for line in metrics.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [r for r in records if "event" not in r]  # the start/checkpoint/end records are not steps
 
 
 def series(records: list[dict], key: str) -> list[float]:

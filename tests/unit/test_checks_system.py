@@ -35,7 +35,10 @@ def _never_real_imds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture
 def roots(tmp_path: Path) -> Roots:
-    made = Roots(*(tmp_path / name for name in ("proc", "sys", "opt", "etc", "var/log", "usr")))
+    made = Roots(
+        *(tmp_path / name for name in ("proc", "sys", "opt", "etc", "var/log", "usr")),
+        proc_self=tmp_path / "proc" / "self",
+    )
     for folder in (made.proc / "self", made.sys, made.opt, made.etc, made.var_log, made.usr):
         folder.mkdir(parents=True)
     (made.proc / "self" / "mountinfo").write_text(ROOT_MOUNT)

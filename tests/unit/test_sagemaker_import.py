@@ -61,6 +61,9 @@ def test_seed_000_tensor_parallel_only():
         "env": {"OMPI_MCA_btl_vader_single_copy_mechanism": "none"},
         "command": ["python3", "your_training_script.py"],
         "parallelism": {"dp_replicate": -1, "dp_shard": 1, "tp": 4},
+        # The script's smp.* calls run on hpkit's compat layer, which reads SMP's own names from here.
+        "smp_parameters": smp["parameters"],
+        "compat": ["smp"],
         "sagemaker_env": {"channels": {"training": "/opt/ml/input/data/training"}},
     }
     spec = result.spec
@@ -70,7 +73,6 @@ def test_seed_000_tensor_parallel_only():
         [
             "instance_type",
             "distribution.smdistributed.modelparallel.parameters.placement_strategy",
-            "distribution.smdistributed.modelparallel",
             "inputs.training",
             "role",
             "framework_version",
@@ -81,7 +83,9 @@ def test_seed_000_tensor_parallel_only():
     assert "not a GPU type in hpkit's instance catalog" in lines["instance_type"]
     assert "set gpus_per_node" in lines["instance_type"]
     assert "DeviceMesh" in lines["distribution.smdistributed.modelparallel.parameters.placement_strategy"]
-    assert "hpkit train" in lines["distribution.smdistributed.modelparallel"]
+    # No more "port the script's smp calls": the compat layer runs them.
+    assert [n.split(":")[0] for n in result.notes] == ["distribution.smdistributed.modelparallel"]
+    assert "compat: [smp]" in result.notes[0] and "port" not in result.notes[0]
     assert "s3://my_bucket/my_training_data/" in lines["inputs.training"]
 
 
@@ -209,9 +213,12 @@ def test_seed_002_smddp_on_a_supported_type():
         }
     )
     assert result.data["launcher"] == "torchrun"
-    assert result.data["collectives"] == {"backend": "smddp", "smddp_fallback": False}
-    assert list(warned(result)) == ["distribution.smdistributed.dataparallel"]
-    assert "SMDDP_WHEEL_URL" in warned(result)["distribution.smdistributed.dataparallel"]
+    # The real library where the image has it, else the compat layer's alias: the script runs either way.
+    assert result.data["collectives"] == {"backend": "smddp", "smddp_fallback": True}
+    assert result.data["compat"] == ["smddp"]
+    assert result.warnings == []
+    assert len(result.notes) == 1 and "SMDDP_WHEEL_URL" in result.notes[0]
+    assert "smddp_fallback: false" in result.notes[0]
 
 
 def test_seed_003_pytorchddp_with_string_true():
@@ -242,12 +249,13 @@ def test_seed_003_lightning_smddp_on_p3_says_smddp_does_not_support_it():
             "max_retry_attempts": 2,
         }
     )
-    assert result.data["collectives"] == {"backend": "smddp", "smddp_fallback": False}
+    assert result.data["collectives"] == {"backend": "smddp", "smddp_fallback": True}
+    assert result.data["compat"] == ["smddp"]
     assert result.data["time_limit"] == "03:01:00"  # rounded up to whole minutes
     assert result.data["resilience"] == {"max_restarts": 2}
     lines = [w.line() for w in result.warnings if w.field == "instance_type"]
     assert any("SMDDP supports only ml.p4d.24xlarge, ml.p4de.24xlarge" in line for line in lines)
-    assert any("smddp_fallback: true" in line for line in lines)
+    assert any("runs as hpkit's NCCL alias" in line for line in lines)
 
 
 def test_mpi_options_and_unknown_distributions_are_warned_not_dropped():

@@ -46,19 +46,19 @@ def _noop() -> None:
     pass
 
 
-def _all_gather(out, inp) -> None:
+def _all_gather(out, inp, group=None) -> None:
     import torch.distributed as dist
 
     # torch 2.13 renamed all_gather_into_tensor; clusters may run an older torch.
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, inp)
+    fn(out, inp, group=group)
 
 
-def _reduce_scatter(out, inp) -> None:
+def _reduce_scatter(out, inp, group=None) -> None:
     import torch.distributed as dist
 
     fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    fn(out, inp)
+    fn(out, inp, group=group)
 
 
 def _elements(op: str, size: int, itemsize: int, n: int) -> tuple[int, int]:
@@ -74,9 +74,13 @@ def _elements(op: str, size: int, itemsize: int, n: int) -> tuple[int, int]:
     return count, count
 
 
-def make_buffers(op: str, size: int, dtype, device, rank: int, n: int) -> Buffers:
+def make_buffers(op: str, size: int, dtype, device, rank: int, n: int, group=None) -> Buffers:
+    """rank and n are within `group` (None: the whole process group)."""
     import torch
     import torch.distributed as dist
+
+    # broadcast and reduce name their root by global rank.
+    root = dist.get_global_rank(group, 0) if group is not None else 0
 
     itemsize = torch.empty((), dtype=dtype).element_size()
     elems, count = _elements(op, size, itemsize, n)
@@ -94,7 +98,7 @@ def make_buffers(op: str, size: int, dtype, device, rank: int, n: int) -> Buffer
         return Buffers(
             elems * itemsize,
             count,
-            lambda: dist.all_reduce(buf),
+            lambda: dist.all_reduce(buf, group=group),
             buf.zero_,
             lambda: mismatches(buf, expected),
         )
@@ -102,7 +106,11 @@ def make_buffers(op: str, size: int, dtype, device, rank: int, n: int) -> Buffer
         buf = full(elems, 1 if rank == 0 else 0)
 
         return Buffers(
-            elems * itemsize, count, lambda: dist.broadcast(buf, src=0), _noop, lambda: mismatches(buf, 1)
+            elems * itemsize,
+            count,
+            lambda: dist.broadcast(buf, src=root, group=group),
+            _noop,
+            lambda: mismatches(buf, 1),
         )
     if op == "reduce":
         buf = full(elems, rank + 1)
@@ -110,7 +118,9 @@ def make_buffers(op: str, size: int, dtype, device, rank: int, n: int) -> Buffer
         def wrong() -> int:
             return mismatches(buf, n * (n + 1) / 2) if rank == 0 else 0
 
-        return Buffers(elems * itemsize, count, lambda: dist.reduce(buf, dst=0), buf.zero_, wrong)
+        return Buffers(
+            elems * itemsize, count, lambda: dist.reduce(buf, dst=root, group=group), buf.zero_, wrong
+        )
     if op == "all_gather":
         inp = full(elems, rank)
         out = full(elems * n, -1)
@@ -118,7 +128,7 @@ def make_buffers(op: str, size: int, dtype, device, rank: int, n: int) -> Buffer
         return Buffers(
             elems * n * itemsize,
             count,
-            lambda: _all_gather(out, inp),
+            lambda: _all_gather(out, inp, group),
             _noop,
             lambda: mismatches(out, expected),
         )
@@ -128,7 +138,7 @@ def make_buffers(op: str, size: int, dtype, device, rank: int, n: int) -> Buffer
         return Buffers(
             elems * n * itemsize,
             count,
-            lambda: _reduce_scatter(out, inp),
+            lambda: _reduce_scatter(out, inp, group),
             _noop,
             lambda: mismatches(out, n * (n + 1) / 2),
         )
@@ -140,25 +150,26 @@ def make_buffers(op: str, size: int, dtype, device, rank: int, n: int) -> Buffer
         return Buffers(
             elems * n * itemsize,
             count,
-            lambda: dist.all_to_all_single(out, inp),
+            lambda: dist.all_to_all_single(out, inp, group=group),
             _noop,
             lambda: mismatches(out, expected),
         )
     raise HpkitError(f"unknown collective {op!r}: choose from {', '.join(OPS)}")
 
 
-def measure(cfg: SweepConfig, device, backend: str) -> list[BenchRow]:
-    """Run the sweep on the initialised process group; every rank returns the same rows."""
+def measure(cfg: SweepConfig, device, backend: str, group=None) -> list[BenchRow]:
+    """Run the sweep on the initialised process group, or on `group` (a subgroup: its members only, while
+    other subgroups run their own); every member returns the same rows."""
     import torch
     import torch.distributed as dist
 
-    rank, n = dist.get_rank(), dist.get_world_size()
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
     dtype = getattr(torch, DTYPES[cfg.dtype])
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows: list[BenchRow] = []
     for op in cfg.ops:
         for size in cfg.sizes:
-            bufs = make_buffers(op, size, dtype, device, rank, n)
+            bufs = make_buffers(op, size, dtype, device, rank, n, group)
             wrong = None
             if cfg.check:
                 bufs.run()
@@ -168,7 +179,7 @@ def measure(cfg: SweepConfig, device, backend: str) -> list[BenchRow]:
             for _ in range(cfg.warmup):
                 bufs.run()
             sync()
-            dist.barrier()
+            dist.barrier(group=group)
             start = time.perf_counter()
             for _ in range(cfg.iters):
                 bufs.run()
@@ -176,7 +187,7 @@ def measure(cfg: SweepConfig, device, backend: str) -> list[BenchRow]:
             elapsed = (time.perf_counter() - start) / cfg.iters
             # One reduction carries the mean time and the total of wrong elements over all ranks.
             packed = torch.tensor([elapsed, float(wrong or 0)], dtype=torch.float64, device=device)
-            dist.all_reduce(packed)
+            dist.all_reduce(packed, group=group)
             seconds = packed[0].item() / n
             rows.append(
                 BenchRow(

@@ -27,6 +27,27 @@ class Roots:
     etc: Path = Path("/etc")
     var_log: Path = Path("/var/log")
     usr: Path = Path("/usr")
+    # This process itself (which libstdc++ the loader mapped): unlike the node's mounts under proc, a
+    # prepared system tree cannot describe it, so a sysroot leaves it alone.
+    proc_self: Path = Path("/proc/self")
+    # The tree that absolute paths found in its files (ld.so.conf) point into: / unless a sysroot.
+    tree: Path = Path("/")
+
+    def inside(self, path: str | Path) -> Path:
+        """An absolute path named by a file of the tree, as seen from here."""
+        return self.tree / str(path).lstrip("/")
+
+    @classmethod
+    def under(cls, sysroot: Path) -> Roots:
+        """The node's roots inside one prepared system tree (a mounted image, a node's snapshot)."""
+        defaults = cls()
+        return cls(
+            **{
+                name: sysroot / str(getattr(defaults, name)).lstrip("/")
+                for name in ("proc", "sys", "opt", "etc", "var_log", "usr")
+            },
+            tree=sysroot,
+        )
 
 
 @dataclass

@@ -24,19 +24,23 @@ def instance_type(ctx: Context) -> Result:
     from hpkit.checks.imds import probe_for
 
     probe = probe_for(ctx)
-    if probe.instance_type is None:
+    return _instance_verdict(probe.instance_type).with_facts(instance_type=probe.instance_type)
+
+
+def _instance_verdict(instance_type: str | None) -> Result:
+    if instance_type is None:
         return Result.skip(
             "instance type unknown: the metadata service did not give it (see the imds check)",
             "fix the imds finding; the instance type comes from it",
         )
-    spec = lookup(probe.instance_type)
+    spec = lookup(instance_type)
     supported = ", ".join(SMDDP_TYPES)
     if spec is None:
         return Result.warn(
-            f"{probe.instance_type} is not a GPU training type hpkit knows",
+            f"{instance_type} is not a GPU training type hpkit knows",
             f"train on a GPU type with EFA; SageMaker's data-parallel library supports {supported}",
         )
-    shown = f"{probe.instance_type}: {spec.gpus} × {spec.gpu}, {spec.efa_devices} EFA"
+    shown = f"{instance_type}: {spec.gpus} × {spec.gpu}, {spec.efa_devices} EFA"
     if spec.smddp:
         return Result.ok(shown)
     return Result.warn(

@@ -17,9 +17,9 @@ REQUIRED = (3, 4, 30)
 _SYMBOL_VERSION = re.compile(rb"GLIBCXX_(\d+\.\d+(?:\.\d+)?)\x00")
 
 
-def loaded_libstdcxx(proc: Path) -> str | None:
-    """Path of the libstdc++ mapped into this process, per (proc)/self/maps."""
-    text = read_text(proc / "self" / "maps", limit=8 << 20) or ""
+def loaded_libstdcxx(proc_self: Path) -> str | None:
+    """Path of the libstdc++ mapped into this process, per (proc_self)/maps."""
+    text = read_text(proc_self / "maps", limit=8 << 20) or ""
     for line in text.splitlines():
         fields = line.split(None, 5)
         if len(fields) == 6 and "/libstdc++.so" in fields[5]:
@@ -48,7 +48,7 @@ def libstdcxx(ctx: Context) -> Result:
         ctypes.CDLL("libstdc++.so.6")
     except OSError as exc:
         return Result.fail(f"the loader finds no libstdc++.so.6: {exc}", _FIX)
-    path = loaded_libstdcxx(ctx.roots.proc)
+    path = loaded_libstdcxx(ctx.roots.proc_self)
     if path is None:
         return Result.fail("libstdc++.so.6 loaded, but it is not in /proc/self/maps", _FIX)
     try:

@@ -37,7 +37,7 @@ def _ld_conf_dirs(ctx: Context) -> list[Path]:
         for line in (read_text(conf) or "").splitlines():
             line = line.split("#", 1)[0].strip()
             if line.startswith("/"):
-                dirs.append(Path(line))
+                dirs.append(ctx.roots.inside(line))
     return dirs
 
 
@@ -76,19 +76,23 @@ _FIX_NCCL = (
 @check("nccl", "NCCL", profiles=PROFILES)
 def nccl(ctx: Context) -> Result:
     found = []
+    versions: set[str] = set()
     for wheel in NCCL_WHEELS:
         for dist in distributions(ctx.search_path, wheel):
             found.append(f"NCCL {dist.version} ({wheel}, used by PyTorch)")
+            versions.add(dist.version)
     seen = set()
     for version, path in _nccl_files(_system_nccl_dirs(ctx)):
         if path.parent not in seen:
             seen.add(path.parent)
             found.append(f"NCCL {version} at {path}")
+            versions.add(version)
+    facts = {"nccl": sorted(versions)}
     if not found:
         return Result.fail(
             "no NCCL found: no nvidia-nccl-* wheel and no libnccl.so.X.Y.Z on the library path", _FIX_NCCL
-        )
-    return Result.ok("; ".join(found))
+        ).with_facts(**facts)
+    return Result.ok("; ".join(found)).with_facts(**facts)
 
 
 _FIX_OFI = (
@@ -159,6 +163,10 @@ _FIX_EFA = (
 @check("efa", "EFA devices and libfabric efa provider", profiles=PROFILES)
 def efa(ctx: Context) -> Result:
     devices = efa_devices(ctx)
+    return _efa_verdict(ctx, devices).with_facts(efa_count=len(devices))
+
+
+def _efa_verdict(ctx: Context, devices: list[str]) -> Result:
     instance_type, spec = expected_for(ctx)
     expected = spec.efa_devices if spec else None
     if not devices:

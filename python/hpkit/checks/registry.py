@@ -29,6 +29,7 @@ _CHECKS: dict[str, Check] = {}
 # then hardware and network, then the cluster around the node.
 _MODULES = (
     "python_env",
+    "kernel",
     "torch_cuda",
     "libstdcxx",
     "imds",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TextIO
 
 from hpkit.checks.result import Status
@@ -31,11 +32,22 @@ def summary(outcomes: Sequence[Outcome], profile: str, seconds: float) -> str:
     return f"profile {profile}: {', '.join(parts)} in {seconds:.2f} s"
 
 
-def to_json(outcomes: Sequence[Outcome], profile: str, seconds: float) -> str:
+def node_name() -> str:
+    """The Slurm node this runs on; its hostname outside a job. Emulated nodes share one hostname, and a
+    real node's hostname need not be its Slurm name, so the job's own variable comes first."""
+    import os
+    import socket
+
+    return os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def to_json(outcomes: Sequence[Outcome], profile: str, seconds: float, sysroot: Path | None = None) -> str:
     import json  # only for --json: every import counts against the login profile's second
 
     return json.dumps(
         {
+            "node": node_name(),
+            "sysroot": str(sysroot) if sysroot is not None else None,
             "profile": profile,
             "ok": exit_code(outcomes) == 0,
             "seconds": round(seconds, 3),
@@ -47,6 +59,7 @@ def to_json(outcomes: Sequence[Outcome], profile: str, seconds: float) -> str:
                     "detail": o.result.detail,
                     "fix": o.result.fix,
                     "seconds": round(o.seconds, 3),
+                    "facts": dict(o.result.facts),
                 }
                 for o in outcomes
             ],
@@ -90,11 +103,16 @@ def rich_table(outcomes: Sequence[Outcome], profile: str, seconds: float) -> boo
 
 
 def show(
-    outcomes: Sequence[Outcome], profile: str, seconds: float, fmt: str, out: TextIO | None = None
+    outcomes: Sequence[Outcome],
+    profile: str,
+    seconds: float,
+    fmt: str,
+    out: TextIO | None = None,
+    sysroot: Path | None = None,
 ) -> None:
     out = sys.stdout if out is None else out
     if fmt == "json":
-        out.write(to_json(outcomes, profile, seconds) + "\n")
+        out.write(to_json(outcomes, profile, seconds, sysroot) + "\n")
     # A table only for a person at a terminal; piped output stays one finding per line, easy to grep.
     elif fmt == "plain" or not (fmt == "table" or out.isatty()) or not rich_table(outcomes, profile, seconds):
         plain(outcomes, profile, seconds, out)

@@ -8,11 +8,17 @@ import tempfile
 from pathlib import Path
 
 from hpkit.checks.context import Context
-from hpkit.checks.mounts import SHARED_FS_TYPES, mount_of, read_mounts
+from hpkit.checks.mounts import SHARED_FS_TYPES, Mount, mount_of, read_mounts
 from hpkit.checks.registry import check
 from hpkit.checks.result import Result
 
 ALL = ("login", "compute", "container")
+# Disk filesystems whose mount points are a node's layout (/, /opt/dlami/nvme, /scratch): a node
+# missing one is set up differently from its peers.
+LOCAL_DISK_TYPES = frozenset({"ext4", "xfs", "btrfs", "zfs", "ext3"})
+# Mounts that container runtimes and kubelet make per container or pod: they differ from node to node
+# without saying anything about the node.
+_PER_CONTAINER = ("/var/lib/docker/", "/var/lib/containers/", "/var/lib/kubelet/", "/run/")
 DISK_WARN_GIB = 20
 DISK_FAIL_GIB = 2
 
@@ -27,6 +33,18 @@ def shared_fs(ctx: Context) -> Result:
     mounts = read_mounts(ctx.roots.proc)
     if mounts is None:
         return Result.fail("cannot read /proc/self/mountinfo", "run the check where /proc is mounted")
+    shared = sorted({f"{m.mount_point} ({m.fstype})" for m in mounts if m.fstype in SHARED_FS_TYPES})
+    local = sorted(
+        {
+            f"{m.mount_point} ({m.fstype})"
+            for m in mounts
+            if m.fstype in LOCAL_DISK_TYPES and not m.mount_point.startswith(_PER_CONTAINER)
+        }
+    )
+    return _shared_fs_verdict(ctx, mounts).with_facts(shared_mounts=shared, local_mounts=local)
+
+
+def _shared_fs_verdict(ctx: Context, mounts: list[Mount]) -> Result:
     if ctx.shared_fs is not None:
         wanted = str(ctx.shared_fs).rstrip("/") or "/"
         mount = mount_of(wanted, mounts)

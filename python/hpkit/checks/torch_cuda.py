@@ -47,6 +47,10 @@ def find_torch(ctx: Context) -> TorchInstall | None:
 @check("torch", "PyTorch ≥ 2.0.1", profiles=GPU_PROFILES)
 def torch_version(ctx: Context) -> Result:
     torch = find_torch(ctx)
+    return _torch_verdict(torch).with_facts(torch=torch.version if torch else None)
+
+
+def _torch_verdict(torch: TorchInstall | None) -> Result:
     if torch is None:
         return Result.fail("PyTorch is not installed in this Python environment", _FIX_TORCH)
     found = parse_version(torch.version)
@@ -77,6 +81,10 @@ def driver_cuda_version() -> tuple[int, int] | None:
 @check("cuda", "CUDA runtime ≥ 11.8", profiles=GPU_PROFILES)
 def cuda_runtime(ctx: Context) -> Result:
     torch = find_torch(ctx)
+    return _cuda_verdict(torch).with_facts(cuda=torch.cuda if torch else None)
+
+
+def _cuda_verdict(torch: TorchInstall | None) -> Result:
     if torch is None:
         return Result.skip("PyTorch is not installed (see the torch check)", _FIX_TORCH)
     if torch.cuda is None:
@@ -99,6 +107,10 @@ _FIX_DRIVER = (
 @check("nvidia-driver", "NVIDIA driver supports the CUDA runtime", profiles=GPU_PROFILES)
 def nvidia_driver(ctx: Context) -> Result:
     version = driver_version(ctx)
+    return _driver_verdict(ctx, version).with_facts(driver=version)
+
+
+def _driver_verdict(ctx: Context, version: str | None) -> Result:
     if version is None:
         return Result.fail("no NVIDIA kernel driver is loaded (no /proc/driver/nvidia/version)", _FIX_DRIVER)
     supports = driver_cuda_version()
@@ -140,6 +152,11 @@ def gpu_models(ctx: Context) -> list[str]:
 @check("gpus", "GPU count", profiles=GPU_PROFILES)
 def gpu_count(ctx: Context) -> Result:
     models = gpu_models(ctx)
+    model = ", ".join(sorted(set(models))) or None
+    return _gpu_verdict(ctx, models).with_facts(gpu_count=len(models), gpu_model=model)
+
+
+def _gpu_verdict(ctx: Context, models: list[str]) -> Result:
     instance_type, spec = expected_for(ctx)
     visible = ctx.env.get("CUDA_VISIBLE_DEVICES")
     note = f" (CUDA_VISIBLE_DEVICES={visible})" if visible is not None else ""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -10,6 +11,9 @@ from pathlib import Path
 from hpkit.checks.context import PROFILES, Context, Roots
 
 USAGE_EXIT = 2
+# Where a node's checks read the system from, when not /: a site (or a Slurm TaskProlog) may point one
+# node at another tree, e.g. the GPU driver's files inside a container image.
+SYSROOT_ENV = "HPKIT_SYSROOT"
 
 
 def _names(values: list[str] | None) -> list[str]:
@@ -26,6 +30,32 @@ def _positive(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _positive(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError("must be a fraction of the median, in (0, 1]")
+    return value
+
+
+def _size(text: str) -> int:
+    from hpkit.bench.sizes import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def build_parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -35,7 +65,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--profile",
         choices=PROFILES,
-        default="login",
+        default=None,
         help="login: cluster access, no GPU needed (default); compute: a GPU node; container: inside the "
         "training container",
     )
@@ -70,7 +100,62 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--disk", type=Path, action="append", metavar="PATH", help="a folder whose free space matters"
     )
-    # System roots, for tests and for checking a mounted image from outside.
+    parser.add_argument(
+        "--sysroot",
+        type=Path,
+        metavar="DIR",
+        help="read /proc, /sys, /opt, /etc, /var/log and /usr under DIR (a mounted image, a node's snapshot); "
+        f"default: ${SYSROOT_ENV} if set",
+    )
+    fleet = parser.add_argument_group(
+        "every node at once",
+        "--all-nodes submits one Slurm job with a task per node that runs the compute profile there, then "
+        "prints which nodes passed, warned and failed each check, which differ from the others, and an "
+        "--exclude= list (exit 1 when it is not empty)",
+    )
+    fleet.add_argument("--all-nodes", action="store_true", help="check every node through Slurm")
+    fleet.add_argument(
+        "--partition", metavar="P", help="the partition's nodes (default: the default partition)"
+    )
+    which = fleet.add_mutually_exclusive_group()
+    which.add_argument(
+        "--nodes", type=_positive_int, metavar="N", help="N nodes Slurm picks (default: all up)"
+    )
+    which.add_argument("--nodelist", metavar="LIST", help="these nodes (Slurm host list: node[1-4,9])")
+    fleet.add_argument(
+        "--bandwidth", action="store_true", help="also time all_reduce between pairs of nodes, a few pairings"
+    )
+    fleet.add_argument(
+        "--bandwidth-threshold",
+        type=_fraction,
+        default=0.5,
+        metavar="F",
+        help="flag nodes whose best pair reaches less than F x the median busbw (0.5)",
+    )
+    fleet.add_argument(
+        "--bandwidth-rounds", type=_positive_int, default=3, metavar="R", help="pairings to run (3)"
+    )
+    fleet.add_argument(
+        "--bandwidth-size", type=_size, default=16 << 20, metavar="BYTES", help="all_reduce size (16M)"
+    )
+    fleet.add_argument(
+        "--output-dir",
+        type=Path,
+        default=Path("hpkit-check-nodes"),
+        metavar="DIR",
+        help="where the nodes write their reports; on the shared filesystem (./hpkit-check-nodes)",
+    )
+    fleet.add_argument(
+        "--time-limit", default="00:10:00", metavar="T", help="the job's time limit (00:10:00)"
+    )
+    fleet.add_argument(
+        "--wait-timeout",
+        type=_positive,
+        default=900.0,
+        metavar="S",
+        help="cancel the job if it has not ended after S seconds, e.g. waiting for busy nodes (900)",
+    )
+    # Single system roots, for tests and for checking a mounted image from outside; they beat --sysroot.
     for root in ("proc", "sys", "opt", "etc", "var-log", "usr"):
         parser.add_argument(f"--{root}-root", type=Path, help=argparse.SUPPRESS)
     return parser
@@ -95,6 +180,30 @@ def main(argv: list[str] | None = None, prog: str = "hpkit check") -> int:
         parser.print_usage(sys.stderr)
         print(f"{prog}: error: unknown check(s): {', '.join(unknown)}; see `{prog} --list`", file=sys.stderr)
         return USAGE_EXIT
+    fleet_only = [
+        flag
+        for flag, given in (
+            ("--partition", args.partition),
+            ("--nodes", args.nodes),
+            ("--nodelist", args.nodelist),
+            ("--bandwidth", args.bandwidth),
+        )
+        if given
+    ]
+    if fleet_only and not args.all_nodes:
+        parser.print_usage(sys.stderr)
+        print(f"{prog}: error: {fleet_only[0]} goes with --all-nodes; add it", file=sys.stderr)
+        return USAGE_EXIT
+    if args.all_nodes:
+        if args.profile not in (None, "compute"):
+            parser.print_usage(sys.stderr)
+            print(
+                f"{prog}: error: --all-nodes runs the compute profile on each node; drop --profile",
+                file=sys.stderr,
+            )
+            return USAGE_EXIT
+        return _all_nodes(args)
+    args.profile = args.profile or "login"
     if args.list:
         width = max(map(len, catalogue))
         for chk in catalogue.values():
@@ -108,12 +217,21 @@ def main(argv: list[str] | None = None, prog: str = "hpkit check") -> int:
         else [c for c in catalogue.values() if args.profile in c.profiles]
     )
     chosen = [c for c in chosen if c.name not in skip]
-    defaults = Roots()
+    sysroot = args.sysroot or (Path(os.environ[SYSROOT_ENV]) if os.environ.get(SYSROOT_ENV) else None)
+    if sysroot is not None and not sysroot.is_dir():
+        where = "--sysroot" if args.sysroot else f"${SYSROOT_ENV}"
+        print(
+            f"{prog}: error: {where}: {sysroot} is not a folder; point it at a system tree or unset it",
+            file=sys.stderr,
+        )
+        return USAGE_EXIT
+    defaults = Roots.under(sysroot) if sysroot is not None else Roots()
     roots = Roots(
         **{
             field: getattr(args, f"{field}_root") or getattr(defaults, field)
             for field in ("proc", "sys", "opt", "etc", "var_log", "usr")
-        }
+        },
+        tree=defaults.tree,
     )
     ctx = Context(
         profile=args.profile,
@@ -129,5 +247,63 @@ def main(argv: list[str] | None = None, prog: str = "hpkit check") -> int:
 
     started = time.monotonic()
     outcomes = run_checks(chosen, ctx)
-    show(outcomes, args.profile, time.monotonic() - started, args.format or "auto")
+    show(outcomes, args.profile, time.monotonic() - started, args.format or "auto", sysroot=sysroot)
     return exit_code(outcomes)
+
+
+def _forwarded(args: argparse.Namespace) -> tuple[str, ...]:
+    """This command's options that each node's own `hpkit check` should get too."""
+    out: list[str] = []
+    for name in _names(args.only):
+        out += ["--only", name]
+    for name in _names(args.skip):
+        out += ["--skip", name]
+    out += ["--timeout", f"{args.timeout:g}", "--imds-timeout", f"{args.imds_timeout:g}"]
+    if args.shared_fs:
+        out += ["--shared-fs", str(args.shared_fs)]
+    for path in args.disk or []:
+        out += ["--disk", str(path)]
+    return tuple(out)
+
+
+def _all_nodes(args: argparse.Namespace) -> int:
+    from hpkit.commands import check_nodes
+
+    req = check_nodes.Request(
+        partition=args.partition,
+        nodes=args.nodes,
+        nodelist=args.nodelist,
+        check_args=_forwarded(args),
+        output_dir=args.output_dir.absolute(),
+        time_limit=args.time_limit,
+        wait_timeout_s=args.wait_timeout,
+        bandwidth=args.bandwidth,
+        rounds=args.bandwidth_rounds,
+        size_bytes=args.bandwidth_size,
+        fraction=args.bandwidth_threshold,
+    )
+    from hpkit.errors import HpkitError
+
+    try:
+        gathered = check_nodes.run(req)
+    except HpkitError as exc:  # also reached from `python -m hpkit.checks`, which has no cli.main around it
+        print(f"hpkit check --all-nodes: error: {exc}", file=sys.stderr)
+        return 1
+    import json
+
+    document = {
+        "job_id": gathered.job_id,
+        "job_state": gathered.state,
+        **gathered.report.to_json(),
+        "not_checked": gathered.not_checked,
+    }
+    text = json.dumps(document, indent=2)
+    # The whole record stays next to the nodes' own files, whichever form the screen got.
+    saved = gathered.files / f"report-{gathered.job_id}.json"
+    saved.write_text(text + "\n", encoding="utf-8")
+    if args.format == "json":
+        print(text)
+    else:
+        check_nodes.print_report(gathered)
+        print(f"full report: {saved}")
+    return 0 if gathered.report.ok else 1

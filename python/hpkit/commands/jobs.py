@@ -9,7 +9,6 @@ import os
 import secrets
 import sys
 import time
-from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -28,7 +27,12 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
         parser.add_argument("--dry-run", action="store_true", help="write the script, do not submit")
         parser.add_argument("--wait", action="store_true", help="wait for the job to end")
     if command in ("submit", "wait"):
-        parser.add_argument("--follow", action="store_true", help="stream the job's output while waiting")
+        parser.add_argument(
+            "--follow",
+            action="store_true",
+            help="submit: stream the job's output while waiting; wait: show the status line live "
+            "(training progress for hpkit training jobs)",
+        )
         parser.add_argument(
             "--timeout", type=float, default=None, help="give up waiting after this many seconds"
         )
@@ -160,21 +164,27 @@ class _LogFollower:
 
 
 def _wait(args: argparse.Namespace) -> int:
-    from hpkit.slurm import get_backend
+    from hpkit.slurm import JobState, get_backend
 
-    return _wait_for(get_backend(args.backend), args.job_id, args)
+    backend = get_backend(args.backend)
+    if not args.follow:
+        return _wait_for(backend, args.job_id, args)
+    # The status line, live: progress for a training job, Slurm's state for any other.
+    from hpkit.commands.watch import follow
+
+    info = follow(backend, args.job_id, poll_s=args.poll, timeout_s=args.timeout)
+    return 0 if info.state == JobState.COMPLETED else info.exit_code or 1
 
 
 def _status(args: argparse.Namespace) -> int:
+    from hpkit.commands.watch import JobWatcher, line, record
     from hpkit.slurm import get_backend
 
-    info = get_backend(args.backend).info(args.job_id)
+    info, prog = JobWatcher(get_backend(args.backend), args.job_id).poll()
     if args.json:
-        record = asdict(info)
-        record["state"] = info.state.value
-        print(json.dumps(record, indent=2))
+        print(json.dumps(record(info, prog), indent=2))
     else:
-        print(info.summary())
+        print(line(info, prog))
     return 0
 
 

@@ -162,6 +162,7 @@ class Checkpointer:
         rank: int,
         layout: dict[str, int] | None = None,
         log: Callable[[str], None] = print,
+        on_commit: Callable[[CommitRecord, Path], None] | None = None,
     ) -> None:
         self.spec = spec
         self.root = Path(root)
@@ -173,6 +174,7 @@ class Checkpointer:
         self.layout = dict(layout or {})
         self.world_size = dist.get_world_size()
         self._log = log
+        self._on_commit = on_commit  # rank 0, after the rename: the metrics file records each checkpoint
         self.last_saved_step: int | None = None
         self._digests: DigestLog | None = None
         # A separate gloo group: DCP's coordination runs on CPU, and an async save's collectives run in a
@@ -399,6 +401,8 @@ class Checkpointer:
             _fsync(pointer)
             os.replace(pointer, self.root / "latest")
             _fsync_dir(self.root)
+            if self._on_commit is not None:
+                self._on_commit(record, final)
             # Unlinking a few GB takes long enough to stall training: rename them out of the resume path
             # (atomic) now, delete them in the background.
             self._reap([path for _, path in committed(self.root)[: -self.keep]])

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpkit.catalog import SMDDP_TYPES, lookup
+from hpkit.compat.handover import shim_answers
 
 SMDDP_MODULE = "smdistributed.dataparallel.torch.torch_smddp"
 
@@ -57,6 +58,9 @@ def choose_backend(
 
 def import_smddp() -> str | None:
     """Import SMDDP (which registers the "smddp" backend); None on success, else the error in one line."""
+    if shim_answers():
+        # compat: [smddp] puts hpkit's alias where SMDDP would be: that is NCCL, not SMDDP.
+        return "ModuleNotFoundError: only hpkit's compat alias of it is on the path"
     try:
         __import__(SMDDP_MODULE)
     except Exception as exc:  # a broken install raises more than ImportError (missing libs, CUDA)

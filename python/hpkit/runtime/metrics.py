@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import resource
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,7 +132,8 @@ class MetricsLogger:
         print(stats.line(), file=self.stream, flush=True)
         record = stats.record()
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            # The wall-clock time tells readers (`hpkit status --json`: updated) how fresh the numbers are.
+            self._file.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
             self._file.flush()
         if self._tb is not None:
             for key, value in record.items():
@@ -139,8 +141,12 @@ class MetricsLogger:
                     self._tb.add_scalar(key, value, stats.step)
 
     def event(self, record: dict[str, Any]) -> None:
+        """A record of something that happened (`{"event": "start" | "checkpoint" | "end", "step": N, ...}`).
+
+        Step records have no "event" key: readers tell the two apart by it (hpkit.metrics_file).
+        """
         if self.enabled and self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
             self._file.flush()
 
     def close(self) -> None:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from hpkit.errors import SpecError
 from hpkit.runtime.checkpoint import Checkpointer
+from hpkit.runtime.checkpoint_record import CommitRecord
 from hpkit.runtime.collectives import decide
 from hpkit.runtime.config import RunConfig, expand_job_pattern
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed
@@ -40,12 +41,24 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     say = _printer(launch.rank == 0)
     metrics = _metrics_logger(cfg, launch.rank == 0)
     trainer = Trainer(cfg, device)
-    checkpointer = _checkpointer(cfg, launch.rank, trainer, say)
+    checkpointer = _checkpointer(cfg, launch.rank, trainer, say, metrics)
     say(_banner(cfg, launch, device, trainer))
+    resumed = None
     if checkpointer is not None and cfg.checkpoint.resume:
         resumed = trainer.resume(checkpointer)
         if resumed is not None:
             say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
+    # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
+    metrics.event(
+        {
+            "event": "start",
+            "step": trainer.step,
+            "total_steps": cfg.train.steps,
+            "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            "resumed_from": str(resumed) if resumed is not None else None,
+            "world_size": launch.world_size,
+        }
+    )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
     peak = peak_tflops(device.name, device.type, trainer.mixed_precision)
     last: StepResult | None = None
@@ -66,6 +79,14 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                 if last is not None and not trainer.stop_requested:
                     checkpointer.save(last.step, trainer.checkpoint_state(), final=True)
                 checkpointer.close()
+        metrics.event(
+            {
+                "event": "end",
+                "step": trainer.step,
+                "total_steps": cfg.train.steps,
+                "stopped_by_signal": trainer.stop_signal if trainer.stop_requested else None,
+            }
+        )
     finally:
         trainer.close()
         metrics.close()
@@ -136,12 +157,18 @@ def _metrics_logger(cfg: RunConfig, enabled: bool) -> MetricsLogger:
 
 
 def _checkpointer(
-    cfg: RunConfig, rank: int, trainer: Trainer, say: Callable[[str], None]
+    cfg: RunConfig, rank: int, trainer: Trainer, say: Callable[[str], None], metrics: MetricsLogger
 ) -> Checkpointer | None:
     if not cfg.checkpoint.dir:
         return None
     root = expand_job_pattern(cfg.checkpoint.dir)
-    return Checkpointer(cfg.checkpoint, root, rank, layout=trainer.dims.degrees(), log=say)
+
+    def committed(record: CommitRecord, path: Path) -> None:
+        metrics.event({"event": "checkpoint", "step": record.step, "path": str(path)})
+
+    return Checkpointer(
+        cfg.checkpoint, root, rank, layout=trainer.dims.degrees(), log=say, on_commit=committed
+    )
 
 
 def _banner(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, trainer: Trainer) -> str:

@@ -4,8 +4,9 @@ to do instead, so that nothing is dropped silently.
 - nodes from instance_count; GPUs per node from hpkit's instance catalog (hpkit/catalog.py)
 - launcher from the distribution: mpi → `mpi` (srun --mpi=pmix), pytorchddp / torch_distributed /
   smdistributed.dataparallel → `torchrun`, none → one process per node (`srun`), as SageMaker runs it
-- smdistributed.modelparallel parameters → `parallelism` (tp, pp, microbatches, ddp)
-- smdistributed.dataparallel → `collectives.backend: smddp`
+- smdistributed.modelparallel parameters → `parallelism` (tp, pp, microbatches, ddp) and, as given,
+  `smp_parameters`; smdistributed.dataparallel → `collectives.backend: smddp`. Either turns on the
+  matching `compat` layer, which runs the script's smp / smddp calls on hpkit (hpkit/compat)
 - hyperparameters → `--name value` arguments of the entry point; `sagemaker_env` on, so that scripts
   reading SM_HOSTS / SM_CURRENT_HOST / SM_CHANNEL_* run unchanged
 """
@@ -15,13 +16,13 @@ from __future__ import annotations
 import json
 import re
 import shlex
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
 from pydantic import ValidationError
 
-from hpkit.catalog import lookup
+from hpkit.catalog import SMDDP_TYPES, lookup
 from hpkit.errors import SpecError
 from hpkit.runtime.collectives import smddp_verdict
 from hpkit.sagemaker.estimator import Estimator
@@ -46,6 +47,7 @@ class Imported:
     data: dict[str, Any]  # the job spec as it is written out
     spec: JobSpec
     warnings: list[ImportWarning]
+    notes: list[str] = field(default_factory=list)  # what changed meaning on the way, nothing to fix
 
 
 # SageMaker-only estimator arguments: what to do on Slurm instead.
@@ -109,6 +111,7 @@ class _Converter:
         self.source = source
         self.warnings: list[ImportWarning] = []
         self.errors: list[str] = []
+        self.notes: list[str] = []
 
     def warn(self, field: str, problem: str, fix: str) -> None:
         self.warnings.append(ImportWarning(field, problem, fix))
@@ -213,7 +216,7 @@ def convert(est: Estimator, source: str = "estimator", name: str | None = None) 
         spec = parse_spec(data, f"{source} (imported spec)")
     except SpecError as exc:
         raise SpecError(f"{exc}\n{source}: fix the estimator description above, then import again") from None
-    return Imported(data=data, spec=spec, warnings=c.warnings)
+    return Imported(data=data, spec=spec, warnings=c.warnings, notes=c.notes)
 
 
 def _distribution(c: _Converter, gpus: int) -> tuple[str, int, dict[str, Any]]:
@@ -245,6 +248,9 @@ def _distribution(c: _Converter, gpus: int) -> tuple[str, int, dict[str, Any]]:
         extra.update(_modelparallel(c, smd["modelparallel"]))
     if smddp_on:
         extra["collectives"] = _dataparallel(c, smd["dataparallel"])
+    compat = [layer for layer, on in (("smp", smp_on), ("smddp", smddp_on)) if on]
+    if compat:
+        extra["compat"] = compat
     if mpi_on:
         ranks, env = _mpi(c, dist["mpi"], gpus)
         if env:
@@ -343,17 +349,16 @@ def _modelparallel(c: _Converter, block: dict[str, Any]) -> dict[str, Any]:
         extra["parallelism"] = out
     if params.get("bf16") is True:
         extra["train"] = {"mixed_precision": "bf16"}
+    if params:
+        extra["smp_parameters"] = dict(params)
     for key, value in params.items():
         if key in carried or key in ("pipeline", "bf16"):
             continue
         fix = SMP_ONLY.get(key, "drop it: hpkit has no such SMP parameter")
         c.warn(f"{field}.parameters.{key}", f"SMP parameter {key}={value!r} is not carried over", fix)
-    c.warn(
-        field,
-        "the SMP library (smdistributed.modelparallel) runs only in SageMaker's containers; its degrees are "
-        "in parallelism, which `hpkit train` applies",
-        "run `hpkit train` (command: [hpkit, train]) with your model, or port the script's smp.* calls to "
-        "torch.distributed",
+    c.notes.append(
+        f"{field}: compat: [smp] runs the script's smdistributed.modelparallel.torch calls on hpkit's runtime "
+        "(degrees from parallelism, the rest from smp_parameters); a real SMP install in the image still wins"
     )
     return extra
 
@@ -365,20 +370,20 @@ def _dataparallel(c: _Converter, block: dict[str, Any]) -> dict[str, Any]:
             c.warn(f"{field}.{key}", "SMDDP is launched by torchrun here, not mpirun", "drop it")
         elif key not in ("enabled", "enable"):
             c.warn(f"{field}.{key}", "unknown dataparallel option, not carried over", "drop it")
-    c.warn(
-        field,
-        "the smddp backend needs the SMDDP library, which hpkit's image has only when built with it",
-        "build docker/Dockerfile with --build-arg SMDDP_WHEEL_URL=<the wheel for your PyTorch and CUDA>; "
-        "`hpkit train` then uses backend smddp (collectives.backend)",
+    c.notes.append(
+        f'{field}: compat: [smddp] runs the script\'s backend "smddp" as an alias of NCCL (gloo on CPU) where '
+        "the SMDDP library is absent; an image built with --build-arg SMDDP_WHEEL_URL=<wheel> runs the real one "
+        "on the types it supports. collectives.smddp_fallback: false refuses to run without it"
     )
     verdict = smddp_verdict(c.est.instance_type)
     if verdict:
         c.warn(
             "instance_type",
-            verdict,
-            "set collectives.smddp_fallback: true to run on NCCL, or use a type SMDDP supports",
+            f"{verdict}, so the script's smddp backend runs as hpkit's NCCL alias",
+            f"use {' or '.join(SMDDP_TYPES)} for SMDDP itself; nothing to do to run on NCCL",
         )
-    return {"backend": "smddp", "smddp_fallback": False}
+    # fallback: the alias (compat) or NCCL (`hpkit train`) where SMDDP cannot run, as the note says.
+    return {"backend": "smddp", "smddp_fallback": True}
 
 
 def _sagemaker_env(c: _Converter) -> dict[str, Any]:

@@ -21,6 +21,7 @@ def spec_text(imported: Imported, source: str) -> str:
     if imported.warnings:
         header.append("# Not carried over (review before submitting):")
         header += [f"#   - {w.line()}" for w in imported.warnings]
+    header += [f"# Note: {note}" for note in imported.notes]
     body = yaml.safe_dump(imported.data, sort_keys=False, default_flow_style=None, width=100)
     return "\n".join(header) + "\n" + body
 
@@ -35,6 +36,8 @@ def main(argv: list[str], prog: str = "hpkit import-sagemaker") -> int:
     text = spec_text(imported, args.estimator)
     for warning in imported.warnings:
         print(f"{prog}: warning: {warning.line()}", file=sys.stderr)
+    for note in imported.notes:
+        print(f"{prog}: note: {note}", file=sys.stderr)
     if args.output:
         out = Path(args.output)
         out.parent.mkdir(parents=True, exist_ok=True)

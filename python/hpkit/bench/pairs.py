@@ -1,0 +1,124 @@
+"""Pairwise bandwidth: every node measured against a few different partners, all pairs of a round at once.
+
+One task per node (`srun --ntasks-per-node=1 python -m hpkit.bench.pairs`). The tasks join one process
+group, then each round splits it into pairs (a round-robin tournament: no pair repeats) and every pair
+times all_reduce on its own subgroup while the other pairs do the same, as a training job's traffic would
+load the fabric. A slow node drags down each pair it is in; a good node paired with it once still has
+fast rounds with its other partners, which is why a node's figure is its best pair's (see
+hpkit.checks.fleet). Rank 0 prints one JSON document; the other ranks print nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+
+Pair = tuple[int, int]
+
+
+def round_robin(n: int, rounds: int) -> list[list[Pair]]:
+    """`rounds` pairings of ranks 0..n-1, no pair repeating before every pair has met (the circle method).
+
+    With an odd n one rank sits each round out. There are n-1 distinct pairings (n even) or n (odd); more
+    rounds go round again, which gives every node more than one chance at a quiet moment on a busy host.
+    """
+    if n < 2:
+        return []
+    seats: list[int | None] = list(range(n)) + ([None] if n % 2 else [])
+    m = len(seats)
+    distinct = []
+    for _ in range(m - 1):
+        pairs = []
+        for i in range(m // 2):
+            a, b = seats[i], seats[m - 1 - i]
+            if a is not None and b is not None:
+                pairs.append((min(a, b), max(a, b)))
+        distinct.append(sorted(pairs))
+        # Keep seat 0, turn the others one place.
+        seats = [seats[0], seats[-1], *seats[1:-1]]
+    return [distinct[r % len(distinct)] for r in range(rounds)]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from hpkit.commands.bench import _positive_int, _size
+
+    parser = argparse.ArgumentParser(
+        prog="python -m hpkit.bench.pairs", description="Pairwise all_reduce bandwidth, one task per node."
+    )
+    parser.add_argument("--rounds", type=_positive_int, default=3, help="pairings to run (default 3)")
+    parser.add_argument("--size", type=_size, default=_size("16M"), help="all_reduce size (default 16M)")
+    parser.add_argument("--iters", type=_positive_int, default=10, help="timed iterations (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    import torch.distributed as dist
+
+    from hpkit.bench.collectives import SweepConfig, measure
+    from hpkit.runtime.env import distributed
+
+    cfg = SweepConfig(("all_reduce",), (args.size,), args.iters, args.warmup, "float", check=True)
+    node = os.environ.get("SLURMD_NODENAME") or os.uname().nodename
+    with distributed() as run:
+        device, backend = run.device.torch_device(), run.device.backend
+        world, rank = run.launch.world_size, run.launch.rank
+        names: list[str | None] = [None] * world
+        dist.all_gather_object(names, node)
+        results = []
+        for pairs in round_robin(world, args.rounds):
+            # Every rank creates every group, in the same order: that is how torch.distributed agrees on them.
+            groups = {pair: dist.new_group(list(pair)) for pair in pairs}
+            mine = next((pair for pair in pairs if rank in pair), None)
+            measured = None
+            if mine is not None:
+                row = measure(cfg, device, backend, group=groups[mine])[-1]
+                if rank == mine[0]:
+                    measured = {
+                        "nodes": [names[mine[0]], names[mine[1]]],
+                        "busbw_gbps": row.busbw_gbps,
+                        "time_us": row.time_us,
+                        "wrong": row.wrong,
+                    }
+            gathered: list[dict | None] = [None] * world
+            # Also the end of the round: no pair starts the next pairing while others still measure.
+            dist.all_gather_object(gathered, measured)
+            results.append([entry for entry in gathered if entry is not None])
+            if mine is not None:
+                dist.destroy_process_group(groups[mine])
+        if rank == 0:
+            json.dump(
+                {
+                    "op": "all_reduce",
+                    "size_bytes": args.size,
+                    "backend": backend,
+                    "nodes": names,
+                    "rounds": results,
+                },
+                sys.stdout,
+            )
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+    return 0
+
+
+def best_per_node(document: dict) -> dict[str, float | None]:
+    """Each node's best pair busbw over the rounds (None: it was never paired or its pair failed)."""
+    best: dict[str, float | None] = {name: None for name in document.get("nodes", [])}
+    for round_ in document.get("rounds", []):
+        for entry in round_:
+            value = entry.get("busbw_gbps")
+            if entry.get("wrong"):
+                continue  # wrong data is no bandwidth
+            for name in entry.get("nodes", []):
+                current = best.get(name)
+                best[name] = value if current is None else max(current, value)
+    return best
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""hpkit's stand-in for `smdistributed.dataparallel.torch` (compat: [smddp])."""

@@ -1,0 +1,103 @@
+"""Where a Slurm job's hpkit files are: its spec snapshot, metrics JSONL and checkpoint directory.
+
+Nothing extra is recorded for this: the controller knows the job's batch script (Command) and working
+directory (WorkDir), the script rendered by hpkit exports HPKIT_SPEC (the spec snapshot `hpkit submit`
+wrote), and the spec names output_dir, train.metrics_file and checkpoint.dir exactly as `hpkit train`
+resolves them inside the job (relative paths from the job's working directory, %j the job id).
+Paths with spaces survive: `scontrol show job -o` values are split on the next `Key=`, and the
+script's export is one shell word, read back with shlex.
+
+The controller forgets a job MinJobAge seconds after it ends; after that only its Slurm state is known.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from hpkit.errors import HpkitError
+from hpkit.slurm import _run, parse_scontrol_record
+
+SPEC_EXPORT = "export HPKIT_SPEC="
+
+
+@dataclass(frozen=True)
+class JobFiles:
+    job_id: str
+    spec_path: Path
+    metrics_path: Path
+    checkpoint_dir: Path | None
+    total_steps: int
+    slurm_restarts: int
+
+
+@dataclass(frozen=True)
+class ControllerRecord:
+    script: Path | None
+    workdir: Path | None
+    restarts: int
+
+
+def controller_record(job_id: str, env: Mapping[str, str] | None = None) -> ControllerRecord | None:
+    proc = _run(["scontrol", "show", "job", "-o", job_id], env=env, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return None
+    fields = parse_scontrol_record(lines[0])
+    restarts = fields.get("Restarts", "0")
+    command = fields.get("Command", "")
+    workdir = fields.get("WorkDir", "")
+    return ControllerRecord(
+        script=Path(command) if command.startswith("/") else None,
+        workdir=Path(workdir) if workdir.startswith("/") else None,
+        restarts=int(restarts) if restarts.isdigit() else 0,
+    )
+
+
+def spec_of_script(script: Path) -> Path | None:
+    """The HPKIT_SPEC the script exports (hpkit's template writes it as one shell-quoted word)."""
+    try:
+        text = script.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if line.startswith(SPEC_EXPORT):
+            try:
+                words = shlex.split(line[len("export ") :])
+            except ValueError:
+                return None
+            if len(words) == 1:
+                return Path(words[0].split("=", 1)[1])
+    return None
+
+
+def files_for(job_id: str, spec_path: Path, workdir: Path, slurm_restarts: int = 0) -> JobFiles | None:
+    """The files `hpkit train` writes for this spec in this job; None when the spec is not a training job."""
+    from hpkit.runtime.config import load_run_config
+
+    try:
+        cfg = load_run_config(spec_path)
+    except (HpkitError, OSError):
+        return None
+    command = getattr(cfg, "command", ["hpkit", "train"])
+    if "train" not in command or not any(Path(word).name.startswith(("hpkit", "python")) for word in command):
+        return None
+    out = workdir / cfg.output_dir  # an absolute output_dir replaces workdir
+    metrics = (
+        out / cfg.train.metrics_file if cfg.train.metrics_file else out / f"{cfg.name}-{job_id}.metrics.jsonl"
+    )
+    ckpt = workdir / cfg.checkpoint.dir.replace("%j", job_id) if cfg.checkpoint.dir else None
+    return JobFiles(job_id, spec_path, metrics, ckpt, cfg.train.steps, slurm_restarts)
+
+
+def locate(job_id: str, env: Mapping[str, str] | None = None) -> JobFiles | None:
+    """The job's training files, or None for a job that is not an hpkit training job (or is forgotten)."""
+    record = controller_record(job_id, env)
+    if record is None or record.script is None or record.workdir is None:
+        return None
+    spec = spec_of_script(record.script)
+    if spec is None:
+        return None
+    return files_for(job_id, spec, record.workdir, record.restarts)

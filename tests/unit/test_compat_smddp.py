@@ -1,0 +1,111 @@
+"""The smddp alias's decision and its effect on each rank, and `hpkit train` not mistaking it for SMDDP."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpkit.compat import SHIM_DIR
+from hpkit.compat.smddp.policy import launch_rank, verdict
+from hpkit.runtime.config import parse_run_config
+
+PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
+
+
+def cfg(**collectives):
+    return parse_run_config({"collectives": collectives, "instance_type": "ml.p4d.24xlarge"})
+
+
+def test_no_spec_or_backend_auto_or_fallback_allowed_runs_on_the_alias():
+    for config in (None, cfg(), cfg(backend="smddp", smddp_fallback=True)):
+        result = verdict(config, "nccl")
+        assert result.allowed
+        assert result.line.startswith('smdistributed.dataparallel: backend "smddp" is hpkit\'s alias of nccl')
+        assert "SMDDP is not installed here" in result.line
+
+
+def test_the_line_names_an_unsupported_type():
+    config = parse_run_config({"instance_type": "ml.g5.12xlarge"})
+    assert (
+        "SMDDP supports only ml.p4d.24xlarge, ml.p4de.24xlarge, not ml.g5.12xlarge"
+        in verdict(config, "nccl").line
+    )
+
+
+def test_a_spec_that_forbids_the_fallback_refuses_in_one_line_naming_the_field():
+    result = verdict(cfg(backend="smddp", smddp_fallback=False), "gloo")
+    assert not result.allowed
+    assert len(result.line.splitlines()) == 1
+    assert "collectives.smddp_fallback is false" in result.line and "smddp_fallback: true" in result.line
+
+
+@pytest.mark.parametrize(
+    ("env", "rank"),
+    [({"RANK": "3"}, 3), ({"SLURM_PROCID": "2"}, 2), ({"OMPI_COMM_WORLD_RANK": "1"}, 1), ({}, 0)],
+)
+def test_launch_rank(env, rank):
+    assert launch_rank(env) == rank
+
+
+def _import_alias(rank: int, spec_path: Path) -> subprocess.Popen:
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": f"{SHIM_DIR}:{PYTHON_DIR}",
+        "RANK": str(rank),
+        "HPKIT_SPEC": str(spec_path),
+    }
+    code = "import smdistributed.dataparallel.torch.torch_smddp as m; print('registered', m.HPKIT_ALIAS)"
+    return subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def test_every_rank_stops_at_the_import_and_rank_0_says_why(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(yaml.safe_dump({"name": "j", "compat": ["smddp"], "collectives": {"backend": "smddp"}}))
+    procs = [_import_alias(rank, spec) for rank in (0, 1)]
+    (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
+    assert [p.returncode for p in procs] == [1, 1]
+    assert err0 == err1 == "" and out1 == ""
+    assert out0.splitlines() == [out0.strip()] and "collectives.smddp_fallback is false" in out0, out0
+
+
+def test_with_the_fallback_the_alias_registers(tmp_path):
+    spec = tmp_path / "job.yaml"
+    spec.write_text(
+        yaml.safe_dump({"name": "j", "collectives": {"backend": "smddp", "smddp_fallback": True}})
+    )
+    out, err = _import_alias(1, spec).communicate(timeout=120)
+    assert out == "registered True\n", err
+
+
+def test_hpkit_train_does_not_take_the_alias_for_smddp(tmp_path):
+    # With the shim on the path, runtime.collectives must report SMDDP as missing, importing nothing.
+    code = (
+        "import sys; from hpkit.runtime.collectives import import_smddp; print(import_smddp()); "
+        "print('smdistributed' in sys.modules)"
+    )
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{SHIM_DIR}:{PYTHON_DIR}"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.stdout.splitlines() == [
+        "ModuleNotFoundError: only hpkit's compat alias of it is on the path",
+        "False",
+    ], proc.stderr
+
+
+@pytest.mark.parametrize("library", ["dataparallel", "modelparallel"])
+def test_tensorflow_scripts_are_told_only_pytorch_is_provided(library):
+    env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{SHIM_DIR}:{PYTHON_DIR}"}
+    code = f"import smdistributed.{library}.tensorflow"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        f"ImportError: smdistributed.{library}.tensorflow: hpkit's compat layer provides only"
+    )
+    assert f"smdistributed.{library}.torch" in last
