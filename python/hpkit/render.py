@@ -131,14 +131,21 @@ def requeue_off_from(spec: JobSpec) -> int:
     return spec.resilience.max_restarts if spec.resilience.requeues_on_failure() else 1
 
 
-def node_failure_outcome(spec: JobSpec) -> str:
-    """What Slurm does with the job after a node failure, for the script's log line."""
+def requeueable_below(spec: JobSpec) -> int:
+    """Slurm requeues the job after a node failure in runs with fewer restarts than this."""
+    return spec.resilience.max_restarts if spec.resilience.requeues_on_failure() else 0
+
+
+def node_failure_outcomes(spec: JobSpec) -> tuple[str, str]:
+    """What Slurm does with the job after a node failure, for the script's log line: requeued, ended."""
     if spec.resilience.requeues_on_failure():
-        return (
-            "Slurm requeues the job while the restart budget lasts "
-            f"(resilience.max_restarts={spec.resilience.max_restarts}) and ends it as NODE_FAIL after"
+        ended = (
+            f"the restart budget (resilience.max_restarts={spec.resilience.max_restarts}) is used up, "
+            "so Slurm ends the job as NODE_FAIL"
         )
-    return "Slurm ends the job as NODE_FAIL (resilience.requeue_on_failure is off)"
+    else:
+        ended = "resilience.requeue_on_failure is off, so Slurm ends the job as NODE_FAIL"
+    return "Slurm requeues the job, which resumes from its last checkpoint", ended
 
 
 _PYTHON = re.compile(r"^python[0-9.]*$")
@@ -280,7 +287,9 @@ class RenderContext:
     requeue_off_from: int
     lost_node_states: str
     runs_file: str
-    node_failure_outcome: str
+    requeueable_below: int
+    node_failure_requeued: str
+    node_failure_ended: str
     world_size: int
     ranks_per_node: int
     nodes: int
@@ -316,7 +325,9 @@ def build_context(
         requeue_off_from=requeue_off_from(spec),
         lost_node_states=shell_quote(LOST_NODE_STATES),
         runs_file=runs_file(spec),
-        node_failure_outcome=shell_quote(node_failure_outcome(spec)),
+        requeueable_below=requeueable_below(spec),
+        node_failure_requeued=shell_quote(node_failure_outcomes(spec)[0]),
+        node_failure_ended=shell_quote(node_failure_outcomes(spec)[1]),
         world_size=spec.world_size,
         ranks_per_node=spec.ranks_per_node,
         nodes=spec.nodes,

@@ -182,13 +182,36 @@ def test_a_program_failing_on_healthy_nodes_is_not_requeued(tmp_path):
     assert not [c for c in run.calls if c.startswith(("scontrol requeue", "sleep"))]
 
 
-def test_a_step_that_ends_on_a_lost_node_waits_for_slurm_to_requeue(tmp_path):
-    run = run_script(tmp_path, {"max_restarts": 2}, STEP_EXIT="1", node_states="node1 idle,node2 down*")
+@pytest.mark.parametrize(
+    ("resilience", "restarts", "outcome"),
+    [
+        ({"max_restarts": 2}, 1, "Slurm requeues the job, which resumes from its last checkpoint"),
+        (
+            {"max_restarts": 2},
+            2,
+            "the restart budget (resilience.max_restarts=2) is used up, so Slurm ends the job as NODE_FAIL",
+        ),
+        (
+            {"max_restarts": 2, "requeue_on_failure": False},
+            0,
+            "resilience.requeue_on_failure is off, so Slurm ends the job as NODE_FAIL",
+        ),
+    ],
+)
+def test_a_step_that_ends_on_a_lost_node_waits_for_slurm(tmp_path, resilience, restarts, outcome):
+    run = run_script(
+        tmp_path,
+        resilience,
+        restarts=restarts,
+        runs_file="nodes node[1-2]\n",
+        STEP_EXIT="1",
+        node_states="node1 idle,node2 idle*",
+    )
     lines = hpkit_lines(run.log)
-    assert lines[-2].startswith(
-        "hpkit: the step ended (exit 1) after node(s) node2 stopped answering: Slurm requeues the job"
-    ), run.log
-    # SlurmdTimeout and a margin: slurmctld ends this script before then when it requeues the job.
+    assert f"hpkit: the step ended (exit 1) after node(s) node2 stopped answering: {outcome}" in lines, (
+        run.log
+    )
+    # SlurmdTimeout and a margin: slurmctld ends this script before then when it declares the node DOWN.
     assert "sleep 40" in run.calls
     assert not [c for c in run.calls if c.startswith("scontrol requeue")]
 
