@@ -1,6 +1,9 @@
-"""The instance catalog: what each GPU instance type has (GPUs, EFA interfaces) and whether SMDDP supports it.
+"""The instance catalog: what each instance type has (GPUs, GPU memory, EFA interfaces) and whether SMDDP supports it.
 
 One table that the checker, the SageMaker importer and the runtime all read. Torch-free and import-light.
+Every row was checked against AWS's documentation; the source of each family is noted above its rows.
+`efa_devices` is the most EFA interfaces the type takes (one per network card that supports EFA); 0
+means the type has no EFA.
 """
 
 from __future__ import annotations
@@ -11,24 +14,87 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class InstanceSpec:
     gpus: int
-    gpu: str
+    gpu: str  # the GPU model, "" for CPU types
     efa_devices: int
     smddp: bool = False  # SageMaker's data-parallel library supports only these
+    gpu_memory_gib: int = 0  # per GPU
+
+    @property
+    def is_gpu(self) -> bool:
+        return self.gpus > 0
+
+
+def _sizes(gpu: str, memory: int, rows: dict[str, tuple[int, int]]) -> dict[str, InstanceSpec]:
+    """One family's sizes: name -> (GPUs, EFA interfaces)."""
+    return {name: InstanceSpec(gpus, gpu, efa, gpu_memory_gib=memory) for name, (gpus, efa) in rows.items()}
 
 
 # EC2 names; HyperPod and SageMaker spell the same types with an "ml." prefix (see normalise()).
 INSTANCE_TYPES: dict[str, InstanceSpec] = {
-    "p4d.24xlarge": InstanceSpec(8, "A100 40GB", 4, smddp=True),
-    "p4de.24xlarge": InstanceSpec(8, "A100 80GB", 4, smddp=True),
-    "p5.48xlarge": InstanceSpec(8, "H100 80GB", 32),
-    "p5e.48xlarge": InstanceSpec(8, "H200 141GB", 32),
-    "p5en.48xlarge": InstanceSpec(8, "H200 141GB", 16),
-    "p6-b200.48xlarge": InstanceSpec(8, "B200", 8),
-    "g5.8xlarge": InstanceSpec(1, "A10G", 1),
-    "g5.12xlarge": InstanceSpec(4, "A10G", 1),
-    "g5.16xlarge": InstanceSpec(1, "A10G", 1),
-    "g5.24xlarge": InstanceSpec(4, "A10G", 1),
-    "g5.48xlarge": InstanceSpec(8, "A10G", 1),
+    # P3: https://aws.amazon.com/ec2/instance-types/p3/ (8 × V100 16 GB, NVLink; EFA only on p3dn)
+    # SMDDP: https://docs.aws.amazon.com/sagemaker/latest/dg/distributed-data-parallel-support.html and
+    # .../model-parallel-core-features-v2-smddp-allgather.html ("The SMDDP library supports P4 and P4de").
+    "p3.16xlarge": InstanceSpec(8, "V100", 0, gpu_memory_gib=16),
+    # P4: https://aws.amazon.com/ec2/instance-types/p4/ (A100 40 GB / 80 GB, 400 Gbps EFA = 4 cards)
+    "p4d.24xlarge": InstanceSpec(8, "A100", 4, smddp=True, gpu_memory_gib=40),
+    "p4de.24xlarge": InstanceSpec(8, "A100", 4, smddp=True, gpu_memory_gib=80),
+    # P5, P5e, P5en: https://aws.amazon.com/ec2/instance-types/p5/ and
+    # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html (P5/P5e: 32 network
+    # cards, 3200 Gbps; P5en: 16 × 200 Gbps EFAv3)
+    "p5.48xlarge": InstanceSpec(8, "H100", 32, gpu_memory_gib=80),
+    "p5e.48xlarge": InstanceSpec(8, "H200", 32, gpu_memory_gib=141),
+    "p5en.48xlarge": InstanceSpec(8, "H200", 16, gpu_memory_gib=141),
+    # P6-B200: https://aws.amazon.com/ec2/instance-types/p6/ (8 × B200 179 GB, 8 × 400 Gbps EFAv4).
+    # Not confirmed through the search tool's stored pages (nor P5en's 16 cards): re-check on AWS's page.
+    "p6-b200.48xlarge": InstanceSpec(8, "B200", 8, gpu_memory_gib=179),
+    # G5 (A10G 24 GB), G6 (L4 24 GB), G6e (L40S 48 GB): https://aws.amazon.com/ec2/instance-types/g5/,
+    # .../g6/, .../g6e/ and https://docs.aws.amazon.com/batch/latest/userguide/gpu-jobs.html (GPUs per size);
+    # EFA from 8xlarge up (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa.html#efa-instance-types);
+    # G6e has up to 4 network cards (efa-acc-inst-types.html above).
+    **_sizes(
+        "A10G",
+        24,
+        {
+            "g5.xlarge": (1, 0),
+            "g5.2xlarge": (1, 0),
+            "g5.4xlarge": (1, 0),
+            "g5.8xlarge": (1, 1),
+            "g5.12xlarge": (4, 1),
+            "g5.16xlarge": (1, 1),
+            "g5.24xlarge": (4, 1),
+            "g5.48xlarge": (8, 1),
+        },
+    ),
+    **_sizes(
+        "L4",
+        24,
+        {
+            "g6.xlarge": (1, 0),
+            "g6.2xlarge": (1, 0),
+            "g6.4xlarge": (1, 0),
+            "g6.8xlarge": (1, 1),
+            "g6.12xlarge": (4, 1),
+            "g6.16xlarge": (1, 1),
+            "g6.24xlarge": (4, 1),
+            "g6.48xlarge": (8, 1),
+        },
+    ),
+    **_sizes(
+        "L40S",
+        48,
+        {
+            "g6e.xlarge": (1, 0),
+            "g6e.2xlarge": (1, 0),
+            "g6e.4xlarge": (1, 0),
+            "g6e.8xlarge": (1, 1),
+            "g6e.12xlarge": (4, 1),
+            "g6e.16xlarge": (1, 1),
+            "g6e.24xlarge": (4, 2),
+            "g6e.48xlarge": (8, 4),
+        },
+    ),
+    # CPU types the SageMaker examples use: https://aws.amazon.com/ec2/instance-types/c5/
+    "c5.2xlarge": InstanceSpec(0, "", 0),
 }
 
 SMDDP_TYPES = tuple(f"ml.{name}" for name, spec in INSTANCE_TYPES.items() if spec.smddp)

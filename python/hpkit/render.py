@@ -7,6 +7,7 @@ so a spec can carry any characters without them being executed.
 
 from __future__ import annotations
 
+import functools
 import importlib.resources
 import json
 import re
@@ -75,11 +76,22 @@ def sbatch_directives(spec: JobSpec) -> list[Directive]:
         ("qos", spec.qos),
         ("time", spec.time_limit),
         ("chdir", spec.workdir),
+        ("exclude", spec.exclude),
+        ("nodelist", spec.nodelist),
+        ("constraint", spec.constraint),
+        ("mem", spec.mem),
+        ("gres", spec.gres),
+        ("reservation", spec.reservation),
+        ("dependency", spec.dependency),
+        ("mail-type", ",".join(spec.mail_type) or None),
+        ("mail-user", spec.mail_user),
     ):
         if value is not None:
             directives.append(Directive(option, value))
     if spec.exclusive:
         directives.append(Directive("exclusive"))
+    # The escape hatch last, as written: spec.py checked each is a known option and one token.
+    directives += [Directive(*entry[2:].split("=", 1)) for entry in spec.sbatch_options]
     return directives
 
 
@@ -100,7 +112,8 @@ def resilience_directives(spec: JobSpec) -> list[Directive]:
         # A requeued job writes to the same file: append, or the first run's log is lost.
         Directive("open-mode", "append"),
         # B: signals the batch shell, which forwards to the step and then decides about requeueing.
-        Directive("signal", f"B:USR1@{spec.resilience.signal_grace_s}"),
+        # A spec's own `signal` replaces it (the requeue path then runs only for B:USR1).
+        Directive("signal", spec.signal or f"B:USR1@{spec.resilience.signal_grace_s}"),
         # A requeueable batch job whose node fails (the batch host included) is requeued by slurmctld
         # itself, and the script's next run resumes. Without it Slurm ends such a job as NODE_FAIL; the
         # script can still requeue itself after USR1 (it turns the flag on just for that).
@@ -218,6 +231,8 @@ def srun_options(spec: JobSpec) -> list[str]:
     if spec.launcher == "mpi":
         # Open MPI (and mpi4py on it) wires up through Slurm's PMIx server: no mpirun, no hostfile.
         options.append("--mpi=pmix")
+    # The spec's own srun options, quoted like every other spec value that reaches the shell.
+    options += [shell_quote(entry) for entry in spec.srun_options]
     return options
 
 
@@ -319,7 +334,7 @@ def build_context(
         else None,
         threads=threads_expression(spec),
         master_port=port_shell_expression(),
-        signal_grace_s=spec.resilience.signal_grace_s,
+        signal_grace_s=spec.signal_grace_s,
         max_restarts=spec.resilience.max_restarts,
         requeue_on_failure=spec.resilience.requeues_on_failure(),
         requeue_off_from=requeue_off_from(spec),
@@ -334,8 +349,12 @@ def build_context(
     )
 
 
+@functools.cache
 def template_environment() -> jinja2.Environment:
-    """Strict (a missing value is an error) and unescaped: quoting is done before values reach it."""
+    """Strict (a missing value is an error) and unescaped: quoting is done before values reach it.
+
+    One per process: compiling the template was half of a render (jinja2 still reloads a template
+    whose file changed)."""
     return jinja2.Environment(
         loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
         undefined=jinja2.StrictUndefined,

@@ -14,7 +14,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -22,6 +22,10 @@ from typing import Protocol
 from hpkit.errors import SlurmError
 
 CLI_TIMEOUT_S = 30
+
+
+class TransientSlurmError(SlurmError):
+    """The controller did not answer this time (down, restarting, overloaded): worth asking again."""
 
 
 class JobState(str, enum.Enum):
@@ -98,6 +102,11 @@ class JobInfo:
     reason: str = ""
     nodes: str = ""
     stdout: str | None = None
+    user: str = ""
+    node_count: int | None = None
+    start_time: int | None = None  # Unix seconds; None before the job starts
+    end_time: int | None = None  # expected end while it runs (start + time limit)
+    time_limit_min: int | None = None  # None: UNLIMITED
 
     def summary(self) -> str:
         parts = [f"job {self.job_id} ({self.name}): {self.state.value}"]
@@ -116,6 +125,8 @@ class Backend(Protocol):
     def submit(self, script: Path) -> str: ...
 
     def info(self, job_id: str) -> JobInfo: ...
+
+    def poll(self, job_ids: Sequence[str]) -> dict[str, JobInfo]: ...
 
     def cancel(self, job_id: str) -> None: ...
 
@@ -186,6 +197,8 @@ class CliBackend:
     def __init__(self, env: Mapping[str, str] | None = None):
         self.env = env
         self._version: tuple[int, int] | None = None
+        self._stdout_cache: dict[str, str] = {}
+        self._no_slurmdbd = False
 
     @property
     def version(self) -> tuple[int, int]:
@@ -204,69 +217,112 @@ class CliBackend:
         _run(["scancel", job_id], env=self.env)
 
     def info(self, job_id: str) -> JobInfo:
-        info = self._from_controller(job_id)
-        if info is None:
-            info = self._from_sacct(job_id)
+        info = self.poll([job_id]).get(job_id)
         if info is None:
             raise SlurmError(f"job {job_id} is unknown to slurmctld and to sacct")
         return info
 
-    def _from_controller(self, job_id: str) -> JobInfo | None:
-        record = self._json_record(job_id)
-        proc = _run(["scontrol", "show", "job", "-o", job_id], env=self.env, check=False)
-        text = proc.stdout.strip()
-        if proc.returncode != 0 or not text:
-            return None
-        fields = parse_scontrol_record(text.splitlines()[0])
-        stdout = fields.get("StdOut") or None  # scontrol expands %j/%x, the JSON does not
-        if record is not None:
-            exit_code, signal = _split_exit(_json_int(record.get("exit_code")))
-            return JobInfo(
-                job_id=job_id,
-                name=str(record.get("name", "")),
-                state=JobState.parse(_json_state(record.get("job_state"))),
-                exit_code=exit_code,
-                signal=signal,
-                reason=str(record.get("state_reason", "")),
-                nodes=str(record.get("nodes", "")),
-                stdout=stdout,
+    def poll(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        """Every job in one controller call (`squeue --json`), then one sacct call for those that have
+        left the controller. Jobs neither knows are missing from the result.
+
+        Raises TransientSlurmError when the controller does not answer: the caller decides how long
+        to keep trying.
+        """
+        wanted = [str(j) for j in job_ids]
+        records = self.queue(wanted)
+        found = {job_id: self._from_record(record) for job_id in wanted if (record := records.get(job_id))}
+        gone = [j for j in wanted if j not in found]
+        if gone:
+            found.update(self._from_sacct(gone))
+        return found
+
+    def queue(self, job_ids: Sequence[str] | None = None) -> dict[str, dict]:
+        """The controller's records (squeue --json), by job id: all of them, or those named.
+
+        22.05's `squeue --json` ignores filters and returns every job, so we filter here; later
+        versions honour `--jobs`. A controller that does not answer makes squeue exit 0 with an
+        `errors` list in the JSON (22.05) or exit non-zero: both raise TransientSlurmError.
+        """
+        args = ["squeue", "--json"]
+        if job_ids and self.version >= (23, 2):
+            args.append(f"--jobs={','.join(job_ids)}")
+        try:
+            proc = _run(args, env=self.env, check=False)
+        except SlurmError as exc:  # a timeout: the controller is busy or down
+            raise TransientSlurmError(str(exc)) from None
+        try:
+            data = json.loads(proc.stdout) if proc.stdout.strip() else {}
+        except json.JSONDecodeError:
+            data = {}
+        errors = [e for e in data.get("errors", []) if isinstance(e, dict)] if isinstance(data, dict) else []
+        if proc.returncode != 0 or errors or not isinstance(data, dict) or "jobs" not in data:
+            text = (proc.stderr or "").strip().splitlines()
+            why = (
+                errors[0].get("description", "")
+                if errors
+                else (text[-1] if text else f"exit {proc.returncode}")
             )
-        code, _, sig = fields.get("ExitCode", "").partition(":")
+            if "Invalid job id" in why and job_ids:
+                if len(job_ids) == 1:
+                    return {}  # 23.02+: the one job named has left the controller
+                # some named jobs are gone: ask for the whole queue instead (still one more call)
+                return {j: r for j, r in self.queue(None).items() if j in set(job_ids)}
+            raise TransientSlurmError(f"squeue failed: {why}")
+        wanted = set(job_ids) if job_ids else None
+        return {
+            str(job.get("job_id")): job
+            for job in data["jobs"]
+            if wanted is None or str(job.get("job_id")) in wanted
+        }
+
+    def _from_record(self, record: dict, with_stdout: bool = True) -> JobInfo:
+        job_id = str(record.get("job_id"))
+        exit_code, signal = _split_exit(_json_int(record.get("exit_code")))
         return JobInfo(
             job_id=job_id,
-            name=fields.get("JobName", ""),
-            state=JobState.parse(fields.get("JobState", "")),
-            exit_code=int(code) if code.isdigit() else None,
-            signal=int(sig) if sig.isdigit() else None,
-            reason=fields.get("Reason", ""),
-            nodes=fields.get("NodeList", ""),
-            stdout=stdout,
+            name=str(record.get("name", "")),
+            state=JobState.parse(_json_state(record.get("job_state"))),
+            exit_code=exit_code,
+            signal=signal,
+            reason=str(record.get("state_reason", "")),
+            nodes=str(record.get("nodes", "")),
+            stdout=self._stdout(record) if with_stdout else None,
+            user=str(record.get("user_name", "")),
+            node_count=_json_int(record.get("node_count")),
+            start_time=_json_int(record.get("start_time")) or None,
+            end_time=_json_int(record.get("end_time")) or None,
+            time_limit_min=_json_int(record.get("time_limit")),
         )
 
-    def _json_record(self, job_id: str) -> dict | None:
-        # 23.02 added `scontrol show job --json ID`; 22.05's `squeue --json` ignores filters, so we
-        # pick our job out of the full list.
-        if self.version >= (23, 2):
-            args = ["scontrol", "show", "job", "--json", job_id]
-        else:
-            args = ["squeue", "--json"]
-        proc = _run(args, env=self.env, check=False)
-        if proc.returncode != 0:
-            return None
-        try:
-            jobs = json.loads(proc.stdout).get("jobs", [])
-        except json.JSONDecodeError:
-            return None
-        for job in jobs:
-            if str(job.get("job_id")) == job_id:
-                return job
-        return None
+    def _stdout(self, record: dict) -> str | None:
+        """The job's output file: the JSON holds the pattern as given (logs/%x-%j.out), scontrol the
+        expanded path. Expand the common patterns here; ask scontrol once per job for the rest."""
+        job_id = str(record.get("job_id"))
+        if job_id in self._stdout_cache:
+            return self._stdout_cache[job_id]
+        pattern = str(record.get("standard_output") or "")
+        path = expand_output_pattern(pattern, record)
+        if path is None and pattern:
+            proc = _run(["scontrol", "show", "job", "-o", job_id], env=self.env, check=False)
+            line = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
+            path = parse_scontrol_record(line).get("StdOut") or None if line else None
+        if path is not None:
+            self._stdout_cache[job_id] = path
+        return path
 
-    def _from_sacct(self, job_id: str) -> JobInfo | None:
+    def _from_sacct(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
         if shutil.which("sacct") is None:
-            return None
-        # Without slurmdbd only the job-completion log answers (`sacct -c`), and not in JSON.
+            return {}
+        found: dict[str, JobInfo] = {}
+        # Without slurmdbd only the job-completion log answers (`sacct -c`), and not in JSON; once
+        # plain sacct has failed, later polls go to the log directly.
         for extra in ([], ["-c"]):
+            missing = [j for j in job_ids if j not in found]
+            if not missing:
+                break
+            if not extra and self._no_slurmdbd:
+                continue
             proc = _run(
                 [
                     "sacct",
@@ -275,18 +331,23 @@ class CliBackend:
                     "-P",
                     "-X",
                     "-j",
-                    job_id,
+                    ",".join(missing),
                     "-o",
                     "JobID,JobName,State,ExitCode,NodeList",
                 ],
                 env=self.env,
                 check=False,
             )
+            if proc.returncode != 0:
+                self._no_slurmdbd = self._no_slurmdbd or not extra
+                continue
             for line in proc.stdout.splitlines():
                 cols = line.split("|")
-                if proc.returncode == 0 and len(cols) >= 4 and cols[0].split(".")[0] == job_id:
+                job_id = cols[0].split(".")[0]
+                if len(cols) >= 4 and job_id in missing:
                     code, _, sig = cols[3].partition(":")
-                    return JobInfo(
+                    # The completion log keeps one line per run of a requeued job: the last one wins.
+                    found[job_id] = JobInfo(
                         job_id=job_id,
                         name=cols[1],
                         state=JobState.parse(cols[2]),
@@ -294,7 +355,49 @@ class CliBackend:
                         signal=int(sig) if sig.isdigit() else None,
                         nodes=cols[4] if len(cols) > 4 else "",
                     )
+        return found
+
+
+def user_jobs(backend: CliBackend, user: str | None = None) -> list[JobInfo]:
+    """The user's jobs the controller knows, oldest first, from one squeue call."""
+    import getpass
+
+    user = user or getpass.getuser()
+    records = backend.queue()
+    rows = [
+        backend._from_record(r, with_stdout=False) for r in records.values() if r.get("user_name") == user
+    ]
+    return sorted(rows, key=lambda r: int(r.job_id) if r.job_id.isdigit() else 0)
+
+
+def expand_output_pattern(pattern: str, record: dict) -> str | None:
+    """sbatch's filename pattern for one job, or None when it uses one that needs the controller."""
+    if not pattern:
         return None
+    values = {
+        "j": str(record.get("job_id", "")),
+        "x": str(record.get("name", "")),
+        "u": str(record.get("user_name", "")),
+        "%": "%",
+    }
+    out = []
+    i = 0
+    while i < len(pattern):
+        if pattern[i] != "%":
+            out.append(pattern[i])
+            i += 1
+            continue
+        match = re.match(r"%(\d*)([A-Za-z%])", pattern[i:])
+        if not match or match.group(2) not in values:
+            return None
+        value = values[match.group(2)]
+        width = int(match.group(1) or 0)
+        out.append(value.zfill(width) if value.isdigit() else value)
+        i += match.end()
+    path = "".join(out)
+    if not path.startswith("/"):
+        path = str(Path(str(record.get("current_working_directory") or ".")) / path)
+    return path
 
 
 def _json_int(value: object) -> int | None:
@@ -355,6 +458,15 @@ class PyslurmBackend:
             stdout=job.standard_output,
         )
 
+    def poll(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        found = {}
+        for job_id in job_ids:
+            try:
+                found[str(job_id)] = self.info(str(job_id))
+            except SlurmError:
+                continue
+        return found
+
     def cancel(self, job_id: str) -> None:
         self.pyslurm.Job(int(job_id)).cancel()
 
@@ -400,30 +512,118 @@ def get_backend(name: str = "auto") -> Backend:
     return PyslurmBackend(module) if module is not None else CliBackend()
 
 
-def wait(
+# Seconds between polls as a job ages (since its last state change): quick at first, when states
+# change fast, then rarer. Long jobs cost the controller one call per POLL_CAP_S, whatever their number.
+POLL_STEPS = ((10.0, 1.0), (60.0, 2.0), (300.0, 5.0))
+POLL_CAP_S = 10.0
+# How long the controller may stay silent before `wait` gives up, and the fewest failed tries first.
+OUTAGE_LIMIT_S = 120.0
+OUTAGE_MIN_FAILURES = 3
+# A job that neither squeue nor sacct knows this many polls in a row is reported as unknown.
+UNKNOWN_POLLS = 3
+
+
+def poll_interval(age_s: float, first_s: float = 1.0, cap_s: float = POLL_CAP_S) -> float:
+    """Seconds to the next poll for a job whose state last changed `age_s` ago."""
+    for until, interval in POLL_STEPS:
+        if age_s < until:
+            return min(max(first_s, interval), max(first_s, cap_s))
+    return max(first_s, cap_s)
+
+
+def _stderr(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def wait_all(
     backend: Backend,
-    job_id: str,
+    job_ids: Sequence[str],
     poll_s: float = 1.0,
     timeout_s: float | None = None,
     on_change: Callable[[JobInfo, float], None] | None = None,
     on_poll: Callable[[JobInfo], None] | None = None,
-) -> JobInfo:
-    """Poll until the job ends. sbatch --wait polls every ~10 s; we poll ourselves, faster."""
-    start = time.monotonic()
-    last: JobInfo | None = None
+    on_tick: Callable[[], None] | None = None,
+    notify: Callable[[str], None] = _stderr,
+    outage_limit_s: float = OUTAGE_LIMIT_S,
+    tick_s: float = 0.5,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict[str, JobInfo]:
+    """Poll until every job has ended: one Slurm call per poll for all of them, less often as they age.
+
+    sbatch --wait polls every ~10 s whatever happens; we poll fast while states change. A controller
+    that does not answer is retried with one message (and one when it answers again); only an outage
+    longer than `outage_limit_s` (and OUTAGE_MIN_FAILURES tries) ends the wait. `on_tick` runs every
+    `tick_s` between polls (the log follower), without asking Slurm anything.
+    """
+    start = clock()
+    pending = list(dict.fromkeys(str(j) for j in job_ids))
+    changed = dict.fromkeys(pending, start)
+    last: dict[str, JobInfo] = {}
+    done: dict[str, JobInfo] = {}
+    unknown = dict.fromkeys(pending, 0)
+    outage_since: float | None = None
+    failures = 0
+
+    def pause(seconds: float) -> None:
+        until = clock() + seconds
+        while (left := until - clock()) > 0:
+            if on_tick:
+                on_tick()
+            sleep(min(tick_s, left))
+
     while True:
-        info = backend.info(job_id)
-        elapsed = time.monotonic() - start
-        if on_change and (last is None or info.state != last.state):
-            on_change(info, elapsed)
-        last = info
-        if on_poll:
-            on_poll(info)
-        if info.state.finished:
-            return info
+        now = clock()
+        try:
+            infos = backend.poll(pending)
+        except TransientSlurmError as exc:
+            failures += 1
+            if outage_since is None:
+                outage_since = now
+                notify(f"hpkit: Slurm did not answer ({exc}); retrying for up to {outage_limit_s:.0f} s")
+            down = now - outage_since
+            if failures >= OUTAGE_MIN_FAILURES and down >= outage_limit_s:
+                raise SlurmError(
+                    f"Slurm has not answered for {down:.0f} s ({failures} tries): {exc}; "
+                    "check slurmctld (`scontrol ping`) and wait again"
+                ) from None
+            pause(poll_interval(down, poll_s))
+            continue
+        if outage_since is not None:
+            notify(f"hpkit: Slurm answers again after {now - outage_since:.0f} s")
+            outage_since, failures = None, 0
+        for job_id in pending:
+            info = infos.get(job_id)
+            if info is None:
+                unknown[job_id] += 1
+                if unknown[job_id] >= UNKNOWN_POLLS:
+                    raise SlurmError(f"job {job_id} is unknown to slurmctld and to sacct")
+                continue
+            unknown[job_id] = 0
+            previous = last.get(job_id)
+            if previous is None or previous.state != info.state:
+                changed[job_id] = now
+                if on_change:
+                    on_change(info, now - start)
+            last[job_id] = info
+            if on_poll:
+                on_poll(info)
+            if info.state.finished:
+                done[job_id] = info
+        pending = [j for j in pending if j not in done]
+        if not pending:
+            return {j: done[j] for j in dict.fromkeys(str(j) for j in job_ids)}
+        elapsed = clock() - start
         if timeout_s is not None and elapsed > timeout_s:
-            raise SlurmError(f"job {job_id} still {info.state.value} after {timeout_s:.0f} s")
-        time.sleep(poll_s)
+            states = ", ".join(f"{j} {last[j].state.value}" for j in pending if j in last)
+            raise SlurmError(f"still running after {timeout_s:.0f} s: {states or ', '.join(pending)}")
+        youngest = max(changed[j] for j in pending)
+        pause(poll_interval(clock() - youngest, poll_s))
+
+
+def wait(backend: Backend, job_id: str, **kwargs) -> JobInfo:
+    """wait_all for one job."""
+    return wait_all(backend, [job_id], **kwargs)[str(job_id)]
 
 
 def print_progress(info: JobInfo, elapsed: float) -> None:

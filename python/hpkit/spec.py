@@ -15,6 +15,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, field_validator, model_validator
 
+from hpkit import slurm_options
 from hpkit.errors import SpecError
 from hpkit.runtime.config import (
     CheckpointSpec,
@@ -168,6 +169,26 @@ class JobSpec(RunConfig):
     qos: str | None = None
     time_limit: str | None = Field(default=None, description="Slurm time: MM, HH:MM:SS, D-HH:MM ...")
     exclusive: bool = False
+    # Slurm placement and notification options (sbatch's names with '_' for '-'); lists are joined with ','.
+    exclude: str | None = Field(default=None, description="nodes to avoid: a host list, node[3,7]")
+    nodelist: str | None = Field(default=None, description="nodes to run on: a host list")
+    constraint: str | None = Field(default=None, description="node features: a100&efa, [rack1|rack2]")
+    mem: str | None = Field(default=None, description="memory per node: 64G, 0 for all of it")
+    gres: str | None = Field(default=None, description="generic resources: nvme:1 (GPUs: gpus_per_node)")
+    reservation: str | None = None
+    dependency: str | None = Field(default=None, description="afterok:123[:124], singleton, ...")
+    mail_type: list[str] = Field(default_factory=list, description="BEGIN, END, FAIL, ALL, ...")
+    mail_user: str | None = None
+    signal: str | None = Field(
+        default=None,
+        description="[{R|B}:]<sig>[@seconds]; replaces hpkit's B:USR1@<resilience.signal_grace_s>",
+    )
+    sbatch_options: list[str] = Field(
+        default_factory=list, description="more sbatch options, each --name[=value] as one token"
+    )
+    srun_options: list[str] = Field(
+        default_factory=list, description="more options for the step's srun, each --name[=value]"
+    )
     output_dir: str = "logs"
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
@@ -230,6 +251,73 @@ class JobSpec(RunConfig):
         if value is not None and not (isinstance(value, str) and _SLURM_TIME.match(value)):
             raise ValueError(f"{value!r} is not a Slurm time: use minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED")
         return value
+
+    @field_validator("exclude", "nodelist", "gres", "mail_type", mode="before")
+    @classmethod
+    def _comma_lists(cls, value: Any, info: Any) -> Any:
+        # YAML lists are easier to write; Slurm wants one comma-separated word.
+        if info.field_name == "mail_type":
+            return value.split(",") if isinstance(value, str) else value
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return ",".join(value)
+        return value
+
+    @field_validator("exclude", "nodelist")
+    @classmethod
+    def _hostlist(cls, value: str | None) -> str | None:
+        return None if value is None else slurm_options.hostlist(value)
+
+    @field_validator("constraint")
+    @classmethod
+    def _constraint(cls, value: str | None) -> str | None:
+        return None if value is None else slurm_options.constraint(value)
+
+    @field_validator("mem", mode="before")
+    @classmethod
+    def _mem(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # Slurm reads a bare number as megabytes
+        return slurm_options.mem(value) if isinstance(value, str) else value
+
+    @field_validator("gres")
+    @classmethod
+    def _gres(cls, value: str | None) -> str | None:
+        return None if value is None else slurm_options.gres(value)
+
+    @field_validator("reservation")
+    @classmethod
+    def _reservation(cls, value: str | None) -> str | None:
+        if value is not None and not _SLURM_NAME_LIST.match(value):
+            raise ValueError(
+                "a reservation name, or several separated by commas, of letters, digits, '.', '_', '-'"
+            )
+        return value
+
+    @field_validator("dependency", mode="before")
+    @classmethod
+    def _dependency(cls, value: Any) -> Any:
+        return slurm_options.dependency(value) if isinstance(value, str) else value
+
+    @field_validator("mail_type")
+    @classmethod
+    def _mail_type(cls, value: list[str]) -> list[str]:
+        return slurm_options.mail_types(value)
+
+    @field_validator("mail_user")
+    @classmethod
+    def _mail_user(cls, value: str | None) -> str | None:
+        return None if value is None else slurm_options.mail_user(value)
+
+    @field_validator("signal", mode="before")
+    @classmethod
+    def _signal(cls, value: Any) -> Any:
+        return slurm_options.signal(value) if isinstance(value, str) else value
+
+    @field_validator("sbatch_options", "srun_options")
+    @classmethod
+    def _extra_options(cls, value: list[str], info: Any) -> list[str]:
+        command = "sbatch" if info.field_name == "sbatch_options" else "srun"
+        return [slurm_options.extra_option(entry, command) for entry in value]
 
     @field_validator("output_dir", "workdir")
     @classmethod
@@ -312,11 +400,34 @@ class JobSpec(RunConfig):
                 f"tasks_per_node={self.tasks_per_node} differs from gpus_per_node={self.gpus_per_node}: "
                 "hpkit runs one rank per GPU (or 1 per node driving all), so drop tasks_per_node"
             )
+        if (
+            self.gpus_per_node
+            and self.gres
+            and any(item.split(":")[0] == "gpu" for item in self.gres.split(","))
+        ):
+            raise ValueError(
+                "gres: GPUs come from gpus_per_node, which also sets the ranks per node: drop gpu from "
+                "gres (pick a GPU model with constraint)"
+            )
+        per_unit = [o for o in self.sbatch_options if o.startswith(("--mem-per-cpu", "--mem-per-gpu"))]
+        if self.mem is not None and per_unit:
+            raise ValueError(
+                f"mem: Slurm's --mem, --mem-per-cpu and --mem-per-gpu exclude each other: drop mem or {per_unit[0]}"
+            )
         try:
             self.parallelism.resolve(self.world_size)
         except ValueError as exc:
             raise ValueError(f"parallelism: {exc}") from None
         return self
+
+    @property
+    def signal_grace_s(self) -> int:
+        """Seconds between the warning signal and the kill: from `signal` when given (Slurm's default
+        is 60), else resilience.signal_grace_s."""
+        if self.signal is None:
+            return self.resilience.signal_grace_s
+        _, _, seconds = self.signal.partition("@")
+        return int(seconds) if seconds else 60
 
     @property
     def ranks_per_node(self) -> int:

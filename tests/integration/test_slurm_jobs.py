@@ -188,3 +188,42 @@ def test_pyslurm_backend_submits_through_sbatch(slurm_cluster, tmp_path):
     job_id = PyslurmBackend(fake).submit(script)
     info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=60)
     assert (info.name, info.state) == ("via-sbatch", JobState.COMPLETED)
+
+
+def test_slurm_options_reach_the_controller_and_the_step(slurm_cluster, tmp_path):
+    """sbatch reads the typed fields and sbatch_options as written; srun_options reach the step."""
+    spec = {
+        "name": "options",
+        "launcher": "srun",
+        "exclude": "node2",
+        "mem": "100M",
+        "dependency": "singleton",
+        "mail_type": ["BEGIN", "END"],
+        "mail_user": "ops@example.com",
+        "signal": "B:USR1@90",
+        "sbatch_options": ["--comment=made;by`hpkit`", "--hold", "--nice=5"],
+        "srun_options": ["--label"],
+        "command": ["echo", "hello from the step"],
+    }
+    job_id = submit(spec, tmp_path, slurm_cluster)
+    shown = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id],
+        capture_output=True,
+        text=True,
+        env=slurm_cluster,
+        timeout=30,
+    ).stdout
+    for expected in (
+        "JobState=PENDING Reason=JobHeldUser",
+        "ExcNodeList=node2",
+        "MinMemoryNode=100M",
+        "Dependency=singleton",
+        "MailUser=ops@example.com MailType=BEGIN,END",
+        "Comment=made;by`hpkit`",
+        "Nice=5",
+    ):
+        assert expected in shown, (expected, shown)
+    subprocess.run(["scontrol", "release", job_id], check=True, env=slurm_cluster, timeout=30)
+    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=120)
+    assert info.state == JobState.COMPLETED and info.nodes == "node1"
+    assert "0: hello from the step" in output_of(info)  # srun --label prefixes the task number

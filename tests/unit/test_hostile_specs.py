@@ -2,7 +2,8 @@
 
 The strategies aim at valid specs (the test asserts that at least 90 % are) with payloads in every
 free-text field: env values, command arguments, container image, mounts and workdir, SageMaker paths,
-checkpoint.dir and the spec file's own path. Each rendered script runs with stand-ins for srun and
+checkpoint.dir, the spec file's own path, and the Slurm options (typed fields and the
+sbatch_options/srun_options entries, whose values may hold shell syntax as one token). Each rendered script runs with stand-ins for srun and
 torchrun that pass their task through, so the task (a tiny program printing its argv and environment)
 really runs and must print every payload unchanged; any shell evaluating a payload would create the
 canary file. A sample of the scripts goes through shellcheck. Values in `#SBATCH` fields cannot be
@@ -66,6 +67,34 @@ INSIDE = ONE_LINE.map(lambda s: "sm/" + "/".join(p if p != ".." else "dd" for p 
 # `#SBATCH` values are read by sbatch, unquoted: plain tokens, which may still hold shell syntax.
 TOKEN = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._-]{0,15}", fullmatch=True)
 DIRECTIVE_PATH = ONE_LINE.map(lambda s: "logs/" + re.sub(r"[\s\"'#\\]", "_", s).replace("..", "dd"))
+# An option value: one token for sbatch's directive parser, shell syntax and all ($(...), `...`, ;, |).
+OPTION_VALUE = ONE_LINE.map(lambda s: re.sub(r"[\s\"'#\\]", "_", s))
+HOSTLIST = st.lists(
+    st.builds(lambda t, r: t + r, TOKEN, st.sampled_from(["", "[1-4]", "[1,3-5,7]"])), min_size=1, max_size=3
+)
+SLURM_OPTIONS = {
+    "exclude": HOSTLIST,
+    "nodelist": HOSTLIST.map(",".join),
+    "constraint": st.sampled_from(["a100", "a100&efa", "[rack1*2&rack2*4]", "(h100|h200)&efa", "x86_64"]),
+    "mem": st.sampled_from(["0", "64G", "512000", "1t", 4096]),
+    "gres": st.sampled_from(["nvme:1", "nvme:fast:2,bandwidth:4", "shard"]),
+    "reservation": TOKEN,
+    "dependency": st.sampled_from(
+        ["singleton", "afterok:1:2", "afterany:3?afternotok:4", "after:5+10,singleton"]
+    ),
+    "mail_type": st.lists(st.sampled_from(["BEGIN", "end", "FAIL", "TIME_LIMIT_90"]), min_size=1, max_size=3),
+    "mail_user": st.sampled_from(["ops", "ops@example.com", "a.b-c+d@x.io"]),
+    "signal": st.sampled_from(["B:USR1@300", "USR2", "R:10@60", "SIGTERM@30"]),
+}
+SBATCH_ENTRY = st.one_of(
+    OPTION_VALUE.map(lambda v: f"--comment={v}"),
+    st.sampled_from(["--hold", "--overcommit", "--licenses=fsx:1", "--wckey=w", "--export=ALL"]),
+)
+SRUN_ENTRY = st.one_of(
+    OPTION_VALUE.map(lambda v: f"--comment={v}"),
+    OPTION_VALUE.map(lambda v: f"--container-env={v}"),
+    st.sampled_from(["--label", "--cpu-bind=cores", "--overlap", "--unbuffered"]),
+)
 
 FAKE_SRUN = """#!/bin/bash
 # Stands in for srun: records its own options (NUL-separated), then runs the one task in its place.
@@ -120,6 +149,13 @@ def hostile_specs(draw) -> dict:
     for key, strategy in optional.items():
         if draw(st.booleans()):
             spec[key] = draw(strategy)
+    for key, strategy in SLURM_OPTIONS.items():
+        if draw(st.integers(0, 3)) == 0:
+            spec[key] = draw(strategy)
+    if draw(st.booleans()):
+        spec["sbatch_options"] = draw(st.lists(SBATCH_ENTRY, min_size=1, max_size=3))
+    if draw(st.booleans()):
+        spec["srun_options"] = draw(st.lists(SRUN_ENTRY, min_size=1, max_size=3))
     if draw(st.booleans()):
         spec["container"] = {
             "image": draw(ONE_LINE.map(lambda s: re.sub(r"\s", "_", s))),
@@ -218,6 +254,13 @@ def run_rendered(spec: JobSpec, data: dict, run_dir: Path, stand_ins: Path, tall
 
     srun_options = record.with_suffix(".srun").read_bytes().split(b"\0")[:-1]
     options = [o.decode() for o in srun_options]
+    # The spec's own srun options reach srun literally, in order, right after hpkit's.
+    own = options[options.index("--kill-on-bad-exit=1") + (2 if spec.launcher == "mpi" else 1) :]
+    assert own[: len(spec.srun_options)] == spec.srun_options, options
+    # and its sbatch options are directives as written (bash sees comments; sbatch reads them).
+    directives = [line for line in script.splitlines() if line.startswith("#SBATCH ")]
+    for entry in spec.sbatch_options:
+        assert f"#SBATCH {entry}" in directives, entry
     if spec.container:
         mounts = ["/var/log:/var/log", *spec.container.mounts]
         if os.path.isdir("/var/log/aws/clusters"):
@@ -227,7 +270,8 @@ def run_rendered(spec: JobSpec, data: dict, run_dir: Path, stand_ins: Path, tall
         if spec.container.workdir is not None:
             assert f"--container-workdir={spec.container.workdir}" in options
     else:
-        assert not any(o.startswith("--container") for o in options), options
+        hpkits = [o for o in options if o not in spec.srun_options]
+        assert not any(o.startswith("--container") for o in hpkits), options
     if spec.sagemaker_env is not None:
         sm = spec.sagemaker_env
         assert seen["SM_CHANNELS"] == json.dumps(sorted(sm.channels))
@@ -301,6 +345,18 @@ SBATCH_FIELDS = [
     "output_dir",
     "workdir",
     "instance_type",
+    "exclude",
+    "nodelist",
+    "constraint",
+    "mem",
+    "gres",
+    "reservation",
+    "dependency",
+    "mail_type",
+    "mail_user",
+    "signal",
+    "sbatch_options",
+    "srun_options",
 ]
 # Each of these breaks every `#SBATCH` field's syntax, whatever the payload around it.
 BREAKERS = [" ", "'", '"', "#", "\n", "\t", "\\"]
@@ -316,6 +372,8 @@ BREAKERS = [" ", "'", '"', "#", "\n", "\t", "\\"]
 def test_hostile_sbatch_values_are_refused_naming_the_field(field_name, payload, breaker, where):
     at = where % (len(payload) + 1)
     value = payload[:at] + breaker + payload[at:]
+    if field_name.endswith("_options"):  # a list of --name=value entries: break the value of one
+        value = ["--label", f"--comment={value}"] if field_name == "srun_options" else [f"--comment={value}"]
     data = {"name": "job", "command": ["prog"], field_name: value}
     with pytest.raises(SpecError) as err:
         parse_spec(data)

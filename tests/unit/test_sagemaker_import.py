@@ -55,7 +55,8 @@ def test_seed_000_tensor_parallel_only():
         "name": "SMD-MP-demo",
         "nodes": 1,
         "instance_type": "ml.p3.16xlarge",
-        "tasks_per_node": 8,
+        # ml.p3.16xlarge: 8 × V100 in hpkit's catalog, one rank per GPU.
+        "gpus_per_node": 8,
         "launcher": "mpi",
         # mpirun's --mca carries over as Open MPI's environment variable.
         "env": {"OMPI_MCA_btl_vader_single_copy_mechanism": "none"},
@@ -67,11 +68,10 @@ def test_seed_000_tensor_parallel_only():
         "sagemaker_env": {"channels": {"training": "/opt/ml/input/data/training"}},
     }
     spec = result.spec
-    assert (spec.world_size, spec.gpus_per_node) == (8, 0)
+    assert (spec.world_size, spec.gpus_per_node) == (8, 8)
     assert spec.parallelism.resolve(8) == {"dp_replicate": 2, "dp_shard": 1, "tp": 4, "pp": 1}
     assert sorted(warned(result)) == sorted(
         [
-            "instance_type",
             "distribution.smdistributed.modelparallel.parameters.placement_strategy",
             "inputs.training",
             "role",
@@ -80,8 +80,6 @@ def test_seed_000_tensor_parallel_only():
         ]
     )
     lines = warned(result)
-    assert "not a GPU type in hpkit's instance catalog" in lines["instance_type"]
-    assert "set gpus_per_node" in lines["instance_type"]
     assert "DeviceMesh" in lines["distribution.smdistributed.modelparallel.parameters.placement_strategy"]
     # No more "port the script's smp calls": the compat layer runs them.
     assert [n.split(":")[0] for n in result.notes] == ["distribution.smdistributed.modelparallel"]
@@ -135,13 +133,8 @@ def test_seed_002_basic_mpi_on_cpu_instances():
         "sagemaker_env": {"channels": {}},
     }
     assert result.spec.world_size == 6
-    assert sorted(warned(result)) == [
-        "framework_version",
-        "instance_type",
-        "output_path",
-        "py_version",
-        "role",
-    ]
+    # ml.c5.2xlarge is a CPU type in the catalog: no GPUs, and nothing to warn about.
+    assert sorted(warned(result)) == ["framework_version", "output_path", "py_version", "role"]
     assert "SM_MODEL_DIR" in warned(result)["output_path"]
 
 

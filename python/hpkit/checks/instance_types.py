@@ -35,12 +35,12 @@ def _instance_verdict(instance_type: str | None) -> Result:
         )
     spec = lookup(instance_type)
     supported = ", ".join(SMDDP_TYPES)
-    if spec is None:
+    if spec is None or not spec.is_gpu:
         return Result.warn(
             f"{instance_type} is not a GPU training type hpkit knows",
             f"train on a GPU type with EFA; SageMaker's data-parallel library supports {supported}",
         )
-    shown = f"{instance_type}: {spec.gpus} × {spec.gpu}, {spec.efa_devices} EFA"
+    shown = f"{instance_type}: {spec.gpus} × {spec.gpu} {spec.gpu_memory_gib} GB, {spec.efa_devices} EFA"
     if spec.smddp:
         return Result.ok(shown)
     return Result.warn(

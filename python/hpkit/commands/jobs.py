@@ -11,14 +11,24 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpkit.errors import HpkitError, SlurmError
+
+if TYPE_CHECKING:
+    from hpkit.spec import JobSpec
 
 
 def _parser(command: str, prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=prog)
     if command in ("render", "submit"):
         parser.add_argument("spec", help="job spec (YAML)")
+    elif command == "wait":
+        parser.add_argument(
+            "job_ids", nargs="+", metavar="job_id", help="Slurm job id(s): one poll serves all"
+        )
+    elif command == "status":
+        parser.add_argument("job_id", nargs="?", help="Slurm job id (default: a table of your jobs)")
     else:
         parser.add_argument("job_id", help="Slurm job id")
     if command == "render":
@@ -36,7 +46,18 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
         parser.add_argument(
             "--timeout", type=float, default=None, help="give up waiting after this many seconds"
         )
-        parser.add_argument("--poll", type=float, default=1.0, help="seconds between polls (default 1)")
+        parser.add_argument(
+            "--poll",
+            type=float,
+            default=1.0,
+            help="seconds between the first polls (default 1; then 2, 5, 10)",
+        )
+        parser.add_argument(
+            "--outage-timeout",
+            type=float,
+            default=120.0,
+            help="give up when Slurm has not answered for this many seconds (default 120)",
+        )
     if command == "logs":
         parser.add_argument("-f", "--follow", action="store_true", help="keep printing until the job ends")
     if command == "status":
@@ -91,14 +112,18 @@ def _write_new(path: Path, text: str, mode: int = 0o644) -> None:
         ) from None
 
 
-def _submit(args: argparse.Namespace) -> int:
+def prepare_submission(spec_file: str | Path) -> tuple[JobSpec, Path, Path]:
+    """Everything `hpkit submit` does before sbatch: check the spec, write its snapshot and the script.
+
+    Returns (spec, script path, output directory). Nothing here depends on the node count
+    (bench/bench_render_scale.py compares 2,048 nodes with 2).
+    """
     import yaml
 
     from hpkit.render import render
-    from hpkit.slurm import get_backend
     from hpkit.spec import load_spec
 
-    spec = load_spec(args.spec)
+    spec = load_spec(spec_file)
     base = Path(spec.workdir) if spec.workdir else Path.cwd()
     out_dir = (base / spec.output_dir).resolve()
     # A snapshot of the spec travels with the job: editing the YAML after submitting must not
@@ -108,6 +133,13 @@ def _submit(args: argparse.Namespace) -> int:
     script_path = out_dir / f"{spec.name}-{stamp}.sbatch"
     _write_new(spec_copy, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
     _write_new(script_path, render(spec, script_name=str(script_path), spec_path=str(spec_copy)), mode=0o755)
+    return spec, script_path, out_dir
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from hpkit.slurm import get_backend
+
+    spec, script_path, out_dir = prepare_submission(args.spec)
     if args.dry_run:
         print(f"dry run: wrote {script_path}")
         return 0
@@ -118,28 +150,32 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"  output: {out_dir / f'{spec.name}-{job_id}.out'}", flush=True)
     if not args.wait:
         return 0
-    return _wait_for(backend, job_id, args)
+    return _wait_for(backend, [job_id], args)
 
 
-def _wait_for(backend, job_id: str, args: argparse.Namespace) -> int:
-    from hpkit.slurm import JobState, print_progress, wait
+def _wait_for(backend, job_ids: list[str], args: argparse.Namespace) -> int:
+    from hpkit.slurm import JobState, print_progress, wait_all
 
-    follower = _LogFollower() if args.follow else None
-    info = wait(
+    # Output of one job at a time: following several would interleave their logs.
+    follower = _LogFollower() if args.follow and len(job_ids) == 1 else None
+    infos = wait_all(
         backend,
-        job_id,
+        job_ids,
         poll_s=args.poll,
         timeout_s=args.timeout,
         on_change=print_progress,
-        on_poll=follower.pump if follower else None,
+        on_poll=follower.remember if follower else None,
+        on_tick=follower.pump_last if follower else None,
+        outage_limit_s=args.outage_timeout,
     )
     if follower:
         # The last lines can land just after the state flips.
         time.sleep(0.3)
-        follower.pump(info)
-    if info.state == JobState.COMPLETED:
+        follower.pump(infos[job_ids[0]])
+    failed = [i for i in infos.values() if i.state != JobState.COMPLETED]
+    if not failed:
         return 0
-    return info.exit_code or 1
+    return failed[0].exit_code or 1
 
 
 class _LogFollower:
@@ -147,6 +183,16 @@ class _LogFollower:
 
     def __init__(self) -> None:
         self.offset = 0
+        self.last = None
+
+    def remember(self, info) -> None:
+        self.last = info
+        self.pump(info)
+
+    def pump_last(self) -> None:
+        """Between polls: the file grows without asking Slurm anything."""
+        if self.last is not None:
+            self.pump(self.last)
 
     def pump(self, info) -> None:
         if not info.stdout:
@@ -167,12 +213,12 @@ def _wait(args: argparse.Namespace) -> int:
     from hpkit.slurm import JobState, get_backend
 
     backend = get_backend(args.backend)
-    if not args.follow:
-        return _wait_for(backend, args.job_id, args)
+    if not args.follow or len(args.job_ids) > 1:
+        return _wait_for(backend, list(args.job_ids), args)
     # The status line, live: progress for a training job, Slurm's state for any other.
     from hpkit.commands.watch import follow
 
-    info = follow(backend, args.job_id, poll_s=args.poll, timeout_s=args.timeout)
+    info = follow(backend, args.job_ids[0], poll_s=args.poll, timeout_s=args.timeout)
     return 0 if info.state == JobState.COMPLETED else info.exit_code or 1
 
 
@@ -180,6 +226,8 @@ def _status(args: argparse.Namespace) -> int:
     from hpkit.commands.watch import JobWatcher, line, record
     from hpkit.slurm import get_backend
 
+    if args.job_id is None:
+        return _status_table(args)
     info, prog = JobWatcher(get_backend(args.backend), args.job_id).poll()
     if args.json:
         print(json.dumps(record(info, prog), indent=2))
@@ -188,8 +236,22 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _status_table(args: argparse.Namespace) -> int:
+    from dataclasses import asdict
+
+    from hpkit.slurm import CliBackend, user_jobs
+    from hpkit.status_table import format_table
+
+    rows = user_jobs(CliBackend())
+    if args.json:
+        print(json.dumps([{**asdict(r), "state": r.state.value} for r in rows], indent=2))
+    else:
+        print(format_table(rows, now=time.time()))
+    return 0
+
+
 def _logs(args: argparse.Namespace) -> int:
-    from hpkit.slurm import get_backend
+    from hpkit.slurm import get_backend, wait
 
     backend = get_backend(args.backend)
     info = backend.info(args.job_id)
@@ -202,12 +264,14 @@ def _logs(args: argparse.Namespace) -> int:
             raise HpkitError(f"{info.stdout} does not exist (yet): is the job still pending?") from None
         return 0
     follower = _LogFollower()
-    while True:
+    follower.remember(info)
+    if not info.state.finished:
+        # The same polling as `hpkit wait` (one call per poll, backing off, riding out controller
+        # restarts); the file is read every half second in between.
+        info = wait(backend, args.job_id, on_poll=follower.remember, on_tick=follower.pump_last)
+        time.sleep(0.3)
         follower.pump(info)
-        if info.state.finished:
-            return 0
-        time.sleep(0.5)
-        info = backend.info(args.job_id)
+    return 0
 
 
 def _cancel(args: argparse.Namespace) -> int:

@@ -1,0 +1,284 @@
+"""Polling the real cluster: one Slurm call per poll for many jobs, backing off, riding out a controller restart."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hpkit import devcluster
+from hpkit.slurm import CliBackend, JobState
+
+pytestmark = pytest.mark.cluster
+
+WRAPPER = """#!/bin/sh
+# Logs each call (time, program, arguments), then runs the real program.
+echo "$(date +%s.%N) {name} $*" >> "$CALL_LOG"
+exec {real} "$@"
+"""
+
+
+def counting_path(tmp_path: Path) -> tuple[dict[str, str], Path]:
+    """PATH with squeue/scontrol/sacct wrappers that log every call; returns (env additions, log)."""
+    bin_dir = tmp_path / "counting-bin"
+    bin_dir.mkdir()
+    for name in ("squeue", "scontrol", "sacct"):
+        real = shutil.which(name)
+        assert real, name
+        (bin_dir / name).write_text(WRAPPER.format(name=name, real=real))
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    return {"PATH": f"{bin_dir}:{os.environ['PATH']}", "CALL_LOG": str(log)}, log
+
+
+def sbatch(env: dict[str, str], cwd: Path, seconds: float) -> str:
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "-o", "out-%j.txt", "--wrap", f"sleep {seconds}; echo done-$SLURM_JOB_ID"],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().split(";")[0]
+
+
+def calls(log: Path) -> list[tuple[float, str]]:
+    out = []
+    for line in log.read_text().splitlines():
+        stamp, name, *_ = line.split()
+        out.append((float(stamp), name))
+    return out
+
+
+def test_waiting_for_many_jobs_costs_one_call_per_poll(slurm_cluster, tmp_path):
+    env = dict(slurm_cluster)
+    jobs = [sbatch(env, tmp_path, s) for s in (2, 4, 6, 14)]
+    extra, log = counting_path(tmp_path)
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpkit", "wait", *jobs, "--backend", "cli"],
+        env={**env, **extra},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stderr
+    for job in jobs:
+        assert re.search(rf"job {job} \(wrap\): COMPLETED", proc.stderr), proc.stderr
+    seen = calls(log)
+    names = [n for _, n in seen]
+    # Everything came from squeue: no per-job scontrol, no sacct (the jobs were still in the controller).
+    assert set(names) == {"squeue"}, names
+    # One call per poll for all four jobs, and fewer than one a second once the jobs age (1 s → 2 s).
+    assert len(names) <= took + 2, (len(names), took)
+    gaps = [b - a for (a, _), (b, _) in itertools.pairwise(seen)]
+    print(
+        f"polling: {len(jobs)} jobs, {len(names)} squeue calls in {took:.1f} s, gaps {[round(g, 1) for g in gaps]}"
+    )
+    assert max(gaps) >= 1.8, gaps  # after 10 s without a state change, polls are 2 s apart
+
+    # Once jobs leave the controller, sacct answers for all of them at once (here: the job-completion
+    # log, since there is no slurmdbd; plain sacct is tried once, then skipped).
+    log.write_text("")
+    backend = CliBackend({**env, **extra})
+    for _ in range(2):
+        gone = backend._from_sacct(jobs)
+        assert {j: i.state for j, i in gone.items()} == dict.fromkeys(jobs, JobState.COMPLETED)
+    assert [n for _, n in calls(log)] == ["sacct", "sacct", "sacct"]
+
+    # `hpkit status` without a job id: the user's jobs as a table, from one squeue call.
+    log.write_text("")
+    table = subprocess.run(
+        [sys.executable, "-m", "hpkit", "status"],
+        env={**env, **extra},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert table.returncode == 0, table.stderr
+    assert [n for _, n in calls(log)] == ["squeue"]
+    lines = table.stdout.splitlines()
+    assert lines[0].split() == ["JOBID", "NAME", "STATE", "NODES", "ELAPSED", "TIME", "LEFT", "REASON"]
+    rows = {line.split()[0]: line.split() for line in lines[1:]}
+    for job in jobs:
+        assert rows[job][1:4] == ["wrap", "COMPLETED", "1"], lines
+        assert re.fullmatch(r"node[12]", rows[job][4]) and re.fullmatch(r"00:00:\d\d", rows[job][5]), lines
+
+
+def _stop_slurmctld(env: dict[str, str]) -> None:
+    pidfile = Path(env["HPKIT_DEV_CLUSTER_DIR"]) / "run" / "slurmctld.pid"
+    pid = int(pidfile.read_text())
+    os.kill(pid, signal.SIGTERM)  # SIGTERM: it saves its state, so the job survives the restart
+    for _ in range(100):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    pytest.fail("slurmctld did not stop")
+
+
+def _read_until(stream, pattern: str, lines: list[str], timeout: float = 60) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = stream.readline()
+        if not line:
+            break
+        lines.append(line)
+        if re.search(pattern, line):
+            return line
+    pytest.fail(f"no line matching {pattern!r} in: {''.join(lines)}")
+
+
+def test_wait_rides_out_a_controller_restart_and_gives_up_on_a_long_outage(tmp_path_factory):
+    """A private cluster, since its controller is stopped: the shared one serves other tests."""
+    port = int(os.environ.get("HPKIT_TEST_CLUSTER_PORT", "7817")) + 20
+    first = int(os.environ.get("HPKIT_TEST_FIRST_JOB_ID", "5000")) + 500
+    state = tmp_path_factory.mktemp("restart-cluster")
+    env = devcluster.client_env(state, port, first)
+    with devcluster.running(env):
+        work = tmp_path_factory.mktemp("restart-work")
+        job = sbatch(env, work, 25)
+        waiter = subprocess.Popen(
+            [sys.executable, "-m", "hpkit", "wait", job, "--backend", "cli"],
+            env=env,
+            cwd=work,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        lines: list[str] = []
+        try:
+            _read_until(waiter.stderr, rf"job {job} \(wrap\): RUNNING", lines)
+            _stop_slurmctld(env)
+            _read_until(waiter.stderr, r"Slurm did not answer", lines)
+            # Meanwhile a waiter with a short outage limit gives up, in one line.
+            quitter = subprocess.run(
+                [sys.executable, "-m", "hpkit", "wait", job, "--backend", "cli", "--outage-timeout", "3"],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            assert quitter.returncode == 1, quitter.stderr
+            last = quitter.stderr.strip().splitlines()[-1]
+            assert re.match(r"hpkit wait: error: Slurm has not answered for \d+ s \(\d+ tries\)", last), last
+            assert "Traceback" not in quitter.stderr
+            devcluster.up(env)  # starts slurmctld again (the rest is still running)
+            _read_until(waiter.stderr, r"Slurm answers again after \d+ s", lines)
+            _, rest = waiter.communicate(timeout=120)
+        finally:
+            if waiter.poll() is None:
+                waiter.kill()
+        text = "".join(lines) + rest
+        assert waiter.returncode == 0, text
+        assert text.count("Slurm did not answer") == 1, text
+        assert (work / f"out-{job}.txt").read_text().strip() == f"done-{job}"
+
+
+CALLER_WRAPPER = """#!/bin/sh
+# Logs which process of the job asked the controller (step and task, or the batch shell), then asks.
+echo "{name} step=${{SLURM_STEP_ID:-none}} procid=${{SLURM_PROCID:-none}} node=${{SLURMD_NODENAME:-?}} $*" >> "$CALL_LOG"
+exec {real} "$@"
+"""
+RANK_START = (
+    "import os; from hpkit.runtime.env import read_launch_env; e = read_launch_env(os.environ); "
+    # one write per line: the ranks share the output file (opened O_APPEND)
+    "os.write(1, f'RANKINFO {e.rank} {e.world_size} {e.master_addr} {e.source}\\n'.encode())"
+)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "srun"])
+def test_only_the_batch_script_asks_the_controller_at_start_up(slurm_cluster, tmp_path, launcher):
+    """Every rank of a 2-node job starts without calling scontrol, sinfo or squeue: the batch shell
+    resolves the rendezvous address once and exports it."""
+    bin_dir = tmp_path / "caller-bin"
+    bin_dir.mkdir()
+    for name in ("scontrol", "sinfo", "squeue"):
+        real = shutil.which(name)
+        assert real, name
+        (bin_dir / name).write_text(CALLER_WRAPPER.format(name=name, real=real))
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.write_text("")
+    env = {**slurm_cluster, "PATH": f"{bin_dir}:{os.environ['PATH']}", "CALL_LOG": str(log)}
+    spec = {
+        "name": f"startup-{launcher}",
+        "nodes": 2,
+        "tasks_per_node": 2,
+        "launcher": launcher,
+        "sagemaker_env": {},  # SM_HOSTS too comes from the batch shell
+        "command": [sys.executable, "-c", RANK_START],
+    }
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
+    proc = subprocess.run(
+        [sys.executable, "-m", "hpkit", "submit", "spec.yaml", "--wait", "--follow", "--timeout", "180"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # Ranks share the output file: find the records wherever a line break landed.
+    ranks = sorted(m.split() for m in re.findall(r"RANKINFO (\d+ \d+ \S+ [a-z]+)", proc.stdout))
+    assert [r[0] for r in ranks] == ["0", "1", "2", "3"], proc.stdout
+    # One world, one rendezvous address for all, from the launcher's variables (no lookup of their own).
+    assert {(r[1], r[3]) for r in ranks} == {("4", "torchrun" if launcher == "torchrun" else "env")}, ranks
+    assert len({r[2] for r in ranks}) == 1, ranks
+    in_job = [line for line in log.read_text().splitlines() if "node=?" not in line]  # hpkit wait's own polls
+    print(f"{launcher}: controller calls from inside the job: {in_job}")
+    assert in_job, "the batch shell's calls should be logged too (is the wrapper on the job's PATH?)"
+    assert all(line.startswith("scontrol step=none") for line in in_job), in_job
+    assert len(in_job) == 3  # hostnames and NodeAddr for the rendezvous, hostnames for SM_HOSTS
+
+
+def test_logs_follow_streams_the_file_between_rare_polls(slurm_cluster, tmp_path):
+    env = dict(slurm_cluster)
+    proc = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "-o",
+            "follow-%j.txt",
+            "--wrap",
+            "for i in 1 2 3 4 5 6; do echo line-$i; sleep 1; done",
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip()
+    extra, log = counting_path(tmp_path)
+    started = time.monotonic()
+    follow = subprocess.run(
+        [sys.executable, "-m", "hpkit", "logs", "-f", job, "--backend", "cli"],
+        env={**env, **extra},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert follow.returncode == 0, follow.stderr
+    assert follow.stdout.splitlines() == [f"line-{i}" for i in range(1, 7)], follow.stdout
+    names = [n for _, n in calls(log)]
+    # No scontrol: the output path comes from squeue's record (its %j pattern expanded by hpkit).
+    assert set(names) == {"squeue"} and len(names) <= took + 2, (names, took)
