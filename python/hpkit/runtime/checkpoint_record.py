@@ -25,7 +25,7 @@ import crc32c
 RECORD_NAME = "hpkit-commit.json"
 RECORD_FORMAT = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
-_READ_CHUNK = 8 << 20
+_READ_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -106,11 +106,15 @@ def write_record(directory: Path, record: CommitRecord) -> None:
 
 
 def digest_file(path: Path) -> FileDigest:
+    # One buffer, reused: small enough to stay in cache between the read's copy and the CRC, and no
+    # new allocation per chunk (measured from the page cache: 2.5 GB/s with 8 MiB reads, 6 with this).
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
     crc, size = 0, 0
     with path.open("rb", buffering=0) as f:
-        while chunk := f.read(_READ_CHUNK):
-            crc = crc32c.crc32c(chunk, crc)
-            size += len(chunk)
+        while n := f.readinto(buf):
+            crc = crc32c.crc32c(view[:n], crc)
+            size += n
     return FileDigest(size, crc)
 
 
@@ -192,14 +196,21 @@ class ChecksumWriter(io.RawIOBase):
 
     Seeking is refused: a stream that rewrote earlier bytes would leave a checksum of bytes that are
     not in the file.
+
+    With `writeback_bytes`, every that many bytes the kernel is told to start writing the part
+    written so far to disk, while the rest is still being serialised. Otherwise nothing reaches the
+    disk before the file's fsync (a checkpoint shard is far below the page cache's dirty threshold),
+    and the save then waits for the whole flush at the end.
     """
 
-    def __init__(self, raw: Any, on_close: Any) -> None:
+    def __init__(self, raw: Any, on_close: Any, writeback_bytes: int = 0) -> None:
         super().__init__()
         self._raw = raw
         self._on_close = on_close
         self.crc = 0
         self.size = 0
+        self._writeback = writeback_bytes if hasattr(os, "posix_fadvise") else 0
+        self._queued = 0  # bytes already handed to the kernel's writeback
 
     def writable(self) -> bool:
         return True
@@ -210,7 +221,21 @@ class ChecksumWriter(io.RawIOBase):
         written = len(view) if written is None else written
         self.crc = crc32c.crc32c(view[:written], self.crc)
         self.size += written
+        if self._writeback and self.size - self._queued >= self._writeback:
+            self._start_writeback()
         return written
+
+    def _start_writeback(self) -> None:
+        # POSIX_FADV_DONTNEED on dirty pages starts their writeback without waiting for it (Linux);
+        # pages still being written stay cached. The save never reads these bytes back.
+        self._raw.flush()
+        try:
+            os.posix_fadvise(
+                self._raw.fileno(), self._queued, self.size - self._queued, os.POSIX_FADV_DONTNEED
+            )
+        except OSError:  # not a regular file, or a filesystem without it: fsync alone then
+            self._writeback = 0
+        self._queued = self.size
 
     def tell(self) -> int:
         return self._raw.tell()

@@ -273,6 +273,28 @@ class ResilienceSpec(StrictModel):
         ge=10,
         description="a collective waiting this long on a dead peer ends the job instead of hanging it",
     )
+    requeue_on_failure: bool | None = Field(
+        default=None,
+        description=(
+            "when a node of the job dies, let Slurm requeue the job, counted against max_restarts "
+            "(default: on when max_restarts > 0); a program that fails on healthy nodes is never requeued"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _requeue_needs_a_budget(self) -> ResilienceSpec:
+        if self.requeue_on_failure and self.max_restarts == 0:
+            raise ValueError(
+                "requeue_on_failure: true needs a restart budget: set max_restarts > 0, "
+                "or drop requeue_on_failure"
+            )
+        return self
+
+    def requeues_on_failure(self) -> bool:
+        """Whether Slurm may requeue the job after a node failure (the field, or its default)."""
+        if self.requeue_on_failure is None:
+            return self.max_restarts > 0
+        return self.requeue_on_failure
 
 
 class CollectivesSpec(StrictModel):
