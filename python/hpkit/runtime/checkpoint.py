@@ -188,6 +188,7 @@ class Checkpointer:
         layout: dict[str, int] | None = None,
         log: Callable[[str], None] = print,
         on_commit: Callable[[CommitRecord, Path], None] | None = None,
+        model: dict[str, Any] | None = None,
     ) -> None:
         self.spec = spec
         self.root = Path(root)
@@ -197,6 +198,7 @@ class Checkpointer:
         self.is_rank0 = rank == 0
         self.writer_threads = spec.writer_threads
         self.layout = dict(layout or {})
+        self.model = model  # recorded in each commit record (`hpkit ckpt export` reads it)
         self.world_size = dist.get_world_size()
         self._log = log
         self._on_commit = on_commit  # rank 0, after the rename: the metrics file records each checkpoint
@@ -416,7 +418,9 @@ class Checkpointer:
             files: dict[str, FileDigest] = {}
             for part in gathered:
                 files.update(part or {})
-            record = CommitRecord(_step_of(final), files, self.world_size, self.layout, time.time())
+            record = CommitRecord(
+                _step_of(final), files, self.world_size, self.layout, time.time(), self.model
+            )
             write_record(tmp, record)
             if final.exists():
                 shutil.rmtree(final)

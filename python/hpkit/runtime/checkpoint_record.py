@@ -48,23 +48,26 @@ class CommitRecord:
     world_size: int
     layout: dict[str, int] = field(default_factory=dict)
     created: float = 0.0
+    # The model's shape (and Hugging Face fields to pass through), so that `hpkit ckpt export` can
+    # write a config.json offline; None in checkpoints saved before it was recorded.
+    model: dict[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(d.size for d in self.files.values())
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": RECORD_FORMAT,
-                "step": self.step,
-                "world_size": self.world_size,
-                "layout": self.layout,
-                "created": self.created,
-                "files": {name: d.to_json() for name, d in sorted(self.files.items())},
-            },
-            indent=1,
-        )
+        data: dict[str, Any] = {
+            "format": RECORD_FORMAT,
+            "step": self.step,
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "created": self.created,
+        }
+        if self.model is not None:
+            data["model"] = self.model
+        data["files"] = {name: d.to_json() for name, d in sorted(self.files.items())}
+        return json.dumps(data, indent=1)
 
 
 class RecordError(Exception):
@@ -83,6 +86,7 @@ def read_record(directory: Path) -> CommitRecord:
             world_size=int(data["world_size"]),
             layout={str(k): int(v) for k, v in data.get("layout", {}).items()},
             created=float(data.get("created", 0.0)),
+            model=data["model"] if isinstance(data.get("model"), dict) else None,
         )
     except FileNotFoundError:
         raise RecordError(f"no commit record ({RECORD_NAME}): the save never completed") from None
