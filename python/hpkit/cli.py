@@ -20,7 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
     "train": ("hpkit.commands.train", "run the training loop (inside a job)"),
     "data": ("hpkit.commands.data", "prepare token data: text/JSONL/Parquet -> token shards (hpkit[data])"),
-    "ckpt": ("hpkit.commands.ckpt", "verify or list checkpoints against their commit records"),
+    "ckpt": (
+        "hpkit.commands.ckpt",
+        "verify or list checkpoints against their commit records; export one as a Hugging Face model",
+    ),
     "plot": ("hpkit.commands.plot", "plot training curves or collective bandwidth to PNG/SVG (hpkit[plot])"),
     "bench": (
         "hpkit.commands.bench",

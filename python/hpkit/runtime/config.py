@@ -105,9 +105,15 @@ def _fmt(degrees: dict[str, int]) -> str:
 
 
 class ModelSpec(StrictModel):
-    """The reference Llama-style decoder: a named shape, optionally with some dimensions overridden."""
+    """The reference Llama-style decoder: a named shape, optionally with some dimensions overridden, or
+    the shape and weights of a Hugging Face Llama checkpoint (init_from)."""
 
-    name: Literal["debug", "125M", "1B", "8B"] = "debug"
+    name: Literal["debug", "125M", "1B", "8B", "70B"] = "debug"
+    init_from: str | None = Field(
+        default=None,
+        description="a Hugging Face Llama directory (config.json + *.safetensors): its shape and weights; "
+        "a checkpoint to resume from takes precedence",
+    )
     vocab_size: int | None = Field(default=None, ge=2, description="override the shape's vocabulary")
     seq_len: int = Field(default=256, ge=2)
     dim: int | None = Field(default=None, ge=8, description="override the hidden size")
@@ -115,6 +121,23 @@ class ModelSpec(StrictModel):
     n_heads: int | None = Field(default=None, ge=1, description="override the number of attention heads")
     n_kv_heads: int | None = Field(default=None, ge=1, description="override the key/value heads (GQA)")
     ffn_dim: int | None = Field(default=None, ge=1, description="override the SwiGLU hidden size")
+
+    @model_validator(mode="after")
+    def _init_from_sets_the_shape(self) -> ModelSpec:
+        if self.init_from is None:
+            return self
+        check_no_control_chars(self.init_from, "init_from")
+        shaped = [
+            f
+            for f in ("name", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+            if f in self.model_fields_set
+        ]
+        if shaped:
+            raise ValueError(
+                f"{shaped[0]} cannot be given with init_from: the shape comes from {self.init_from}/config.json; "
+                f"leave {shaped[0]} out"
+            )
+        return self
 
 
 class DataSpec(StrictModel):
@@ -257,6 +280,28 @@ class ResilienceSpec(StrictModel):
         ge=10,
         description="a collective waiting this long on a dead peer ends the job instead of hanging it",
     )
+    requeue_on_failure: bool | None = Field(
+        default=None,
+        description=(
+            "when a node of the job dies, let Slurm requeue the job, counted against max_restarts "
+            "(default: on when max_restarts > 0); a program that fails on healthy nodes is never requeued"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _requeue_needs_a_budget(self) -> ResilienceSpec:
+        if self.requeue_on_failure and self.max_restarts == 0:
+            raise ValueError(
+                "requeue_on_failure: true needs a restart budget: set max_restarts > 0, "
+                "or drop requeue_on_failure"
+            )
+        return self
+
+    def requeues_on_failure(self) -> bool:
+        """Whether Slurm may requeue the job after a node failure (the field, or its default)."""
+        if self.requeue_on_failure is None:
+            return self.max_restarts > 0
+        return self.requeue_on_failure
 
 
 class CollectivesSpec(StrictModel):

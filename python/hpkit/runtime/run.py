@@ -55,6 +55,13 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
         resumed = trainer.resume(checkpointer)
         if resumed is not None:
             say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
+    if resumed is None and trainer.hf is not None:
+        # A checkpoint of this run (above) takes precedence: it holds the weights trained since.
+        loaded = trainer.load_pretrained()
+        say(
+            f"hpkit train: loaded {loaded.tensors} tensors from {cfg.model.init_from} "
+            f"(rank 0 read {loaded.bytes_read / 2**20:.1f} MiB)"
+        )
     # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
     metrics.event(
         {
@@ -192,13 +199,19 @@ def _checkpointer(
         metrics.event({"event": "checkpoint", "step": record.step, "path": str(path)})
 
     return Checkpointer(
-        cfg.checkpoint, root, rank, layout=trainer.dims.degrees(), log=say, on_commit=committed
+        cfg.checkpoint,
+        root,
+        rank,
+        layout=trainer.dims.degrees(),
+        log=say,
+        on_commit=committed,
+        model=trainer.model_record(),
     )
 
 
 def _banner(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, trainer: Trainer) -> str:
     return (
-        f"hpkit train: {cfg.name}: model {cfg.model.name} ({trainer.model_cfg.num_params() / 1e6:.2f}M params), "
+        f"hpkit train: {cfg.name}: model {cfg.model.init_from or cfg.model.name} ({trainer.model_cfg.num_params() / 1e6:.2f}M params), "
         f"{trainer.dims.describe()} on {launch.world_size} {device.type} rank(s) ({device.backend}, "
         f"launched by {launch.source}), {cfg.train.steps} steps of {trainer.tokens_per_step} tokens"
     )

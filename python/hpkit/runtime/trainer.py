@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from hpkit.errors import SpecError
-from hpkit.models.llama import LlamaConfig, build_model, config_for
+from hpkit.hf.config import read_hf_config
+from hpkit.models.llama import LlamaConfig, build_model, config_for, config_to_dict
 from hpkit.runtime import data as data_mod
 from hpkit.runtime.activation_checkpoint import apply_ac
 from hpkit.runtime.checkpoint import Checkpointer, ModelState, OptimizerState
@@ -107,7 +108,10 @@ class Trainer:
         if self.dims.pp_enabled:
             check_microbatches(tr.local_batch_size, cfg.parallelism.microbatches)
         self.coords = make_mesh(self.dims, device.type)
-        self.model_cfg = model_config(cfg.model)
+        # A Hugging Face checkpoint (model.init_from) gives the shape; its weights are loaded by
+        # load_pretrained once resuming has found no checkpoint of this run.
+        self.hf = read_hf_config(cfg.model.init_from, cfg.model.seq_len) if cfg.model.init_from else None
+        self.model_cfg = self.hf.cfg if self.hf else model_config(cfg.model)
         self.pp_stage = self.coords.pp_rank
         self.is_first_stage = self.pp_stage == 0
         self.is_last_stage = self.pp_stage == self.dims.pp - 1
@@ -223,6 +227,25 @@ class Trainer:
             "model": ModelState([self.model]),
             "optimizer": OptimizerState([self.model], [self.optimizer]),
             "train": self,
+        }
+
+    def load_pretrained(self) -> Any:
+        """Overwrite the initialised weights with model.init_from's, each rank reading only its shards."""
+        assert self.hf is not None and self.cfg.model.init_from
+        try:
+            from hpkit.hf.load import load_hf_weights
+        except ImportError as exc:
+            raise SpecError(
+                f"model.init_from needs the hf extra ({exc.name} is missing): pip install 'hpkit[train,hf]'"
+            ) from None
+        return load_hf_weights(self.model, self.cfg.model.init_from, self.hf)
+
+    def model_record(self) -> dict[str, Any]:
+        """What a checkpoint's commit record keeps of the model: enough for `hpkit ckpt export --hf`."""
+        return {
+            "config": config_to_dict(self.model_cfg),
+            "hf": dict(self.hf.extras) if self.hf else {},
+            "init_from": self.cfg.model.init_from,
         }
 
     def resume(self, checkpointer: Checkpointer) -> Path | None:
