@@ -47,7 +47,7 @@ system-deps:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[train,dev,mpi,lightning,image,plot,hf]'
+	$(BIN)/pip install -q -e '.[train,dev,mpi,lightning,image,plot,hf,data]'
 	touch $@
 
 venv: $(VENV)/.installed

@@ -141,14 +141,21 @@ class ModelSpec(StrictModel):
 
 
 class DataSpec(StrictModel):
-    kind: Literal["synthetic", "tokens"] = "synthetic"
-    path: str | None = Field(default=None, description="a flat binary file of token ids (kind: tokens)")
-    dtype: Literal["uint16", "uint32"] = "uint16"
+    kind: Literal["synthetic", "tokens", "prepared"] = "synthetic"
+    path: str | None = Field(
+        default=None,
+        description="kind tokens: a flat binary file of token ids; kind prepared: a directory from `hpkit data prepare`",
+    )
+    dtype: Literal["uint16", "uint32"] = Field(
+        default="uint16", description="kind tokens only (a prepared directory's index names its own)"
+    )
 
     @model_validator(mode="after")
     def _path(self) -> DataSpec:
         if self.kind == "tokens" and not self.path:
             raise ValueError("kind: tokens needs path: the token file to read")
+        if self.kind == "prepared" and not self.path:
+            raise ValueError("kind: prepared needs path: the directory `hpkit data prepare` wrote")
         return self
 
 

@@ -12,6 +12,7 @@ flag) only on logging steps, so a GPU is never made to wait for the CPU between 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,9 @@ from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
 from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model
 from hpkit.runtime.stragglers import StragglerMonitor, Window
 from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape
+
+# Debug: a directory where each rank appends "sample-index sha1" per sample it trains on (tests compare runs).
+DIGESTS_ENV = "HPKIT_DATA_DIGESTS"
 
 
 @dataclass
@@ -179,8 +183,14 @@ class Trainer:
         source = data_mod.build_source(
             tr.data.kind, tr.data.path, tr.data.dtype, m.seq_len, tr.seed, self.model_cfg.vocab_size
         )
+        digests = os.environ.get(DIGESTS_ENV)
         return data_mod.DataLoader(
-            source, tr.local_batch_size, dp_rank=self.coords.dp_rank, dp_degree=self.dims.dp
+            source,
+            tr.local_batch_size,
+            dp_rank=self.coords.dp_rank,
+            dp_degree=self.dims.dp,
+            # Line-buffered: a run killed with -9 still leaves every line it wrote whole.
+            digests=open(Path(digests) / f"rank-{self.rank}.log", "a", buffering=1) if digests else None,
         )
 
     def reset(self) -> None:
@@ -344,6 +354,8 @@ class Trainer:
         self.stop.settle()
         if self.stragglers is not None:
             self.stragglers.settle()
+        if self.loader.digests is not None:
+            self.loader.digests.close()
 
 
 class _NoTimer:
