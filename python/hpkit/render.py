@@ -39,7 +39,11 @@ TEMPLATE_DIR = _template_dir()
 
 def shell_quote(value: object) -> str:
     """Quote one word for bash: the only way a spec value reaches the shell."""
-    return shlex.quote(str(value))
+    text = str(value)
+    if "," in text and shlex.quote(text) == text:
+        # Bash reads a bare comma literally, but inside an array shellcheck takes it for a separator (SC2054).
+        return f"'{text}'"
+    return shlex.quote(text)
 
 
 def _quote_words(words: list[str]) -> str:
