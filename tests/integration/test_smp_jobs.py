@@ -57,6 +57,10 @@ def _imported_spec(tmp_path: Path, env: dict[str, str], script: str, parameters:
     assert spec["compat"] == ["smp"] and spec["smp_parameters"] == parameters
     # The task runs this test's interpreter on the transcribed script (the estimator names the bare file).
     spec["command"] = [sys.executable, str(SCRIPTS / script)]
+    # The seed's ml.p3.16xlarge has 8 GPUs, one rank each; the dev cluster's nodes have none and 2 CPUs,
+    # so the ranks run on CPUs, processes_per_host of them per node.
+    spec["gpus_per_node"] = 0
+    spec["tasks_per_node"] = MPI["processes_per_host"]
     spec["env"] = {**spec.get("env", {}), "OMP_NUM_THREADS": "1", "SMP_SEED_STEPS": str(STEPS)}
     return spec
 
