@@ -71,7 +71,7 @@ lint: venv
 
 test: setup lint image-test-deps
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
-	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider tests
+	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 tests
 
 # The CUDA half of the suite (tests/gpu), on a machine with an NVIDIA GPU; CI has none and never collects it.
 test-gpu: venv
