@@ -35,6 +35,8 @@ tr ',' '\\n' <<<"$NODE_STATES"
 # Slurm does before a time limit, and waits to be passed the signal on.
 FAKE_SRUN = """#!/bin/bash
 echo "srun" >>"$CALLS"
+# The script's probe of every node after a failed step: $PROBE_EXIT says whether they answer.
+[[ ${*: -1} == true ]] && exit "${PROBE_EXIT:-0}"
 if [[ -n ${STEP_SIGNALS_BATCH:-} ]]; then
   trap 'exit 138' USR1
   kill -USR1 "$PPID"
