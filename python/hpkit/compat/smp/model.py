@@ -98,6 +98,19 @@ def _linear_pairs(graph: fx.GraphModule, module: nn.Module, marked: set[str]) ->
             cur = nxt
 
 
+def gather_stages(local: dict[str, Any]) -> dict[str, Any]:
+    """Every pipeline stage's entries (keyed by the original names), merged on every rank of the stage group."""
+    group = topology.get_pp_process_group()
+    if group is None:
+        return local
+    parts: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(parts, local, group=group)
+    merged: dict[str, Any] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
 class DistributedModel(nn.Module):
     """Holds this rank's part of the model as `module` (DDP- or FSDP-wrapped where replicated)."""
 
@@ -205,15 +218,7 @@ class DistributedModel(nn.Module):
 
         local = get_model_state_dict(self.local_module, options=StateDictOptions(full_state_dict=True))
         local = {k: v.detach().cpu() for k, v in local.items()}
-        group = topology.get_pp_process_group()
-        if group is None:
-            return local
-        parts: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, local, group=group)
-        merged: dict[str, Any] = {}
-        for part in parts:
-            merged.update(part)
-        return merged
+        return gather_stages(local)
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's own shard of its stage: plain tensors, keys as in the original model."""

@@ -6,9 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from hpkit.compat.smp import topology
+from hpkit.compat.smp.model import gather_stages
 from hpkit.compat.smp.unsupported import bad_setting
 
 _current: DistributedOptimizer | None = None
@@ -67,15 +66,7 @@ class DistributedOptimizer:
             options=StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True),
         )
         local = {k: v.detach().cpu() if isinstance(v, torch.Tensor) else v for k, v in local.items()}
-        group = topology.get_pp_process_group()
-        if group is None:
-            return local
-        parts: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(parts, local, group=group)
-        merged: dict[str, Any] = {}
-        for part in parts:
-            merged.update(part)
-        return merged
+        return gather_stages(local)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
