@@ -16,43 +16,15 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
+from test_resilience import TINY_MODEL
+from test_slurm_jobs import hpkit, submit
 
 from hpkit.commands.watch import JobWatcher
 from hpkit.slurm import CliBackend, JobState, wait
 
 pytestmark = [pytest.mark.cluster, pytest.mark.dist]
 
-TINY_MODEL = {
-    "name": "debug",
-    "dim": 32,
-    "n_layers": 2,
-    "n_heads": 4,
-    "n_kv_heads": 4,
-    "ffn_dim": 64,
-    "vocab_size": 128,
-    "seq_len": 16,
-}
 STEPS = 120
-
-
-def hpkit(*args: str, cwd: Path, env: dict[str, str], timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "hpkit", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def submit(spec: dict, workdir: Path, env: dict[str, str]) -> str:
-    path = workdir / f"{spec['name']}.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    proc = hpkit("submit", str(path), cwd=workdir, env=env)
-    assert proc.returncode == 0, proc.stderr
-    return re.search(r"submitted job (\d+)", proc.stdout).group(1)
 
 
 def step_records(path: Path) -> dict[int, dict]:
