@@ -66,10 +66,18 @@ def select_units(units: list[str], patterns: list[str]) -> list[str]:
     return chosen
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, modules: list[str] | None = None) -> list[str]:
-    """Parallelise in place; returns the units that were parallelised."""
+def apply_tp(
+    model: nn.Module, tp_mesh: DeviceMesh, modules: list[str] | None = None, loss_parallel: bool = False
+) -> list[str]:
+    """Parallelise in place; returns the units that were parallelised.
+
+    With `loss_parallel` (whole model only) the output head hands back logits sharded along the
+    vocabulary as a DTensor, for a loss computed under `torch.distributed.tensor.parallel.loss_parallel()`:
+    no rank gathers the full (batch, seq, vocab) logits, which is the largest activation of a small
+    model, and the backward needs no gather either.
+    """
     if modules is None:
-        _apply_whole_model(model, tp_mesh)
+        _apply_whole_model(model, tp_mesh, loss_parallel)
         return tp_units(model)
     units = tp_units(model)
     chosen = select_units(units, modules)
@@ -95,7 +103,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, modules: list[str] | None = 
     return chosen
 
 
-def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     # A pipeline stage may lack embeddings or the head; the residual stream between stages is then
     # sequence-sharded, so stage boundaries need the matching layouts.
     top: dict[str, object] = {}
@@ -104,7 +112,11 @@ def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        top["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
