@@ -123,35 +123,30 @@ enable = false
 """
 
 
-# Which hpkit the hpkit side runs: this checkout, or another source tree (a before/after comparison).
-HPKIT_SRC = REPO / "python"
-
-
-def _env(tmp: Path) -> dict[str, str]:
+def _env(tmp: Path, src: Path | None = None) -> dict[str, str]:
+    """The hpkit side runs this checkout, or `src` (another python/ folder, for before/after tables)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp))
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(HPKIT_SRC), env.get("PYTHONPATH")) if x)
+    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(src or REPO / "python"), env.get("PYTHONPATH")) if x)
     return env
 
 
-def run_hpkit(setup: Setup, steps: int, tmp: Path, profile_step: int | None = None) -> Path:
-    out = tmp / f"hpkit-{setup.name}"
+def run_hpkit(
+    setup: Setup, steps: int, tmp: Path, profile_step: int | None = None, src: Path | None = None
+) -> Path:
+    out = tmp / f"hpkit-{setup.name}" if src is None else tmp / f"hpkit-before-{setup.name}"
     out.mkdir(parents=True, exist_ok=True)
     cfg_path = out / "config.json"  # JSON is YAML: `hpkit train --config` reads it
     cfg_path.write_text(json.dumps(hpkit_config(setup, steps, out)))
     target = ["-m", "hpkit", "train", "--config", str(cfg_path)]
     if profile_step is not None:
         target = [str(Path(__file__).resolve()), "--hpkit-profile", str(cfg_path), str(profile_step)]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        str(setup.procs),
-    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += ["--nproc-per-node", str(setup.procs)]
     log = out / "run.log"
     with log.open("w") as f:
-        proc = subprocess.run([*cmd, *target], env=_env(tmp), stdout=f, stderr=subprocess.STDOUT, cwd=REPO)
+        proc = subprocess.run(
+            [*cmd, *target], env=_env(tmp, src), stdout=f, stderr=subprocess.STDOUT, cwd=REPO
+        )
     if proc.returncode:
         raise RuntimeError(f"hpkit {setup.name} failed (exit {proc.returncode}): see {log}")
     return out
@@ -314,21 +309,22 @@ def hpkit_profile_main(cfg_path: str, step: int) -> int:
     return 0
 
 
-def profile(setups: list[Setup], titan_dir: Path, tmp: Path, step: int) -> None:
+def profile(setups: list[Setup], titan_dir: Path, tmp: Path, step: int, before: Path | None) -> None:
     for setup in setups:
-        hp = run_hpkit(setup, step, tmp, profile_step=step) / "trace.json"
+        traces = {"hpkit": run_hpkit(setup, step, tmp, profile_step=step) / "trace.json"}
+        if before is not None:
+            traces["before"] = run_hpkit(setup, step, tmp, profile_step=step, src=before) / "trace.json"
         tt_dir = run_titan(setup, step, titan_dir, tmp, profile_step=step)
-        tt = next(tt_dir.rglob("rank0_trace.json"))
-        a, b = summarize_trace(hp), summarize_trace(tt)
-        print(f"== profile {setup.name}: step {step}, rank 0, ms (hpkit | torchtitan | diff)")
-        for key in sorted(set(a["phases"]) | set(b["phases"])):
-            x, y = a["phases"].get(key, 0.0), b["phases"].get(key, 0.0)
-            print(f"  {key:<42} {x:9.1f} {y:9.1f} {x - y:+9.1f}")
-        print("  top ops by self time (hpkit | torchtitan):")
-        names = list(dict.fromkeys([*list(a["top"])[:15], *list(b["top"])[:15]]))
+        traces["torchtitan"] = next(tt_dir.rglob("rank0_trace.json"))
+        sums = {side: summarize_trace(path) for side, path in traces.items()}
+        print(f"== profile {setup.name}: step {step}, rank 0, ms ({' | '.join(traces)})")
+        for key in sorted({k for s in sums.values() for k in s["phases"]}):
+            print(f"  {key:<42}" + "".join(f" {s['phases'].get(key, 0.0):9.1f}" for s in sums.values()))
+        print(f"  top ops by self time ({' | '.join(traces)}):")
+        names = list(dict.fromkeys(n for s in sums.values() for n in list(s["top"])[:15]))
         for n in names:
-            print(f"    {n[:60]:<60} {a['top'].get(n, 0.0):9.1f} {b['top'].get(n, 0.0):9.1f}")
-        print(f"  traces: {hp} {tt}", flush=True)
+            print(f"    {n[:60]:<60}" + "".join(f" {s['top'].get(n, 0.0):9.1f}" for s in sums.values()))
+        print(f"  traces: {' '.join(str(p) for p in traces.values())}", flush=True)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -344,9 +340,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--profile-step", type=int, default=8)
     p.add_argument("--keep", help="keep run folders here (default: a temporary folder)")
     p.add_argument("--json", help="also write every run as JSON lines to this file")
+    p.add_argument("--before", help="also run an earlier hpkit from this python/ folder, as a third side")
     p.add_argument(
-        "--hpkit-src", help="run the hpkit side from this python/ folder (default: this checkout's)"
+        "--max-load", type=float, default=2.5, help="wait for the 1-minute load to drop below this"
     )
+    p.add_argument("--max-wait", type=float, default=120, help="seconds to wait for it before each run")
     return p.parse_args()
 
 
@@ -354,9 +352,6 @@ def main() -> int:
     if len(sys.argv) == 4 and sys.argv[1] == "--hpkit-profile":
         return hpkit_profile_main(sys.argv[2], int(sys.argv[3]))
     args = _parse()
-    global HPKIT_SRC
-    if args.hpkit_src:
-        HPKIT_SRC = Path(args.hpkit_src).resolve()
     if not args.titan_dir:
         print(
             "bench_vs_torchtitan: set TITAN_DIR (or --titan-dir) to a prepared torchtitan folder",
@@ -386,40 +381,59 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="hpkit-anchor-") as scratch:
         tmp = Path(args.keep).resolve() if args.keep else Path(scratch)
         if args.profile:
-            profile(setups, titan_dir, tmp, args.profile_step)
+            profile(
+                setups,
+                titan_dir,
+                tmp,
+                args.profile_step,
+                Path(args.before).resolve() if args.before else None,
+            )
             return 0
         return compare(setups, titan_dir, tmp, args)
 
 
+def wait_for_quiet(max_load: float, max_wait: float) -> float:
+    """The machine may be shared: wait (a while) for the load to drop; returns the load at the start."""
+    deadline = time.monotonic() + max_wait
+    while load1() > max_load and time.monotonic() < deadline:
+        time.sleep(10)
+    return load1()
+
+
 def compare(setups: list[Setup], titan_dir: Path, tmp: Path, args: argparse.Namespace) -> int:
+    sides = ["hpkit", "torchtitan"] + (["hpkit-before"] if args.before else [])
+    before = Path(args.before).resolve() if args.before else None
     runs: list[Run] = []
     for setup in setups:
         for r in range(args.rounds):
-            # A B, then B A: neither side always runs first after the other setup's runs.
-            order = ("hpkit", "torchtitan") if r % 2 == 0 else ("torchtitan", "hpkit")
+            # Rotate the order each round: no side always runs first, or always right after another.
+            order = sides[r % len(sides) :] + sides[: r % len(sides)]
             for side in order:
-                load = load1()
+                load = wait_for_quiet(args.max_load, args.max_wait)
                 start = time.monotonic()
-                if side == "hpkit":
-                    run = figure(side, setup, hpkit_steps(run_hpkit(setup, args.steps, tmp)), load)
+                if side == "torchtitan":
+                    run = figure(side, setup, titan_steps(run_titan(setup, args.steps, titan_dir, tmp)), load)
                 else:
-                    out = run_titan(setup, args.steps, titan_dir, tmp)
-                    run = figure(side, setup, titan_steps(out), load)
+                    src = before if side == "hpkit-before" else None
+                    out = run_hpkit(setup, args.steps, tmp, src=src)
+                    run = figure(side, setup, hpkit_steps(out), load)
                 runs.append(run)
-                print(f"{setup.name:<7} round {r + 1} {side:<10} {run.tokens_per_s:8,.0f} tok/s  "
+                print(f"{setup.name:<7} round {r + 1} {side:<12} {run.tokens_per_s:8,.0f} tok/s  "
                       f"median step {run.median_step_s:.3f} s  loss {run.first_loss:.3f} -> {run.last_loss:.3f}  "
                       f"load {load:.1f}  ({time.monotonic() - start:.0f} s)", flush=True)  # fmt: skip
                 if args.json:
                     with open(args.json, "a", encoding="utf-8") as f:
                         f.write(json.dumps(run.__dict__) + "\n")
-    print("\nsetup     hpkit tok/s  torchtitan tok/s  hpkit/torchtitan (medians)")
+    print(f"\nmedians of {args.rounds} runs (global tokens/s)")
+    print(f"{'setup':<8}" + "".join(f"{side:>14}" for side in sides) + "  hpkit/torchtitan")
     for setup in setups:
         med = {
             side: statistics.median(r.tokens_per_s for r in runs if r.setup == setup.name and r.side == side)
-            for side in ("hpkit", "torchtitan")
+            for side in sides
         }
         ratio = med["hpkit"] / med["torchtitan"]
-        print(f"{setup.name:<8} {med['hpkit']:12,.0f} {med['torchtitan']:17,.0f}  {ratio:.3f}")
+        extra = f"  (before: {med['hpkit-before'] / med['torchtitan']:.3f})" if before else ""
+        print(f"{setup.name:<8}" + "".join(f"{med[side]:14,.0f}" for side in sides) + f"  {ratio:.3f}{extra}")
         print(f"RATIO anchor_{setup.name} = {ratio:.3f}")
     return 0
 
