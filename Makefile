@@ -48,7 +48,7 @@ system-deps:
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[train,dev,mpi,lightning,image,plot]'
+	$(BIN)/pip install -q -e '.[train,dev,mpi,lightning,image,plot,hf,data]'
 	touch $@
 
 venv: $(VENV)/.installed
@@ -72,7 +72,7 @@ lint: venv
 
 test: setup lint image-test-deps
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
-	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider tests
+	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 tests
 
 # The CUDA half of the suite (tests/gpu), on a machine with an NVIDIA GPU; CI has none and never collects it.
 test-gpu: venv

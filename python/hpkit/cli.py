@@ -19,7 +19,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("hpkit.commands.jobs", "print (or follow) a job's output"),
     "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
     "train": ("hpkit.commands.train", "run the training loop (inside a job)"),
-    "ckpt": ("hpkit.commands.ckpt", "verify or list checkpoints against their commit records"),
+    "data": ("hpkit.commands.data", "prepare token data: text/JSONL/Parquet -> token shards (hpkit[data])"),
+    "ckpt": (
+        "hpkit.commands.ckpt",
+        "verify or list checkpoints against their commit records; export one as a Hugging Face model",
+    ),
     "plot": ("hpkit.commands.plot", "plot training curves or collective bandwidth to PNG/SVG (hpkit[plot])"),
     "bench": (
         "hpkit.commands.bench",

@@ -32,10 +32,12 @@ def client_env(
     nodes: int = 2,
     cpus: int = 2,
     base: Mapping[str, str] | None = None,
+    slurmd_timeout: int | None = None,
 ) -> dict[str, str]:
     """The environment for slurm/dev's scripts and the cluster's clients (sbatch, squeue, its jobs).
 
-    `base` (default: this process's environment) is copied, not changed.
+    `base` (default: this process's environment) is copied, not changed. `slurmd_timeout`: seconds
+    before a silent node is declared DOWN (slurm/dev's default where None).
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -48,6 +50,8 @@ def client_env(
         # Jobs import hpkit from this checkout whichever Python runs them.
         PYTHONPATH=os.pathsep.join(p for p in (str(PYTHON_DIR), env.get("PYTHONPATH")) if p),
     )
+    if slurmd_timeout is not None:
+        env["SLURMD_TIMEOUT"] = str(slurmd_timeout)
     return env
 
 

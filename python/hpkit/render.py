@@ -39,7 +39,11 @@ TEMPLATE_DIR = _template_dir()
 
 def shell_quote(value: object) -> str:
     """Quote one word for bash: the only way a spec value reaches the shell."""
-    return shlex.quote(str(value))
+    text = str(value)
+    if "," in text and shlex.quote(text) == text:
+        # Bash reads a bare comma literally, but inside an array shellcheck takes it for a separator (SC2054).
+        return f"'{text}'"
+    return shlex.quote(text)
 
 
 def _quote_words(words: list[str]) -> str:
@@ -114,8 +118,51 @@ def resilience_directives(spec: JobSpec) -> list[Directive]:
         # B: signals the batch shell, which forwards to the step and then decides about requeueing.
         # A spec's own `signal` replaces it (the requeue path then runs only for B:USR1).
         Directive("signal", spec.signal or f"B:USR1@{spec.resilience.signal_grace_s}"),
-        Directive("requeue" if spec.resilience.max_restarts else "no-requeue"),
+        # A requeueable batch job whose node fails (the batch host included) is requeued by slurmctld
+        # itself, and the script's next run resumes. Without it Slurm ends such a job as NODE_FAIL; the
+        # script can still requeue itself after USR1 (it turns the flag on just for that).
+        Directive("requeue" if spec.resilience.requeues_on_failure() else "no-requeue"),
     ]
+
+
+# sinfo's short node states (%t) that mean a node is gone: down, failing, or not answering
+# slurmctld's pings (the trailing `*`). Drained nodes are an administrator's choice, not a failure.
+LOST_NODE_STATES = r"^(down|fail)|[*]$"
+
+
+def runs_file(spec: JobSpec) -> str:
+    """A shell word: where each run of the job records its nodes and whether hpkit requeued it.
+
+    Next to the job's log, which a requeued run appends to, so any batch host of a later run reads it.
+    """
+    return f'{shell_quote(str(Path(spec.output_dir)))}/.hpkit-"$SLURM_JOB_ID".runs'
+
+
+def requeue_off_from(spec: JobSpec) -> int:
+    """The restart from which a run turns Slurm's own requeue off (`scontrol update Requeue=0`).
+
+    With requeue_on_failure, on the last run the budget allows: a node failure then ends the job
+    instead of requeueing it past max_restarts. Without it, on every requeued run: hpkit turned the
+    flag on only for its own USR1 requeue.
+    """
+    return spec.resilience.max_restarts if spec.resilience.requeues_on_failure() else 1
+
+
+def requeueable_below(spec: JobSpec) -> int:
+    """Slurm requeues the job after a node failure in runs with fewer restarts than this."""
+    return spec.resilience.max_restarts if spec.resilience.requeues_on_failure() else 0
+
+
+def node_failure_outcomes(spec: JobSpec) -> tuple[str, str]:
+    """What Slurm does with the job after a node failure, for the script's log line: requeued, ended."""
+    if spec.resilience.requeues_on_failure():
+        ended = (
+            f"the restart budget (resilience.max_restarts={spec.resilience.max_restarts}) is used up, "
+            "so Slurm ends the job as NODE_FAIL"
+        )
+    else:
+        ended = "resilience.requeue_on_failure is off, so Slurm ends the job as NODE_FAIL"
+    return "Slurm requeues the job, which resumes from its last checkpoint", ended
 
 
 _PYTHON = re.compile(r"^python[0-9.]*$")
@@ -255,6 +302,13 @@ class RenderContext:
     master_port: str
     signal_grace_s: int
     max_restarts: int
+    requeue_on_failure: bool
+    requeue_off_from: int
+    lost_node_states: str
+    runs_file: str
+    requeueable_below: int
+    node_failure_requeued: str
+    node_failure_ended: str
     world_size: int
     ranks_per_node: int
     nodes: int
@@ -286,6 +340,13 @@ def build_context(
         master_port=port_shell_expression(),
         signal_grace_s=spec.signal_grace_s,
         max_restarts=spec.resilience.max_restarts,
+        requeue_on_failure=spec.resilience.requeues_on_failure(),
+        requeue_off_from=requeue_off_from(spec),
+        lost_node_states=shell_quote(LOST_NODE_STATES),
+        runs_file=runs_file(spec),
+        requeueable_below=requeueable_below(spec),
+        node_failure_requeued=shell_quote(node_failure_outcomes(spec)[0]),
+        node_failure_ended=shell_quote(node_failure_outcomes(spec)[1]),
         world_size=spec.world_size,
         ranks_per_node=spec.ranks_per_node,
         nodes=spec.nodes,

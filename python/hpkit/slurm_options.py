@@ -76,8 +76,11 @@ _SPEC_FIELD = {
     "exclusive": "exclusive",
     "open-mode": "nothing: hpkit appends so that a requeued job keeps its first run's log",
     "signal": "signal",
-    "requeue": "resilience.max_restarts",
-    "no-requeue": "resilience.max_restarts",
+    "requeue": "resilience.max_restarts and resilience.requeue_on_failure",
+    "no-requeue": "resilience.max_restarts and resilience.requeue_on_failure",
+    # With it a lost node leaves the job running without its script (when it ran the batch script):
+    # only a job that Slurm ends on a node failure can be requeued by it.
+    "no-kill": "resilience.requeue_on_failure (Slurm requeues the job when a node fails)",
     "exclude": "exclude",
     "nodelist": "nodelist",
     "constraint": "constraint",

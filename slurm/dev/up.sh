@@ -9,6 +9,8 @@
 #   HPKIT_DEV_PORT         slurmctld port; slurmd ports follow it (default: 6817)
 #   FIRST_JOB_ID           first job id; a second cluster on the same host should start elsewhere,
 #                          since job scripts derive their rendezvous port from the job id (default: 1)
+#   SLURMD_TIMEOUT         seconds without a node's answer before slurmctld declares it DOWN
+#                          (default: 30; node-loss tests lower it on their own cluster)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -17,6 +19,7 @@ nodes=${NODES:-2}
 cpus=${CPUS:-2}
 port=${HPKIT_DEV_PORT:-6817}
 first_job_id=${FIRST_JOB_ID:-1}
+slurmd_timeout=${SLURMD_TIMEOUT:-30}
 
 die() { echo "cluster-up: $*" >&2; exit 1; }
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, not '$nodes'"
@@ -25,6 +28,7 @@ if ! [[ $port =~ ^[0-9]+$ ]] || ((port < 1024 || port + nodes > 65535)); then
   die "HPKIT_DEV_PORT must be a port in 1024..65535"
 fi
 [[ $first_job_id =~ ^[1-9][0-9]*$ ]] || die "FIRST_JOB_ID must be a positive integer, not '$first_job_id'"
+[[ $slurmd_timeout =~ ^[1-9][0-9]*$ ]] || die "SLURMD_TIMEOUT must be a positive integer, not '$slurmd_timeout'"
 for cmd in munged slurmctld slurmd scontrol sinfo; do
   command -v "$cmd" >/dev/null || die "$cmd not found: install Debian's slurm-wlm and munge (make system-deps)"
 done
@@ -44,7 +48,7 @@ if ! alive "$dir/run/slurmctld.pid"; then
     mkdir -p "$dir/spool/node$i" "$dir/tmp/node$i"
     node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((port + i)) CPUs=$cpus RealMemory=2048 State=UNKNOWN"$'\n'
   done
-  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" "$here/slurm.conf.in" >"$conf.tmp"
+  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" "$here/slurm.conf.in" >"$conf.tmp"
   # The node lines hold newlines, which sed's replacement cannot carry portably.
   awk -v nodes="$node_lines" '{ if ($0 == "@NODES@") printf "%s", nodes; else print }' "$conf.tmp" >"$conf"
   rm -f "$conf.tmp"

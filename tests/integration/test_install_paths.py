@@ -233,6 +233,31 @@ def test_image_extra_shows_help_and_says_when_no_engine_answers(
     assert lines[0].startswith("hpkit image: error: no container engine answers at DOCKER_HOST=")
 
 
+_TINY_CORPUS = """
+import json, sys
+from pathlib import Path
+from tokenizers import Tokenizer, models, pre_tokenizers
+root = Path(sys.argv[1])
+tok = Tokenizer(models.WordLevel({"[UNK]": 0, "a": 1, "b": 2, "</s>": 3}, unk_token="[UNK]"))
+tok.pre_tokenizer = pre_tokenizers.Whitespace()
+(root / "tok").mkdir()
+tok.save(str(root / "tok" / "tokenizer.json"))
+(root / "in.jsonl").write_text(json.dumps({"text": "a b a"}) + "\\n" + json.dumps({"text": "b"}) + "\\n")
+"""
+
+
+def test_data_extra_prepares_without_torch(wheel: Path, wheelhouse: Path, tmp_path: Path) -> None:
+    venv = _venv(tmp_path, wheel, wheelhouse, "data")
+    assert not venv.importable("torch")
+    venv.ok("python", "-c", _TINY_CORPUS, str(tmp_path))
+    out = venv.ok(
+        "hpkit", "data", "prepare", str(tmp_path / "in.jsonl"), "--tokenizer", str(tmp_path / "tok"),
+        "--out", str(tmp_path / "out"), "--workers", "2",
+    )  # fmt: skip
+    assert "6 tokens in 1 shards, 2 documents" in out, out
+    assert (tmp_path / "out" / "shard-00000.bin").read_bytes() == bytes([1, 0, 2, 0, 1, 0, 3, 0, 2, 0, 3, 0])
+
+
 @pytest.mark.parametrize(
     ("extra", "example"),
     [("mpi", "hpkit.examples.mpi_collectives"), ("lightning", "hpkit.examples.lightning_ddp")],

@@ -120,6 +120,8 @@ def test_preempted_job_checkpoints_requeues_and_matches_an_uninterrupted_run(slu
     log = job_log(info)
     assert info.state == JobState.COMPLETED, log
     assert "USR1 received" in log and "requeueing job" in log
+    # The requeued run tells hpkit's own requeue from Slurm's (a node failure).
+    assert "hpkit: restart 1: hpkit requeued the job itself after USR1" in log, log
     # A trainer that ignored the signal would run all its steps, save the last (save_final) and
     # "resume" at the end: the stop line and a resume short of the end are what prove it stopped.
     stops = re.findall(r"hpkit train: stopping at step (\d+) on signal (\d+)", log)

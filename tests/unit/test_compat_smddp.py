@@ -93,7 +93,8 @@ def test_hpkit_train_does_not_take_the_alias_for_smddp(tmp_path):
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{SHIM_DIR}:{PYTHON_DIR}"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert proc.stdout.splitlines() == [
-        "ModuleNotFoundError: only hpkit's compat alias of it is on the path",
+        "ModuleNotFoundError: smdistributed.dataparallel.torch.torch_smddp is not installed: "
+        "only hpkit's compat alias of it is on the path",
         "False",
     ], proc.stderr
 

@@ -87,10 +87,12 @@ def test_each_extra_declares_what_its_modules_import(extra: str, tmp_path: Path)
 def test_the_check_catches_an_import_only_another_extra_declares(tmp_path: Path) -> None:
     # Issue 19 as it was: runtime/data.py imports numpy, which only the mpi extra declared.
     text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
-    declared = 'train = ["torch==2.13.0", "numpy"]'
+    declared = 'train = ["torch==2.13.0", "numpy", "prometheus-client>=0.20"]'
     assert declared in text
     config = tmp_path / "pyproject.toml"
-    config.write_text(text.replace(declared, 'train = ["torch==2.13.0"]'), encoding="utf-8")
+    config.write_text(
+        text.replace(declared, 'train = ["torch==2.13.0", "prometheus-client>=0.20"]'), encoding="utf-8"
+    )
     done = _check("train", tmp_path / "src", config)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "DEP004 'numpy'" in done.stdout + done.stderr

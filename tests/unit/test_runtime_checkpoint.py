@@ -7,7 +7,14 @@ import pytest
 from hpkit.cli import main as hpkit_main
 from hpkit.errors import SpecError
 from hpkit.runtime.checkpoint import committed, find_latest, step_dir_name
-from hpkit.runtime.checkpoint_record import RECORD_NAME, CommitRecord, digest_file, read_record, write_record
+from hpkit.runtime.checkpoint_record import (
+    RECORD_NAME,
+    CommitRecord,
+    FileDigest,
+    digest_file,
+    read_record,
+    write_record,
+)
 from hpkit.runtime.config import RunConfig, load_run_config
 
 
@@ -185,3 +192,67 @@ def test_ckpt_verify_and_ls_name_each_bad_file(tmp_path, repo, capsys):
     assert hpkit_main(["ckpt", "verify", str(root)]) == 1
     assert "INCOMPLETE" in capsys.readouterr().out
     assert find_latest(root) is None, "a checkpoint without its record is never a resume candidate"
+
+
+def test_checkpoint_streams_checksum_what_they_write_and_start_its_writeback(tmp_path, monkeypatch):
+    """The stream DCP writes each checkpoint file through: bytes, offsets, digest, writeback, fsync."""
+    import io
+    import os
+
+    import crc32c
+
+    from hpkit.runtime.checkpoint import ChecksummingFileSystem
+    from hpkit.runtime.checkpoint_record import ChecksumWriter, DigestLog
+
+    calls: list[tuple[int, int, int]] = []  # (offset, length, file size on disk at the call)
+    real = os.posix_fadvise
+
+    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        calls.append((offset, length, os.fstat(fd).st_size))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    # Small writes (zip headers, kept in the buffer) and large ones (tensor data) across the 64 KiB steps.
+    chunks = [os.urandom(n) for n in (100, 70_000, 30, 200_000, 5, 65_520, 20, 1)]
+    log = DigestLog()
+    fs = ChecksummingFileSystem(log, writeback_bytes=64 << 10)
+    path = tmp_path / "__0_0.distcp"
+    with fs.create_stream(path, "wb") as stream:
+        written = 0
+        for chunk in chunks:
+            assert stream.tell() == written  # DCP records each item's offset from tell()
+            assert stream.write(chunk) == len(chunk)
+            written += len(chunk)
+        # DCP fsyncs the descriptor before closing: by then every byte must have left the buffer.
+        assert os.fstat(stream.fileno()).st_size == written
+    data = b"".join(chunks)
+    assert path.read_bytes() == data
+    assert log.files == {path.name: digest_file(path)} and log.files[path.name].crc32c == crc32c.crc32c(data)
+    # Writeback was asked for in contiguous ranges from the start, only for bytes already in the file.
+    assert [c[0] for c in calls] == [0, *[sum(c[:2]) for c in calls[:-1]]]
+    assert len(calls) >= 3 and all(offset + length <= size for offset, length, size in calls)
+    assert sum(c[1] for c in calls) > len(data) - (64 << 10)
+
+    # Reading goes to DCP's own stream, untouched.
+    with fs.create_stream(path, "rb") as stream:
+        assert stream.read() == data
+
+    # A stream without a file descriptor: no writeback, and the checksum is still right.
+    calls.clear()
+    sink = io.BytesIO()
+    writer = ChecksumWriter(sink, lambda w: None, writeback_bytes=16)
+    for chunk in chunks:
+        writer.write(chunk)
+    assert sink.getvalue() == data and writer.crc == crc32c.crc32c(data) and calls == []
+
+
+def test_digest_file_reads_across_its_chunks(tmp_path):
+    import os
+
+    import crc32c
+
+    data = os.urandom((5 << 20) // 2 + 7)  # two whole 1 MiB reads and a partial one
+    path = tmp_path / "__1_0.distcp"
+    path.write_bytes(data)
+    assert digest_file(path) == FileDigest(len(data), crc32c.crc32c(data))

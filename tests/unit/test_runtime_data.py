@@ -75,3 +75,52 @@ def test_token_file_errors(tmp_path):
     with pytest.raises(SpecError, match="vocabulary is 100"):
         TokenFile(big, "uint16", 4, 0, 100).sample(0)
     assert isinstance(build_source("synthetic", None, "uint16", 4, 0, 100), SyntheticTokens)
+
+
+def _prepared_dir(tmp_path, shard_lengths: list[int], vocab: int = 1000, dtype: str = "uint16"):
+    """A directory in `hpkit data prepare`'s format, made by hand: tokens 0, 1, 2, ... over the shards."""
+    import hashlib
+    import json
+
+    shards, start = [], 0
+    for n, length in enumerate(shard_lengths):
+        data = np.arange(start, start + length, dtype=dtype)
+        name = f"shard-{n:05d}.bin"
+        data.tofile(tmp_path / name)
+        shards.append({"name": name, "tokens": length, "sha256": hashlib.sha256(data.tobytes()).hexdigest()})
+        start += length
+    index = {"format": "hpkit-prepared", "version": 1, "dtype": dtype, "shards": shards, "documents": 3}
+    index.update(vocab_size=vocab, eos_id=0)
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    return tmp_path
+
+
+def test_prepared_windows_run_across_shard_boundaries(tmp_path):
+    from hpkit.runtime.data import PreparedTokens
+
+    source = PreparedTokens(_prepared_dir(tmp_path, [7, 3, 0, 11]), seq_len=4, seed=5, vocab_size=1000)
+    assert len(source) == 5  # 21 tokens: windows start at 0, 4, 8, 12, 16
+    windows = sorted(source.sample(i).tolist() for i in range(5))
+    assert windows == [list(range(s, s + 5)) for s in range(0, 20, 4)]
+    second_epoch = sorted(source.sample(i).tolist() for i in range(5, 10))
+    assert second_epoch == windows
+
+
+def test_prepared_directory_errors_name_the_field_and_the_fix(tmp_path):
+    from hpkit.runtime.data import PreparedTokens
+
+    with pytest.raises(
+        SpecError, match=r"train.data.path: .* has no index.json: make one with `hpkit data prepare"
+    ):
+        PreparedTokens(tmp_path, 4, 0, 1000)
+    (tmp_path / ".prepare-state.json").write_text("{}")
+    with pytest.raises(SpecError, match="did not finish: run `hpkit data prepare` again"):
+        PreparedTokens(tmp_path, 4, 0, 1000)
+    prepared = _prepared_dir(tmp_path, [10, 10], vocab=32000)
+    with pytest.raises(
+        SpecError, match=r"vocabulary of 32000, more than the model.s 1000: set model\.vocab_size"
+    ):
+        PreparedTokens(prepared, 4, 0, 1000)
+    (prepared / "shard-00001.bin").write_bytes(b"\0" * 6)
+    with pytest.raises(SpecError, match=r"shard-00001.bin is 6 bytes, the index says 20"):
+        PreparedTokens(prepared, 4, 0, 32000)

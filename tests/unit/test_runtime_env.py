@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from hpkit.rendezvous import port_for_job
@@ -7,6 +9,7 @@ from hpkit.runtime.env import (
     LaunchError,
     expand_tasks_per_node,
     node_addr,
+    node_name,
     read_launch_env,
     threads_per_process,
 )
@@ -96,3 +99,9 @@ def test_threads_split_cores_among_local_ranks():
     assert threads_per_process(4, cpu_count=2, affinity=2) == 1
     # Bound by the launcher to 3 cores: those are this rank's own.
     assert threads_per_process(4, cpu_count=16, affinity=3) == 3
+
+
+def test_node_name_is_slurms_else_the_host_name():
+    # The development cluster's nodes share one host name; Slurm's name tells them apart.
+    assert node_name({"SLURMD_NODENAME": "node2", "HOSTNAME": "vm"}) == "node2"
+    assert node_name({}) == socket.gethostname()

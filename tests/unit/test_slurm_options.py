@@ -100,7 +100,12 @@ INVALID = [
     ),
     ("sbatch_options", ["--time=5"], "use time_limit in the spec instead"),
     ("sbatch_options", ["--mem=4G"], "use mem in the spec instead"),
-    ("sbatch_options", ["--requeue"], "use resilience.max_restarts in the spec instead"),
+    (
+        "sbatch_options",
+        ["--requeue"],
+        "use resilience.max_restarts and resilience.requeue_on_failure in the spec instead",
+    ),
+    ("sbatch_options", ["--no-kill"], "use resilience.requeue_on_failure (Slurm requeues the job"),
     ("sbatch_options", ["--open-mode=truncate"], "hpkit appends so that a requeued job keeps"),
     (
         "sbatch_options",

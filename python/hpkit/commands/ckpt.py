@@ -1,4 +1,5 @@
-"""`hpkit ckpt verify|ls DIR`: check checkpoints offline against their commit records (no torch needed)."""
+"""`hpkit ckpt verify|ls DIR`: check checkpoints offline against their commit records (no torch needed);
+`hpkit ckpt export --hf CKPT OUT`: a checkpoint as a Hugging Face Llama (torch and the hf extra)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,23 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     listing.add_argument("--quick", action="store_true", help="check record and sizes only, not checksums")
     for p in (verify, listing):
         p.add_argument("--json", action="store_true", help="print the result as JSON")
+    export = sub.add_parser(
+        "export", help="write a checkpoint as config.json + safetensors that transformers loads"
+    )
+    export.add_argument("--hf", action="store_true", required=True, help="Hugging Face Llama format")
+    export.add_argument(
+        "dir", help="a checkpoint root (its newest committed checkpoint) or one step-N directory"
+    )
+    export.add_argument("out", help="a new (or empty) directory to write")
+    export.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16", "float16"],
+        default="auto",
+        help="tensor type of the export (auto: as the checkpoint stores them)",
+    )
+    export.add_argument(
+        "--max-shard-gib", type=float, default=5.0, help="largest safetensors file, GiB (default 5)"
+    )
     return parser
 
 
@@ -30,6 +48,8 @@ def main(argv: list[str], prog: str = "hpkit ckpt") -> int:
     root = Path(args.dir)
     if not root.exists():
         raise HpkitError(f"{root}: no such directory")
+    if args.action == "export":
+        return _export(root, Path(args.out), args.dtype, args.max_shard_gib)
     dirs = checkpoint_dirs(root)
     if not dirs:
         raise HpkitError(
@@ -47,6 +67,23 @@ def main(argv: list[str], prog: str = "hpkit ckpt") -> int:
         for r in reports:
             _print_verdict(r)
     return 0 if all(r.ok for r in reports) else 1
+
+
+def _export(root: Path, out: Path, dtype: str, max_shard_gib: float) -> int:
+    if max_shard_gib <= 0:
+        raise HpkitError(f"--max-shard-gib {max_shard_gib}: give a positive size")
+    try:
+        from hpkit.hf.export import export_hf
+    except ImportError as exc:
+        raise HpkitError(
+            f"hpkit ckpt export needs torch and the hf extra ({exc.name} is missing): pip install 'hpkit[train,hf]'"
+        ) from None
+    done = export_hf(root, out, dtype, int(max_shard_gib * 2**30))
+    print(
+        f"{done.out}: {done.tensors} tensors ({_size(done.total_bytes)}, {done.dtype}) in {len(done.files)} "
+        f"safetensors file(s) + config.json, from {done.step_dir}"
+    )
+    return 0
 
 
 def _sizes_only(report: CheckpointReport) -> CheckpointReport:

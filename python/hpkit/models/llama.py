@@ -1,5 +1,8 @@
 """The reference decoder: Llama 3 style (RMSNorm, RoPE, grouped-query attention, SwiGLU), untied embeddings.
 
+Rotary embeddings rotate interleaved pairs (2i, 2i+1) of each head, as Meta's Llama code does; Hugging
+Face's rotates the halves (i, i + head_dim/2), so hpkit.hf permutes q/k rows on load and back on export.
+
 Written so that every parallelism can be applied from outside: blocks live in a ModuleDict keyed by
 their index (pipeline stages delete blocks and keep the others' names, so checkpoints reshard across
 stage layouts), and a stage without embeddings or output head takes and returns hidden states.
@@ -9,11 +12,21 @@ from __future__ import annotations
 
 import math
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3's rotary frequency scaling (Hugging Face's rope_type "llama3")."""
+
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -27,10 +40,13 @@ class LlamaConfig:
     max_seq_len: int = 2048
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
+    rope_scaling: RopeScaling | None = None
+    # Hugging Face configs may give a head size other than dim / n_heads; None: dim / n_heads.
+    attn_head_dim: int | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     def num_params(self, embeddings: bool = True) -> int:
         attn = self.dim * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
@@ -54,7 +70,9 @@ SHAPES: dict[str, LlamaConfig] = {
     "debug": LlamaConfig(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=768, vocab_size=2048),
     "125M": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
     "1B": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256),
+    # Llama 3 8B and 70B as published (config.json: rope_theta 500000, rms_norm_eps 1e-5, vocab 128256).
     "8B": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
+    "70B": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
 }
 
 
@@ -99,9 +117,38 @@ def rope_tables(cfg: LlamaConfig, device: torch.device | None = None) -> tuple[t
     # some collectives and by compile.
     half = cfg.head_dim // 2
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float32) / half))
+    if cfg.rope_scaling is not None:
+        inv_freq = _llama3_scaled(inv_freq, cfg.rope_scaling)
     t = torch.arange(cfg.max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(t, inv_freq)
     return angles.cos(), angles.sin()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, rs: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's long-context rule: long wavelengths slow down by `factor`, short ones stay, and the
+    band between blends the two linearly in 1/wavelength."""
+    wavelen = 2 * math.pi / inv_freq
+    low_wavelen = rs.original_max_position_embeddings / rs.low_freq_factor
+    high_wavelen = rs.original_max_position_embeddings / rs.high_freq_factor
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+    smooth = (rs.original_max_position_embeddings / wavelen - rs.low_freq_factor) / (
+        rs.high_freq_factor - rs.low_freq_factor
+    )
+    blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(middle, blended, scaled)
+
+
+def config_to_dict(cfg: LlamaConfig) -> dict:
+    """Plain JSON for the checkpoint's commit record (read back torch-free by `hpkit ckpt export`)."""
+    return asdict(cfg)
+
+
+def config_from_dict(data: dict) -> LlamaConfig:
+    data = dict(data)
+    if data.get("rope_scaling"):
+        data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    return LlamaConfig(**data)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -202,7 +249,7 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         depth_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
-        for name, param in _named_parameters_unwrapped(self):
+        for name, param in named_parameters_unwrapped(self):
             full_shape = param.shape
             device = param.to_local().device if isinstance(param, DTensor) else param.device
             gen = torch.Generator(device=device)
@@ -227,7 +274,7 @@ class Llama(nn.Module):
                 param.copy_(full)
 
 
-def _named_parameters_unwrapped(model: nn.Module):
+def named_parameters_unwrapped(model: nn.Module):
     # Activation checkpointing and compile insert wrapper modules; the init seed uses the plain name
     # so that wrapped and unwrapped models draw the same values.
     for name, param in model.named_parameters():

@@ -19,6 +19,7 @@ so DCP can load them into a different parallel layout or world size.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import shutil
 import threading
@@ -126,12 +127,32 @@ def find_latest(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
+# Start writing a shard to disk every this many bytes instead of all at its fsync, so that the flush
+# overlaps serialisation (e.g. 32 << 20). Off: on the 2-core test VM it cut the final fsync from 0.26
+# to 0.01 s per 720 MB at low load, but cost 0.1-0.2 CPU-s per save in every loaded run and lost
+# there as often as it won (BENCHMARKS.md, P4). bench_checkpoint.py measures it as side (b').
+WRITEBACK_BYTES = 0
+# torch.save writes each tensor as a zip of ~11 pieces, most of them a few bytes of header; this
+# buffer gathers them before they reach the checksum (Python code), and larger writes go straight
+# through. torch.save flushes after every tensor, so a bigger buffer would not gather more.
+_BUFFER_BYTES = 64 << 10
+
+
+class _FlushingBufferedWriter(io.BufferedWriter):
+    """DCP fsyncs `stream.fileno()` without flushing the stream first: flush before handing it out."""
+
+    def fileno(self) -> int:
+        self.flush()
+        return super().fileno()
+
+
 class ChecksummingFileSystem(FileSystem):
     """DCP's local filesystem, with every file written checksummed on its way to disk."""
 
-    def __init__(self, log: DigestLog) -> None:
+    def __init__(self, log: DigestLog, writeback_bytes: int = WRITEBACK_BYTES) -> None:
         super().__init__()
         self.log = log
+        self.writeback_bytes = writeback_bytes
 
     @contextlib.contextmanager
     def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[Any]:
@@ -140,12 +161,16 @@ class ChecksummingFileSystem(FileSystem):
                 yield stream
             return
         name = Path(path).name
-        with super().create_stream(path, mode) as raw:
-            writer = ChecksumWriter(raw, lambda w: self.log.add(name, FileDigest(w.size, w.crc)))
+        # file <- checksum (one call per buffer flush or large write) <- buffer <- DCP/torch.save
+        with Path(path).open(mode, buffering=0) as raw:
+            checksummed = ChecksumWriter(
+                raw, lambda w: self.log.add(name, FileDigest(w.size, w.crc)), self.writeback_bytes
+            )
+            stream = _FlushingBufferedWriter(checksummed, buffer_size=_BUFFER_BYTES)
             try:
-                yield writer
+                yield stream
             finally:
-                writer.close()
+                stream.close()  # flushes, then closes the checksum, which records the digest
 
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         super().rename(path, new_path)
@@ -163,6 +188,7 @@ class Checkpointer:
         layout: dict[str, int] | None = None,
         log: Callable[[str], None] = print,
         on_commit: Callable[[CommitRecord, Path], None] | None = None,
+        model: dict[str, Any] | None = None,
     ) -> None:
         self.spec = spec
         self.root = Path(root)
@@ -172,6 +198,7 @@ class Checkpointer:
         self.is_rank0 = rank == 0
         self.writer_threads = spec.writer_threads
         self.layout = dict(layout or {})
+        self.model = model  # recorded in each commit record (`hpkit ckpt export` reads it)
         self.world_size = dist.get_world_size()
         self._log = log
         self._on_commit = on_commit  # rank 0, after the rename: the metrics file records each checkpoint
@@ -391,7 +418,9 @@ class Checkpointer:
             files: dict[str, FileDigest] = {}
             for part in gathered:
                 files.update(part or {})
-            record = CommitRecord(_step_of(final), files, self.world_size, self.layout, time.time())
+            record = CommitRecord(
+                _step_of(final), files, self.world_size, self.layout, time.time(), self.model
+            )
             write_record(tmp, record)
             if final.exists():
                 shutil.rmtree(final)

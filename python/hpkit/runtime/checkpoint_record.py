@@ -25,7 +25,7 @@ import crc32c
 RECORD_NAME = "hpkit-commit.json"
 RECORD_FORMAT = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
-_READ_CHUNK = 8 << 20
+_READ_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -48,23 +48,26 @@ class CommitRecord:
     world_size: int
     layout: dict[str, int] = field(default_factory=dict)
     created: float = 0.0
+    # The model's shape (and Hugging Face fields to pass through), so that `hpkit ckpt export` can
+    # write a config.json offline; None in checkpoints saved before it was recorded.
+    model: dict[str, Any] | None = None
 
     @property
     def total_bytes(self) -> int:
         return sum(d.size for d in self.files.values())
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "format": RECORD_FORMAT,
-                "step": self.step,
-                "world_size": self.world_size,
-                "layout": self.layout,
-                "created": self.created,
-                "files": {name: d.to_json() for name, d in sorted(self.files.items())},
-            },
-            indent=1,
-        )
+        data: dict[str, Any] = {
+            "format": RECORD_FORMAT,
+            "step": self.step,
+            "world_size": self.world_size,
+            "layout": self.layout,
+            "created": self.created,
+        }
+        if self.model is not None:
+            data["model"] = self.model
+        data["files"] = {name: d.to_json() for name, d in sorted(self.files.items())}
+        return json.dumps(data, indent=1)
 
 
 class RecordError(Exception):
@@ -83,6 +86,7 @@ def read_record(directory: Path) -> CommitRecord:
             world_size=int(data["world_size"]),
             layout={str(k): int(v) for k, v in data.get("layout", {}).items()},
             created=float(data.get("created", 0.0)),
+            model=data["model"] if isinstance(data.get("model"), dict) else None,
         )
     except FileNotFoundError:
         raise RecordError(f"no commit record ({RECORD_NAME}): the save never completed") from None
@@ -102,11 +106,15 @@ def write_record(directory: Path, record: CommitRecord) -> None:
 
 
 def digest_file(path: Path) -> FileDigest:
+    # One buffer, reused: small enough to stay in cache between the read's copy and the CRC, and no
+    # new allocation per chunk (measured from the page cache: 2.5 GB/s with 8 MiB reads, 6 with this).
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
     crc, size = 0, 0
     with path.open("rb", buffering=0) as f:
-        while chunk := f.read(_READ_CHUNK):
-            crc = crc32c.crc32c(chunk, crc)
-            size += len(chunk)
+        while n := f.readinto(buf):
+            crc = crc32c.crc32c(view[:n], crc)
+            size += n
     return FileDigest(size, crc)
 
 
@@ -188,14 +196,21 @@ class ChecksumWriter(io.RawIOBase):
 
     Seeking is refused: a stream that rewrote earlier bytes would leave a checksum of bytes that are
     not in the file.
+
+    With `writeback_bytes`, every that many bytes the kernel is told to start writing the part
+    written so far to disk, while the rest is still being serialised. Otherwise nothing reaches the
+    disk before the file's fsync (a checkpoint shard is far below the page cache's dirty threshold),
+    and the save then waits for the whole flush at the end.
     """
 
-    def __init__(self, raw: Any, on_close: Any) -> None:
+    def __init__(self, raw: Any, on_close: Any, writeback_bytes: int = 0) -> None:
         super().__init__()
         self._raw = raw
         self._on_close = on_close
         self.crc = 0
         self.size = 0
+        self._writeback = writeback_bytes if hasattr(os, "posix_fadvise") else 0
+        self._queued = 0  # bytes already handed to the kernel's writeback
 
     def writable(self) -> bool:
         return True
@@ -206,7 +221,21 @@ class ChecksumWriter(io.RawIOBase):
         written = len(view) if written is None else written
         self.crc = crc32c.crc32c(view[:written], self.crc)
         self.size += written
+        if self._writeback and self.size - self._queued >= self._writeback:
+            self._start_writeback()
         return written
+
+    def _start_writeback(self) -> None:
+        # POSIX_FADV_DONTNEED on dirty pages starts their writeback without waiting for it (Linux);
+        # pages still being written stay cached. The save never reads these bytes back.
+        self._raw.flush()
+        try:
+            os.posix_fadvise(
+                self._raw.fileno(), self._queued, self.size - self._queued, os.POSIX_FADV_DONTNEED
+            )
+        except OSError:  # not a regular file, or a filesystem without it: fsync alone then
+            self._writeback = 0
+        self._queued = self.size
 
     def tell(self) -> int:
         return self._raw.tell()

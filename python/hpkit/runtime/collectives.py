@@ -60,7 +60,7 @@ def import_smddp() -> str | None:
     """Import SMDDP (which registers the "smddp" backend); None on success, else the error in one line."""
     if shim_answers():
         # compat: [smddp] puts hpkit's alias where SMDDP would be: that is NCCL, not SMDDP.
-        return "ModuleNotFoundError: only hpkit's compat alias of it is on the path"
+        return f"ModuleNotFoundError: {SMDDP_MODULE} is not installed: only hpkit's compat alias of it is on the path"
     try:
         __import__(SMDDP_MODULE)
     except Exception as exc:  # a broken install raises more than ImportError (missing libs, CUDA)

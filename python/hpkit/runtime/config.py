@@ -105,9 +105,15 @@ def _fmt(degrees: dict[str, int]) -> str:
 
 
 class ModelSpec(StrictModel):
-    """The reference Llama-style decoder: a named shape, optionally with some dimensions overridden."""
+    """The reference Llama-style decoder: a named shape, optionally with some dimensions overridden, or
+    the shape and weights of a Hugging Face Llama checkpoint (init_from)."""
 
-    name: Literal["debug", "125M", "1B", "8B"] = "debug"
+    name: Literal["debug", "125M", "1B", "8B", "70B"] = "debug"
+    init_from: str | None = Field(
+        default=None,
+        description="a Hugging Face Llama directory (config.json + *.safetensors): its shape and weights; "
+        "a checkpoint to resume from takes precedence",
+    )
     vocab_size: int | None = Field(default=None, ge=2, description="override the shape's vocabulary")
     seq_len: int = Field(default=256, ge=2)
     dim: int | None = Field(default=None, ge=8, description="override the hidden size")
@@ -116,16 +122,86 @@ class ModelSpec(StrictModel):
     n_kv_heads: int | None = Field(default=None, ge=1, description="override the key/value heads (GQA)")
     ffn_dim: int | None = Field(default=None, ge=1, description="override the SwiGLU hidden size")
 
+    @model_validator(mode="after")
+    def _init_from_sets_the_shape(self) -> ModelSpec:
+        if self.init_from is None:
+            return self
+        check_no_control_chars(self.init_from, "init_from")
+        shaped = [
+            f
+            for f in ("name", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+            if f in self.model_fields_set
+        ]
+        if shaped:
+            raise ValueError(
+                f"{shaped[0]} cannot be given with init_from: the shape comes from {self.init_from}/config.json; "
+                f"leave {shaped[0]} out"
+            )
+        return self
+
 
 class DataSpec(StrictModel):
-    kind: Literal["synthetic", "tokens"] = "synthetic"
-    path: str | None = Field(default=None, description="a flat binary file of token ids (kind: tokens)")
-    dtype: Literal["uint16", "uint32"] = "uint16"
+    kind: Literal["synthetic", "tokens", "prepared"] = "synthetic"
+    path: str | None = Field(
+        default=None,
+        description="kind tokens: a flat binary file of token ids; kind prepared: a directory from `hpkit data prepare`",
+    )
+    dtype: Literal["uint16", "uint32"] = Field(
+        default="uint16", description="kind tokens only (a prepared directory's index names its own)"
+    )
 
     @model_validator(mode="after")
     def _path(self) -> DataSpec:
         if self.kind == "tokens" and not self.path:
             raise ValueError("kind: tokens needs path: the token file to read")
+        if self.kind == "prepared" and not self.path:
+            raise ValueError("kind: prepared needs path: the directory `hpkit data prepare` wrote")
+        return self
+
+
+class StragglerSpec(StrictModel):
+    """Find a rank that drags the job: compare each rank's own work time with the others' every few steps.
+
+    Every `every_steps` steps the ranks exchange their mean local work time over that window (one small
+    all-gather on a CPU group, started without waiting and read a step later). A rank slower than the
+    median of the others by `factor` in `windows` windows in a row is named once in a warning.
+    """
+
+    enabled: bool = True
+    every_steps: int = Field(default=20, ge=1, description="steps in one window (one all-gather per window)")
+    factor: float = Field(default=1.5, gt=1, description="how many times slower than the others' median")
+    windows: int = Field(default=3, ge=1, description="consecutive slow windows before the warning")
+
+
+class PrometheusSpec(StrictModel):
+    """Training metrics for Prometheus through prometheus-client: a textfile for node_exporter, or HTTP."""
+
+    textfile_dir: str | None = Field(
+        default=None,
+        description="node_exporter's textfile-collector directory; each rank writes <name>-<job>-rank<r>.prom there",
+    )
+    port: int | None = Field(
+        default=None,
+        ge=1,
+        le=65535,
+        description="serve /metrics over HTTP; local rank r listens on port + r",
+    )
+
+    @field_validator("textfile_dir")
+    @classmethod
+    def _dir(cls, value: str | None) -> str | None:
+        if value is not None:
+            check_no_control_chars(value, "textfile_dir")
+            if not value.strip():
+                raise ValueError("textfile_dir is empty: name the directory node_exporter reads")
+        return value
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> PrometheusSpec:
+        if (self.textfile_dir is None) == (self.port is None):
+            raise ValueError(
+                "give exactly one of textfile_dir (a directory node_exporter reads) or port (an HTTP endpoint)"
+            )
         return self
 
 
@@ -148,6 +224,10 @@ class TrainSpec(StrictModel):
         default=None, description="JSONL metrics path; a relative one is inside output_dir (default: there)"
     )
     tensorboard: bool = Field(default=True, description="also write TensorBoard events when it is installed")
+    stragglers: StragglerSpec = Field(default_factory=StragglerSpec)
+    prometheus: PrometheusSpec | None = Field(
+        default=None, description="also export the metrics to Prometheus (None: do not)"
+    )
     data: DataSpec = Field(default_factory=DataSpec)
 
     @field_validator("metrics_file")
@@ -200,6 +280,28 @@ class ResilienceSpec(StrictModel):
         ge=10,
         description="a collective waiting this long on a dead peer ends the job instead of hanging it",
     )
+    requeue_on_failure: bool | None = Field(
+        default=None,
+        description=(
+            "when a node of the job dies, let Slurm requeue the job, counted against max_restarts "
+            "(default: on when max_restarts > 0); a program that fails on healthy nodes is never requeued"
+        ),
+    )
+
+    @model_validator(mode="after")
+    def _requeue_needs_a_budget(self) -> ResilienceSpec:
+        if self.requeue_on_failure and self.max_restarts == 0:
+            raise ValueError(
+                "requeue_on_failure: true needs a restart budget: set max_restarts > 0, "
+                "or drop requeue_on_failure"
+            )
+        return self
+
+    def requeues_on_failure(self) -> bool:
+        """Whether Slurm may requeue the job after a node failure (the field, or its default)."""
+        if self.requeue_on_failure is None:
+            return self.max_restarts > 0
+        return self.requeue_on_failure
 
 
 class CollectivesSpec(StrictModel):

@@ -1,4 +1,5 @@
-"""Token data: synthetic or a memory-mapped file of token ids, as one global stream of samples.
+"""Token data: synthetic, a memory-mapped file of token ids, or a prepared directory (`hpkit data prepare`),
+as one global stream of samples.
 
 Step s uses the global samples [s*G, (s+1)*G) for a global batch G; data-parallel rank r takes its
 contiguous slice of them. The stream therefore does not depend on the layout: a run resumed with a
@@ -7,8 +8,10 @@ different data-parallel degree continues with exactly the samples the old run wo
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import torch
@@ -50,26 +53,17 @@ class SyntheticTokens:
         return self.batch(index, 1)[0]
 
 
-class TokenFile:
-    """A flat binary file of uint16/uint32 token ids, read through a memory map.
+class _Windows:
+    """Sample i is a window of seq_len+1 tokens of one token stream; windows are visited in a seeded
+    permutation per epoch, so the order is shuffled yet reproducible from (seed, position) alone."""
 
-    Sample i is a window of seq_len+1 tokens; windows are visited in a seeded permutation per epoch,
-    so the order is shuffled yet reproducible from (seed, position) alone.
-    """
+    field = "train.data.path"
 
-    def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab_size: int) -> None:
-        path = Path(path)
-        if not path.is_file():
-            raise SpecError(f"train.data.path: {path} is not a file")
-        item = np.dtype(dtype).itemsize
-        size = path.stat().st_size
-        if size % item:
-            raise SpecError(f"train.data.path: {path} has {size} bytes, not a whole number of {dtype} tokens")
-        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+    def __init__(self, length: int, seq_len: int, seed: int, vocab_size: int, name: str) -> None:
         self.seq_len, self.seed, self.vocab_size = seq_len, seed, vocab_size
-        self.windows = (len(self.tokens) - 1) // seq_len
+        self.windows = (length - 1) // seq_len
         if self.windows < 1:
-            raise SpecError(f"train.data.path: {path} holds {len(self.tokens)} tokens, fewer than seq_len+1")
+            raise SpecError(f"{self.field}: {name} holds {length} tokens, fewer than seq_len+1")
         self._perm_epoch = -1
         self._perm: np.ndarray | None = None
 
@@ -82,28 +76,84 @@ class TokenFile:
             self._perm_epoch = epoch
         return self._perm
 
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        raise NotImplementedError
+
     def sample(self, index: int) -> torch.Tensor:
         epoch, i = divmod(index, self.windows)
         w = int(self._order(epoch)[i])
-        chunk = np.asarray(
-            self.tokens[w * self.seq_len : w * self.seq_len + self.seq_len + 1], dtype=np.int64
-        )
+        chunk = self._read(w * self.seq_len, w * self.seq_len + self.seq_len + 1)
         if chunk.max(initial=0) >= self.vocab_size:
             raise SpecError(
-                f"train.data.path holds token id {int(chunk.max())} but the model's vocabulary is {self.vocab_size}"
+                f"{self.field} holds token id {int(chunk.max())} but the model's vocabulary is {self.vocab_size}"
             )
         return torch.from_numpy(chunk)
+
+
+class TokenFile(_Windows):
+    """A flat binary file of uint16/uint32 token ids, read through a memory map."""
+
+    def __init__(self, path: str | Path, dtype: str, seq_len: int, seed: int, vocab_size: int) -> None:
+        path = Path(path)
+        if not path.is_file():
+            raise SpecError(f"train.data.path: {path} is not a file")
+        item = np.dtype(dtype).itemsize
+        size = path.stat().st_size
+        if size % item:
+            raise SpecError(f"train.data.path: {path} has {size} bytes, not a whole number of {dtype} tokens")
+        self.tokens = np.memmap(path, dtype=dtype, mode="r")
+        super().__init__(len(self.tokens), seq_len, seed, vocab_size, str(path))
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        return np.asarray(self.tokens[start:stop], dtype=np.int64)
+
+
+class PreparedTokens(_Windows):
+    """A directory from `hpkit data prepare`: its shards, memory-mapped, read as one stream in shard order
+    (a window may span two shards)."""
+
+    def __init__(self, path: str | Path, seq_len: int, seed: int, vocab_size: int) -> None:
+        from hpkit.data.index import read_index
+        from hpkit.errors import HpkitError
+
+        try:
+            index = read_index(path)
+        except HpkitError as exc:
+            raise SpecError(str(exc)) from None
+        if index.vocab_size > vocab_size:
+            raise SpecError(
+                f"train.data.path: {path} was tokenised with a vocabulary of {index.vocab_size}, more than "
+                f"the model's {vocab_size}: set model.vocab_size to at least {index.vocab_size}"
+            )
+        self.shards = [
+            np.memmap(index.path / s.name, dtype=index.dtype, mode="r") for s in index.shards if s.tokens
+        ]
+        self.starts = np.cumsum([0] + [len(s) for s in self.shards])
+        super().__init__(int(self.starts[-1]), seq_len, seed, vocab_size, str(path))
+
+    def _read(self, start: int, stop: int) -> np.ndarray:
+        first = int(np.searchsorted(self.starts, start, side="right")) - 1
+        parts, at = [], start
+        while at < stop:
+            shard = self.shards[first]
+            end = min(stop, int(self.starts[first + 1]))
+            parts.append(shard[at - self.starts[first] : end - self.starts[first]])
+            at, first = end, first + 1
+        return np.concatenate(parts).astype(np.int64)
 
 
 @dataclass
 class DataLoader:
     """This rank's batches. `position` counts global samples consumed; it is all a resume needs."""
 
-    source: SyntheticTokens | TokenFile
+    source: SyntheticTokens | TokenFile | PreparedTokens
     local_batch: int
     dp_rank: int
     dp_degree: int
     position: int = 0
+    # A debug record (HPKIT_DATA_DIGESTS): one line per sample read, "global-index sha1", so that tests can
+    # compare what runs saw.
+    digests: TextIO | None = None
 
     @property
     def global_batch(self) -> int:
@@ -115,6 +165,9 @@ class DataLoader:
             rows = self.source.batch(first, self.local_batch)
         else:
             rows = torch.stack([self.source.sample(first + j) for j in range(self.local_batch)])
+        if self.digests is not None:
+            for j, row in enumerate(rows):
+                self.digests.write(f"{first + j} {hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16]}\n")
         self.position += self.global_batch
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
@@ -128,4 +181,6 @@ class DataLoader:
 def build_source(kind: str, path: str | None, dtype: str, seq_len: int, seed: int, vocab_size: int):
     if kind == "synthetic":
         return SyntheticTokens(vocab_size, seq_len, seed)
+    if kind == "prepared":
+        return PreparedTokens(path, seq_len, seed, vocab_size)
     return TokenFile(path, dtype, seq_len, seed, vocab_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -37,6 +38,13 @@ class LaunchEnv:
     @property
     def is_rank0(self) -> bool:
         return self.rank == 0
+
+
+def node_name(env: Mapping[str, str] | None = None) -> str:
+    """The node this process runs on, as Slurm names it; the host name outside Slurm. (Nodes of one
+    host, as in the development cluster, share a host name but not a Slurm name.)"""
+    env = os.environ if env is None else env
+    return env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

@@ -14,15 +14,20 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hpkit.errors import SpecError
 from hpkit.runtime.checkpoint import Checkpointer
 from hpkit.runtime.checkpoint_record import CommitRecord
 from hpkit.runtime.collectives import decide
 from hpkit.runtime.config import RunConfig, expand_job_pattern
-from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed
-from hpkit.runtime.metrics import MetricsLogger, StepStats, peak_memory_gib, peak_tflops
+from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed, node_name
+from hpkit.runtime.metrics import MetricsLogger, peak_tflops
+from hpkit.runtime.report import StepReporter
 from hpkit.runtime.trainer import StepResult, Trainer
+
+if TYPE_CHECKING:
+    from hpkit.runtime.prometheus import PrometheusExporter
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -41,6 +46,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     say = _printer(launch.rank == 0)
     metrics = _metrics_logger(cfg, launch.rank == 0)
     trainer = Trainer(cfg, device)
+    peak = peak_tflops(device.name, device.type, trainer.mixed_precision)
+    report = StepReporter(trainer, metrics, _exporter(cfg, launch), peak, say)
     checkpointer = _checkpointer(cfg, launch.rank, trainer, say, metrics)
     say(_banner(cfg, launch, device, trainer))
     resumed = None
@@ -48,6 +55,13 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
         resumed = trainer.resume(checkpointer)
         if resumed is not None:
             say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
+    if resumed is None and trainer.hf is not None:
+        # A checkpoint of this run (above) takes precedence: it holds the weights trained since.
+        loaded = trainer.load_pretrained()
+        say(
+            f"hpkit train: loaded {loaded.tensors} tensors from {cfg.model.init_from} "
+            f"(rank 0 read {loaded.bytes_read / 2**20:.1f} MiB)"
+        )
     # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
     metrics.event(
         {
@@ -60,7 +74,6 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
         }
     )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
-    peak = peak_tflops(device.name, device.type, trainer.mixed_precision)
     last: StepResult | None = None
     try:
         with _stop_on_signals(trainer.request_stop):
@@ -69,12 +82,14 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                 summary.add(last, trainer.tokens_per_step)
                 if last.logged:
                     _check_finite(last)
-                    metrics.log(_stats(last, trainer, launch, peak))
+                report.step(last)
                 if checkpointer is not None:
                     checkpointer.save(last.step, trainer.checkpoint_state(), forced=trainer.stop_requested)
                 if trainer.stop_requested:
                     say(f"hpkit train: stopping at step {trainer.step} on signal {trainer.stop_signal}")
                     break
+            if (window := trainer.last_window()) is not None:
+                report.window(window)
             if checkpointer is not None:
                 if last is not None and not trainer.stop_requested:
                     checkpointer.save(last.step, trainer.checkpoint_state(), final=True)
@@ -89,7 +104,7 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
         )
     finally:
         trainer.close()
-        metrics.close()
+        report.close()
     if last is None:
         say(f"hpkit train: nothing to do: already at step {trainer.step} of {cfg.train.steps}")
         return 0
@@ -156,6 +171,23 @@ def _metrics_logger(cfg: RunConfig, enabled: bool) -> MetricsLogger:
     return MetricsLogger(enabled=enabled, jsonl_path=jsonl, tensorboard_dir=tensorboard)
 
 
+def _exporter(cfg: RunConfig, launch: LaunchEnv) -> PrometheusExporter | None:
+    if cfg.train.prometheus is None:
+        return None
+    # Imported only when asked for: the images install torch and hpkit, not every package of the extra.
+    try:
+        from hpkit.runtime.prometheus import PrometheusExporter
+    except ImportError:
+        raise SpecError(
+            "train.prometheus needs prometheus-client, which is not installed here: "
+            "pip install prometheus-client (the train extra has it), or remove train.prometheus"
+        ) from None
+
+    return PrometheusExporter(
+        cfg.train.prometheus, cfg.name, run_id(), launch.rank, launch.local_rank, node_name()
+    )
+
+
 def _checkpointer(
     cfg: RunConfig, rank: int, trainer: Trainer, say: Callable[[str], None], metrics: MetricsLogger
 ) -> Checkpointer | None:
@@ -167,13 +199,19 @@ def _checkpointer(
         metrics.event({"event": "checkpoint", "step": record.step, "path": str(path)})
 
     return Checkpointer(
-        cfg.checkpoint, root, rank, layout=trainer.dims.degrees(), log=say, on_commit=committed
+        cfg.checkpoint,
+        root,
+        rank,
+        layout=trainer.dims.degrees(),
+        log=say,
+        on_commit=committed,
+        model=trainer.model_record(),
     )
 
 
 def _banner(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, trainer: Trainer) -> str:
     return (
-        f"hpkit train: {cfg.name}: model {cfg.model.name} ({trainer.model_cfg.num_params() / 1e6:.2f}M params), "
+        f"hpkit train: {cfg.name}: model {cfg.model.init_from or cfg.model.name} ({trainer.model_cfg.num_params() / 1e6:.2f}M params), "
         f"{trainer.dims.describe()} on {launch.world_size} {device.type} rank(s) ({device.backend}, "
         f"launched by {launch.source}), {cfg.train.steps} steps of {trainer.tokens_per_step} tokens"
     )
@@ -182,23 +220,6 @@ def _banner(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, trainer: Trai
 def _check_finite(result: StepResult) -> None:
     if result.loss is not None and not math.isfinite(result.loss):
         raise SpecError(f"the loss became {result.loss} at step {result.step}: lower train.lr")
-
-
-def _stats(result: StepResult, trainer: Trainer, launch: LaunchEnv, peak: float | None) -> StepStats:
-    mem, kind = peak_memory_gib(trainer.device)
-    return StepStats(
-        result.step,
-        float(result.loss or 0.0),
-        float(result.grad_norm or 0.0),
-        result.lr,
-        result.step_time_s,
-        trainer.tokens_per_step,
-        launch.world_size,
-        trainer.flops_per_token,
-        peak,
-        mem,
-        kind,
-    )
 
 
 @contextmanager

@@ -12,6 +12,7 @@ flag) only on logging steps, so a GPU is never made to wait for the CPU between 
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,18 +25,23 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpkit.errors import SpecError
-from hpkit.models.llama import LlamaConfig, build_model, config_for
+from hpkit.hf.config import read_hf_config
+from hpkit.models.llama import LlamaConfig, build_model, config_for, config_to_dict
 from hpkit.runtime import data as data_mod
 from hpkit.runtime.activation_checkpoint import apply_ac
 from hpkit.runtime.checkpoint import Checkpointer, ModelState, OptimizerState
 from hpkit.runtime.compile import apply_compile, check_compile_allowed
 from hpkit.runtime.config import ModelSpec, RunConfig, resolve_mixed_precision
-from hpkit.runtime.env import DeviceInfo
+from hpkit.runtime.env import DeviceInfo, node_name
 from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
 from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
 from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
 from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model
+from hpkit.runtime.stragglers import StragglerMonitor, Window
 from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape
+
+# Debug: a directory where each rank appends "sample-index sha1" per sample it trains on (tests compare runs).
+DIGESTS_ENV = "HPKIT_DATA_DIGESTS"
 
 
 @dataclass
@@ -47,6 +53,7 @@ class StepResult:
     step_time_s: float
     loss: float | None = None
     grad_norm: float | None = None
+    window: Window | None = None  # a straggler window's verdict, on the step after the window ended
 
     @property
     def logged(self) -> bool:
@@ -61,8 +68,8 @@ class StopFlag:
     step after the step in which it arrived was checked.
     """
 
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
         self.received = 0
         self.agreed = 0
         self._pending: tuple[Any, torch.Tensor] | None = None
@@ -102,7 +109,10 @@ class Trainer:
         if self.dims.pp_enabled:
             check_microbatches(tr.local_batch_size, cfg.parallelism.microbatches)
         self.coords = make_mesh(self.dims, device.type)
-        self.model_cfg = model_config(cfg.model)
+        # A Hugging Face checkpoint (model.init_from) gives the shape; its weights are loaded by
+        # load_pretrained once resuming has found no checkpoint of this run.
+        self.hf = read_hf_config(cfg.model.init_from, cfg.model.seq_len) if cfg.model.init_from else None
+        self.model_cfg = self.hf.cfg if self.hf else model_config(cfg.model)
         self.pp_stage = self.coords.pp_rank
         self.is_first_stage = self.pp_stage == 0
         self.is_last_stage = self.pp_stage == self.dims.pp - 1
@@ -120,7 +130,16 @@ class Trainer:
         self.pp_group = self.coords.pp_mesh.get_group() if self.dims.pp_enabled else None
         self.step = 0
         self.flops_per_token = self.model_cfg.flops_per_token(cfg.model.seq_len)
-        self.stop = StopFlag()
+        # Host-side agreements (the stop flag, straggler windows) travel on a CPU group of their own, so
+        # that they never queue behind the device's collectives.
+        self.cpu_group = dist.new_group(backend="gloo")
+        self.stop = StopFlag(self.cpu_group)
+        self.stragglers = (
+            StragglerMonitor(tr.stragglers, self.cpu_group, self.device, node_name())
+            if tr.stragglers.enabled
+            else None
+        )
+        self._work = self.stragglers.timer if self.stragglers is not None else _NoTimer()
 
     # ----------------------------------------------------------------------------------------------
     # Construction
@@ -173,8 +192,14 @@ class Trainer:
         source = data_mod.build_source(
             tr.data.kind, tr.data.path, tr.data.dtype, m.seq_len, tr.seed, self.model_cfg.vocab_size
         )
+        digests = os.environ.get(DIGESTS_ENV)
         return data_mod.DataLoader(
-            source, tr.local_batch_size, dp_rank=self.coords.dp_rank, dp_degree=self.dims.dp
+            source,
+            tr.local_batch_size,
+            dp_rank=self.coords.dp_rank,
+            dp_degree=self.dims.dp,
+            # Line-buffered: a run killed with -9 still leaves every line it wrote whole.
+            digests=open(Path(digests) / f"rank-{self.rank}.log", "a", buffering=1) if digests else None,
         )
 
     def reset(self) -> None:
@@ -213,6 +238,25 @@ class Trainer:
             "train": self,
         }
 
+    def load_pretrained(self) -> Any:
+        """Overwrite the initialised weights with model.init_from's, each rank reading only its shards."""
+        assert self.hf is not None and self.cfg.model.init_from
+        try:
+            from hpkit.hf.load import load_hf_weights
+        except ImportError as exc:
+            raise SpecError(
+                f"model.init_from needs the hf extra ({exc.name} is missing): pip install 'hpkit[train,hf]'"
+            ) from None
+        return load_hf_weights(self.model, self.cfg.model.init_from, self.hf)
+
+    def model_record(self) -> dict[str, Any]:
+        """What a checkpoint's commit record keeps of the model: enough for `hpkit ckpt export --hf`."""
+        return {
+            "config": config_to_dict(self.model_cfg),
+            "hf": dict(self.hf.extras) if self.hf else {},
+            "init_from": self.cfg.model.init_from,
+        }
+
     def resume(self, checkpointer: Checkpointer) -> Path | None:
         """Load the newest usable checkpoint, agreed by every rank; None (and a fresh start) if none is."""
         path, dirty = checkpointer.restore(self.checkpoint_state())
@@ -238,23 +282,29 @@ class Trainer:
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        inputs, labels = self.loader.next_batch()
-        local_loss = self._forward_backward(
-            inputs.to(self.device, non_blocking=True), labels.to(self.device, non_blocking=True)
-        )
+        # Only the segments timed by self._work wait for no other rank: they measure this rank's speed.
+        with self._work.host():
+            inputs, labels = self.loader.next_batch()
+            inputs = inputs.to(self.device, non_blocking=True)
+            labels = labels.to(self.device, non_blocking=True)
+        local_loss = self._forward_backward(inputs, labels)
         norm = total_grad_norm(self.params, self.pp_group)
         if self.cfg.train.grad_clip is not None:
-            clip_grads_(self.params, self.cfg.train.grad_clip, norm)
+            with self._work.device():
+                clip_grads_(self.params, self.cfg.train.grad_clip, norm)
         if checkpointer is not None:
             checkpointer.wait_for_staging()  # an async save may still be copying these weights
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self._work.device():
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         self.stop.exchange()
         result = StepResult(self.step, lr, 0.0)
         if self.is_logging_step(self.step):
             result.loss = self._global_loss(local_loss)
             result.grad_norm = float(norm)
         result.step_time_s = time.perf_counter() - start
+        if self.stragglers is not None:
+            result.window = self.stragglers.end_step(self.step, result.step_time_s)
         return result
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -308,8 +358,26 @@ class Trainer:
     def tokens_per_step(self) -> int:
         return self.cfg.train.local_batch_size * self.dims.dp * self.cfg.model.seq_len
 
+    def last_window(self) -> Window | None:
+        """The verdict on the window that ended with the last step (its exchange is still in flight)."""
+        return self.stragglers.settle() if self.stragglers is not None else None
+
     def close(self) -> None:
         self.stop.settle()
+        if self.stragglers is not None:
+            self.stragglers.settle()
+        if self.loader.digests is not None:
+            self.loader.digests.close()
+
+
+class _NoTimer:
+    """Straggler detection off: the timed segments cost nothing."""
+
+    @contextlib.contextmanager
+    def host(self) -> Any:
+        yield
+
+    device = host
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

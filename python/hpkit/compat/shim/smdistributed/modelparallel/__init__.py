@@ -1,0 +1,1 @@
+"""smdistributed.modelparallel, provided by hpkit: only the PyTorch API (`.torch`)."""

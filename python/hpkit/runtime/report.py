@@ -1,0 +1,89 @@
+"""What a finished step leaves behind: the console line, JSONL and TensorBoard (rank 0), Prometheus (every
+rank that exports), and the straggler verdicts (a warning and a JSONL record on rank 0)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hpkit.runtime.metrics import MetricsLogger, StepStats, peak_memory_gib
+from hpkit.runtime.stragglers import Window
+from hpkit.runtime.trainer import StepResult, Trainer
+
+if TYPE_CHECKING:  # prometheus-client is imported only by jobs that export (run._exporter)
+    from hpkit.runtime.prometheus import PrometheusExporter
+
+
+@dataclass
+class StepReporter:
+    trainer: Trainer
+    metrics: MetricsLogger
+    exporter: PrometheusExporter | None
+    peak_tflops: float | None
+    say: Callable[[str], None]  # prints on rank 0 only
+
+    def step(self, result: StepResult) -> None:
+        if result.logged:
+            stats = self.stats(result)
+            self.metrics.log(stats)
+            if self.exporter is not None:
+                self.exporter.log(stats)
+        if result.window is not None:
+            self.window(result.window)
+
+    def window(self, window: Window) -> None:
+        if self.exporter is not None:
+            self.exporter.window(window)
+        self.metrics.event(
+            {
+                "event": "step_times",
+                "step": window.step,
+                "steps": window.steps,
+                "local_work_s": window.local_work_s,
+                "step_s": window.step_s,
+            }
+        )
+        nodes = self.trainer.stragglers.nodes if self.trainer.stragglers is not None else []
+        spec = self.trainer.cfg.train.stragglers
+        for s in window.stragglers:
+            node = nodes[s.rank] if s.rank < len(nodes) else "?"
+            self.say(
+                f"hpkit train: WARNING: straggler: rank {s.rank} on node {node} is {s.factor:.1f}x slower than "
+                f"the other ranks' median ({s.seconds * 1000:.1f} ms vs {s.median_s * 1000:.1f} ms of local "
+                f"work per step) for {spec.windows} windows of {spec.every_steps} steps, up to step {window.step}"
+            )
+            self.metrics.event(
+                {
+                    "event": "straggler",
+                    "step": window.step,
+                    "rank": s.rank,
+                    "node": node,
+                    "factor": s.factor,
+                    "local_work_s": s.seconds,
+                    "median_local_work_s": s.median_s,
+                    "windows": spec.windows,
+                }
+            )
+
+    def stats(self, result: StepResult) -> StepStats:
+        t = self.trainer
+        mem, kind = peak_memory_gib(t.device)
+        return StepStats(
+            result.step,
+            float(result.loss or 0.0),
+            float(result.grad_norm or 0.0),
+            result.lr,
+            result.step_time_s,
+            t.tokens_per_step,
+            t.world_size,
+            t.flops_per_token,
+            self.peak_tflops,
+            mem,
+            kind,
+        )
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.exporter is not None:
+            self.exporter.close()

@@ -1,0 +1,172 @@
+"""Stragglers: find the rank that drags a synchronous job, from how long each rank takes for its own work.
+
+A rank's step time cannot show it: in synchronous training every rank waits for the slowest one at each
+collective, so over a window all ranks measure the same wall time (the slow rank's). What differs is
+the time a rank spends on work that waits for no other rank: loading its batch, clipping its gradient
+shards and its optimizer step. Each rank sums that local work over a window of steps; at the window's
+end the ranks exchange the means (one all-gather of 2 x world floats on a CPU group, started without
+waiting and read at the next step, so no step waits for it) and every rank runs the same detector on
+the same numbers.
+
+The detector is a pure function of those numbers (`StragglerDetector`): a rank whose local work time is
+more than `factor` times the median of the other ranks' in `windows` windows in a row is reported once;
+it is reported again only after it has recovered and fallen behind again.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from hpkit.runtime.config import StragglerSpec
+
+# ----------------------------------------------------------------------------------------------------
+# The decision (pure)
+
+
+def slowdowns(times: Sequence[float]) -> list[float]:
+    """Each rank's time over the median of the other ranks' times (1.0 where there is nothing to compare).
+
+    The median of the others, not of all: with two ranks the median of all is their mean, which no rank
+    can exceed by a factor of 2 or more, however slow it is.
+    """
+    out = []
+    for rank, own in enumerate(times):
+        others = [t for r, t in enumerate(times) if r != rank]
+        median = statistics.median(others) if others else 0.0
+        out.append(own / median if median > 0 else 1.0)
+    return out
+
+
+@dataclass(frozen=True)
+class Straggler:
+    rank: int
+    factor: float  # its local work time over the median of the others'
+    seconds: float  # its mean local work per step in the window
+    median_s: float  # the other ranks' median
+
+
+@dataclass
+class StragglerDetector:
+    factor: float
+    windows: int
+    streaks: dict[int, int] = field(default_factory=dict)
+
+    def update(self, times: Sequence[float]) -> list[Straggler]:
+        """Feed one window's per-rank times; returns the ranks that have just been slow `windows` times in a row."""
+        found = []
+        for rank, ratio in enumerate(slowdowns(times)):
+            if ratio > self.factor:
+                self.streaks[rank] = self.streaks.get(rank, 0) + 1
+                if self.streaks[rank] == self.windows:
+                    others = [t for r, t in enumerate(times) if r != rank]
+                    found.append(Straggler(rank, ratio, times[rank], statistics.median(others)))
+            else:
+                self.streaks.pop(rank, None)
+        return found
+
+
+# ----------------------------------------------------------------------------------------------------
+# The measurement (torch)
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window's exchanged numbers, the same on every rank."""
+
+    step: int  # the window's last step
+    steps: int
+    local_work_s: list[float]  # per rank, mean per step
+    step_s: list[float]  # per rank, mean per step (nearly equal: see the module's docstring)
+    ratios: list[float]  # per rank: local work over the median of the others'
+    stragglers: list[Straggler]
+
+
+class WorkTimer:
+    """Sums the time of a rank's local work segments. On CUDA the segments are timed with events, read only
+    at a window's end: a host clock would time the kernel launches, not the work."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.seconds = 0.0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextmanager
+    def host(self) -> Iterator[None]:
+        """Work the host does itself (loading a batch): its own clock."""
+        start = time.perf_counter()
+        yield
+        self.seconds += time.perf_counter() - start
+
+    @contextmanager
+    def device(self) -> Iterator[None]:
+        """Work queued on the device (clipping, the optimizer step)."""
+        if not self.cuda:
+            with self.host():
+                yield
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end.record()
+        self._events.append((start, end))
+
+    def take(self) -> float:
+        """The window's total so far, and start a new one. Waits for the last timed kernel on CUDA."""
+        total = self.seconds
+        if self._events:
+            self._events[-1][1].synchronize()
+            total += sum(s.elapsed_time(e) for s, e in self._events) / 1000.0
+            self._events.clear()
+        self.seconds = 0.0
+        return total
+
+
+class StragglerMonitor:
+    """Times each step's local work, exchanges window means and runs the detector (every rank alike)."""
+
+    def __init__(
+        self, spec: StragglerSpec, group: dist.ProcessGroup, device: torch.device, node: str
+    ) -> None:
+        self.spec = spec
+        self.group = group
+        self.world = dist.get_world_size(group)
+        self.timer = WorkTimer(device)
+        self.detector = StragglerDetector(spec.factor, spec.windows)
+        # Once, at start-up: which node each rank runs on, for the warning.
+        names: list[object] = [None] * self.world
+        dist.all_gather_object(names, node, group=group)
+        self.nodes = [str(n) for n in names]
+        self._steps = 0
+        self._step_seconds = 0.0
+        self._pending: tuple[object, list[torch.Tensor], int, int] | None = None
+
+    def end_step(self, step: int, step_time_s: float) -> Window | None:
+        """Count a finished step; returns the previous window's verdict once its exchange is in."""
+        window = self.settle()
+        self._steps += 1
+        self._step_seconds += step_time_s
+        if self._steps == self.spec.every_steps:
+            mine = torch.tensor([self.timer.take() / self._steps, self._step_seconds / self._steps])
+            gathered = [torch.zeros(2) for _ in range(self.world)]
+            work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
+            self._pending = (work, gathered, step, self._steps)
+            self._steps, self._step_seconds = 0, 0.0
+        return window
+
+    def settle(self) -> Window | None:
+        """Finish the exchange in flight (at the next step, and before teardown) and judge it."""
+        if self._pending is None:
+            return None
+        work, gathered, step, steps = self._pending
+        self._pending = None
+        work.wait()  # type: ignore[attr-defined]
+        local = [float(t[0]) for t in gathered]
+        wall = [float(t[1]) for t in gathered]
+        return Window(step, steps, local, wall, slowdowns(local), self.detector.update(local))

@@ -1,0 +1,70 @@
+"""Loads a Hugging Face Llama with model.init_from in one parallel layout and records what to compare.
+
+Launched under torchrun by tests/integration/test_hf_weights_dist.py, once per layout. Rank 0 saves (torch.save)
+the logits on a fixed batch (every rank feeds the same one), every data-parallel rank's first-step batch, the
+first step's loss as the runtime reports it, and how many bytes each rank read from the safetensors files.
+Usage: hf_layouts.py HF_DIR OUT.pt PARALLELISM_JSON
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from hpkit.runtime.config import parse_run_config
+from hpkit.runtime.env import distributed
+from hpkit.runtime.trainer import Trainer
+
+SEQ = 32
+
+
+def main() -> None:
+    hf_dir, out, parallelism = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    with distributed() as d:
+        cfg = parse_run_config(
+            {
+                "name": "hf-layouts",
+                "output_dir": tempfile.mkdtemp(),
+                "parallelism": parallelism,
+                "model": {"init_from": hf_dir, "seq_len": SEQ},
+                "train": {
+                    "steps": 1,
+                    "local_batch_size": 2,
+                    "mixed_precision": "fp32",
+                    "tensorboard": False,
+                    "seed": 7,
+                },
+            }
+        )
+        trainer = Trainer(cfg, d.device)
+        stats = trainer.load_pretrained()
+        tokens = torch.randint(
+            0, trainer.model_cfg.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1)
+        )
+        logits = None
+        if not trainer.dims.pp_enabled:  # a pipeline stage alone gives no logits; its loss is compared
+            with torch.no_grad():
+                logits = trainer.module(tokens.to(trainer.device)).float().cpu()
+        position = trainer.loader.position
+        inputs, labels = trainer.loader.next_batch()
+        trainer.loader.position = position
+        batch = (trainer.coords.dp_rank, inputs, labels)
+        batches: list = [None] * dist.get_world_size()
+        read: list = [None] * dist.get_world_size()
+        dist.all_gather_object(batches, batch)
+        dist.all_gather_object(read, stats.bytes_read)
+        loss = trainer.train_step().loss
+        trainer.close()
+        if dist.get_rank() == 0:
+            by_dp = {dp: (i, lab) for dp, i, lab in batches}
+            torch.save(
+                {"logits": logits, "tokens": tokens, "batches": by_dp, "loss": loss, "bytes_read": read}, out
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,245 @@
+"""A node lost mid-run on plain Slurm (no HyperPod agent): Slurm requeues the job and it resumes.
+
+The node dies the way a crashed host does: its slurmd, its slurmstepd and the job's tasks on it are
+killed together, so slurmctld learns of it only from missed pings (SLURMD_TIMEOUT below). The module
+has its own three-node cluster, apart from the session's: a dead slurmd would disturb other tests, and
+the spare third node lets the requeued job run without the lost one.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from _dirwatch import DirWatch
+from test_resilience import job_log, losses, submit, training_spec, wait_for
+
+from hpkit import devcluster
+from hpkit.slurm import CliBackend, JobState
+
+pytestmark = [pytest.mark.cluster, pytest.mark.dist]
+
+SLURMD_TIMEOUT_S = 10
+COLLECTIVE_TIMEOUT_S = 20
+# slurmctld pings every SlurmdTimeout/3 and declares a silent node DOWN SlurmdTimeout after its last
+# answer; then it requeues the job. Twice that, and room for a loaded machine.
+DETECTION_MARGIN_S = 2 * SLURMD_TIMEOUT_S + 20
+STEPS, INTERVAL = 60, 10
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    """Three nodes on ports and job ids apart from the session's two-node cluster."""
+    env = devcluster.client_env(
+        tmp_path_factory.mktemp("slurm-3"),
+        int(os.environ.get("HPKIT_TEST_CLUSTER_PORT", "7817")) + 10,
+        int(os.environ.get("HPKIT_TEST_FIRST_JOB_ID", "5000")) + 500,
+        nodes=3,
+        slurmd_timeout=SLURMD_TIMEOUT_S,
+    )
+    saved = os.environ.get("SLURM_CONF")
+    with devcluster.running(env):
+        # CliBackend asks the cluster that SLURM_CONF names.
+        os.environ["SLURM_CONF"] = env["SLURM_CONF"]
+        try:
+            yield env
+        finally:
+            if saved is None:
+                os.environ.pop("SLURM_CONF", None)
+            else:
+                os.environ["SLURM_CONF"] = saved
+
+
+@pytest.fixture(scope="module")
+def reference_losses(three_nodes, tmp_path_factory) -> dict[int, float]:
+    """An uninterrupted run's losses, run before any node is lost."""
+    workdir = tmp_path_factory.mktemp("reference")
+    job = submit(training_spec("reference", workdir, STEPS, interval=1000), workdir, three_nodes)
+    info = wait_for(lambda: (i := CliBackend().info(job)).state.finished and i, 300, "the reference job")
+    assert info.state == JobState.COMPLETED, job_log(info)
+    return losses(workdir / "reference.jsonl")
+
+
+def job_fields(job: str, env: dict[str, str]) -> dict[str, str]:
+    text = subprocess.run(
+        ["scontrol", "show", "job", "-o", job], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    return dict(re.findall(r"(\w+)=(\S*)", text))
+
+
+def hostnames(nodelist: str, env: dict[str, str]) -> list[str]:
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], env=env, capture_output=True, text=True, check=True
+    )
+    return out.stdout.split()
+
+
+def job_processes_on(job: str, node: str) -> list[int]:
+    """The job's processes on one emulated node, and the slurmstepds that watch them."""
+    found: set[int] = set()
+    wanted = {f"SLURM_JOB_ID={job}".encode(), f"SLURMD_NODENAME={node}".encode()}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if not wanted <= set((proc / "environ").read_bytes().split(b"\0")):
+                continue
+            found.add(int(proc.name))
+            parent = int((proc / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if b"slurmstepd" in Path(f"/proc/{parent}/cmdline").read_bytes():
+                found.add(parent)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+    return sorted(found)
+
+
+def kill_node(env: dict[str, str], job: str, node: str) -> list[int]:
+    """What a crashed host does to the job: its slurmd first, so it cannot report its steps' deaths."""
+    slurmd = int((Path(env["HPKIT_DEV_CLUSTER_DIR"]) / "run" / f"slurmd-{node}.pid").read_text())
+    victims = job_processes_on(job, node)
+    for pid in (slurmd, *victims):
+        os.kill(pid, signal.SIGKILL)
+    return victims
+
+
+def wait_for_first_commit(ckpt_dir: Path, timeout: float) -> None:
+    """Returns when `latest` first appears in `ckpt_dir`: the first checkpoint's commit."""
+    deadline = time.monotonic() + timeout
+    with DirWatch() as watch:
+        assert watch.add(ckpt_dir.parent)
+        watching = watch.add(ckpt_dir)
+        while time.monotonic() < deadline:
+            if (ckpt_dir / "latest").exists():
+                return
+            for parent, name, _ in watch.events(0.2):
+                if parent == ckpt_dir.parent and name == ckpt_dir.name and not watching:
+                    watching = watch.add(ckpt_dir)
+    pytest.fail(f"no checkpoint committed in {ckpt_dir} after {timeout:.0f} s")
+
+
+# The batch host's loss takes the batch script with it: only Slurm itself can requeue then.
+@pytest.mark.parametrize("lost", ["worker", "batch-host"])
+def test_a_lost_node_requeues_the_job_and_it_resumes_to_the_same_losses(
+    three_nodes, reference_losses, tmp_path, lost
+):
+    env, backend = three_nodes, CliBackend()
+    spec = training_spec("lost", tmp_path, STEPS, interval=INTERVAL)
+    spec["resilience"].update(max_restarts=2, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    job = submit(spec, tmp_path, env)
+    metrics = tmp_path / "lost.jsonl"
+
+    wait_for_first_commit(tmp_path / "lost-ckpt", 240)
+    fields = job_fields(job, env)
+    first_nodes = hostnames(fields["NodeList"], env)
+    batch_host = fields["BatchHost"]
+    lost_node = batch_host if lost == "batch-host" else next(n for n in first_nodes if n != batch_host)
+    victims = kill_node(env, job, lost_node)
+    killed_at = time.monotonic()
+    assert victims, f"no processes of job {job} on {lost_node}"
+
+    try:
+        wait_for(lambda: backend.info(job).state != JobState.RUNNING, 120, "the job to leave RUNNING")
+        requeued_s = time.monotonic() - killed_at
+        stopped_at = max(losses(metrics))
+        fields = job_fields(job, env)
+        assert fields["JobState"] in ("PENDING", "COMPLETING") and fields["Restarts"] == "1", fields
+        assert requeued_s < COLLECTIVE_TIMEOUT_S + DETECTION_MARGIN_S, f"requeued {requeued_s:.0f} s after"
+        wait_for(lambda: "resumed from" in job_log(backend.info(job)), 300, "the resume", poll=0.5)
+    finally:
+        # The host comes back (a replaced one would) for whatever runs next.
+        subprocess.run(["slurmd", "-N", lost_node, "-f", env["SLURM_CONF"]], env=env, check=False)
+    info = wait_for(lambda: (i := backend.info(job)).state.finished and i, 300, "the resumed job to end")
+    completed_s = time.monotonic() - killed_at
+
+    log = job_log(info)
+    print(f"\nkill -> requeued {requeued_s:.1f} s, -> COMPLETED {completed_s:.1f} s")
+    print("\n".join(line for line in log.splitlines() if line.startswith(("hpkit", "srun"))))
+    assert info.state == JobState.COMPLETED, log
+    assert job_fields(job, env)["Restarts"] == "1"
+    runs = job_log_nodelists(log)
+    assert len(runs) == 2, log
+    assert re.search(
+        rf"hpkit: restart 1: Slurm requeued the job after a node failure: node\(s\) {lost_node} "
+        rf"of the previous run \({re.escape(runs[0])}\) are down",
+        log,
+    ), log
+    # The lost node is DOWN: Slurm places the requeued job on the others without being told.
+    assert lost_node in hostnames(runs[0], env) and lost_node not in hostnames(runs[1], env)
+    assert "failed on healthy nodes" not in log
+
+    saved_step = int(re.search(r"resumed from \S+ at step (\d+)", log).group(1))
+    assert saved_step >= INTERVAL and stopped_at - saved_step <= INTERVAL, (saved_step, stopped_at)
+    got = losses(metrics)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in reference_losses.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), f"step {step}"
+
+
+def job_log_nodelists(log: str) -> list[str]:
+    """The node list of each run, from the script's first line."""
+    return re.findall(r"hpkit: job \d+ \(restart \d+ of at most \d+\) on (\S+),", log)
+
+
+def test_a_program_that_fails_by_itself_is_not_requeued(three_nodes, tmp_path):
+    env, backend = three_nodes, CliBackend()
+    spec = training_spec("broken", tmp_path, 10, interval=5, launcher="srun")
+    spec["command"] = [sys.executable, "-c", "raise SystemExit(3)"]
+    spec["resilience"].update(max_restarts=2)
+    job = submit(spec, tmp_path, env)
+    info = wait_for(lambda: (i := backend.info(job)).state.finished and i, 120, "the broken job to end")
+    log = job_log(info)
+    assert info.state == JobState.FAILED, log
+    assert re.search(r"task \d: Exited with exit code 3", log), log
+    # srun's own status may be 143 rather than 3: --kill-on-bad-exit ends the other task with SIGTERM.
+    assert re.search(r"hpkit: the training program failed on healthy nodes \(exit \d+\); not requeued", log)
+    assert "requeue" not in log.replace("not requeued", "")
+    assert job_fields(job, env)["Restarts"] == "0"
+
+
+def test_node_failures_past_the_restart_budget_end_the_job(three_nodes, tmp_path):
+    """max_restarts=1: the first node failure is requeued, the second ends the job as NODE_FAIL.
+
+    No training here (the step only sleeps): what is under test is Slurm's requeue and the budget.
+    """
+    env, backend = three_nodes, CliBackend()
+    spec = training_spec("budget", tmp_path, 10, interval=5, launcher="srun")
+    spec["command"] = ["sleep", "600"]
+    spec["resilience"].update(max_restarts=1)
+    job = submit(spec, tmp_path, env)
+    lost_nodes = []
+    try:
+        for restart in (0, 1):
+            # The event: this run's step has started on a node other than the batch host.
+            fields = wait_for(
+                lambda r=restart: (
+                    (f := job_fields(job, env))["JobState"] == "RUNNING"
+                    and f["Restarts"] == str(r)
+                    and any(
+                        job_processes_on(job, n) for n in hostnames(f["NodeList"], env) if n != f["BatchHost"]
+                    )
+                    and f
+                ),
+                300,
+                f"run {restart}'s step",
+            )
+            node = next(n for n in hostnames(fields["NodeList"], env) if n != fields["BatchHost"])
+            assert kill_node(env, job, node)
+            lost_nodes.append(node)
+            if restart == 0:
+                wait_for(lambda: job_fields(job, env)["Restarts"] == "1", 120, "the requeue")
+        info = wait_for(lambda: (i := backend.info(job)).state.finished and i, 120, "the job to end")
+    finally:
+        for node in lost_nodes:
+            subprocess.run(["slurmd", "-N", node, "-f", env["SLURM_CONF"]], env=env, check=False)
+    log = job_log(info)
+    fields = job_fields(job, env)
+    assert fields["JobState"] == "NODE_FAIL" and fields["Restarts"] == "1", (fields, log)
+    assert f"node(s) {lost_nodes[0]} of the previous run" in log, log
+    # Slurm ended it: the script neither ran a third time nor called the step the program's failure.
+    assert "is spent: not resuming" not in log and "failed on healthy nodes" not in log, log

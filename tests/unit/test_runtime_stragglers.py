@@ -1,0 +1,76 @@
+"""The straggler decision (a pure function of per-rank window times) and its configuration."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpkit.errors import SpecError
+from hpkit.runtime.config import parse_run_config
+from hpkit.runtime.stragglers import StragglerDetector, slowdowns
+
+
+def test_slowdown_is_against_the_median_of_the_other_ranks():
+    assert slowdowns([1.0, 1.0, 1.0, 4.0]) == [1.0, 1.0, 1.0, 4.0]
+    # Two ranks: the median of all would cap any ratio below 2; the other rank's time does not.
+    assert slowdowns([10.0, 1.0]) == [10.0, 0.1]
+    assert slowdowns([2.0]) == [1.0]  # nothing to compare with
+    assert slowdowns([0.0, 0.0, 3.0]) == [0.0, 0.0, 1.0]  # others idle: no ratio, no verdict
+
+
+def test_a_rank_is_named_once_after_k_slow_windows_in_a_row():
+    d = StragglerDetector(factor=1.5, windows=3)
+    slow = [1.0, 1.0, 2.0, 1.0]
+    assert d.update(slow) == []
+    assert d.update(slow) == []
+    (found,) = d.update(slow)
+    assert (found.rank, found.factor, found.seconds, found.median_s) == (2, 2.0, 2.0, 1.0)
+    assert d.update(slow) == []  # still slow: not named again
+    assert d.update(slow) == []
+
+
+def test_a_fast_window_breaks_the_streak_and_a_new_streak_is_named_again():
+    d = StragglerDetector(factor=1.5, windows=2)
+    slow, even = [1.0, 3.0, 1.0], [1.0, 1.0, 1.0]
+    assert d.update(slow) == []
+    assert d.update(even) == []
+    assert d.update(slow) == []  # the streak started over
+    assert [s.rank for s in d.update(slow)] == [1]
+    assert d.update(even) == []
+    assert d.update(slow) == []
+    assert [s.rank for s in d.update(slow)] == [1]  # recovered, then slow again: a new warning
+
+
+def test_the_factor_is_strict_and_several_ranks_can_straggle():
+    d = StragglerDetector(factor=2.0, windows=1)
+    assert d.update([1.0, 1.0, 1.0, 2.0]) == []  # exactly the factor: not slower than it
+    found = d.update([1.0, 1.0, 1.0, 1.0, 5.0, 6.0])
+    assert [(s.rank, s.median_s) for s in found] == [(4, 1.0), (5, 1.0)]
+
+
+def test_even_noise_is_never_a_straggler():
+    d = StragglerDetector(factor=1.5, windows=1)
+    for shift in range(8):
+        times = [1.0 + 0.1 * ((r + shift) % 4) for r in range(8)]  # +-30 % spread, every rank in turn
+        assert d.update(times) == []
+
+
+@pytest.mark.parametrize(
+    ("block", "message"),
+    [
+        ({"factor": 1.0}, "train.stragglers.factor: Input should be greater than 1"),
+        ({"every_steps": 0}, "train.stragglers.every_steps: Input should be greater than or equal to 1"),
+        ({"windows": 0}, "train.stragglers.windows: Input should be greater than or equal to 1"),
+        ({"windws": 2}, "train.stragglers.windws: unknown key; did you mean 'windows'?"),
+    ],
+)
+def test_bad_straggler_settings_are_one_line_naming_the_field(block, message):
+    with pytest.raises(SpecError) as err:
+        parse_run_config({"train": {"stragglers": block}}, "job.yaml")
+    assert str(err.value).startswith(f"job.yaml: {message}")
+    assert "\n" not in str(err.value)
+
+
+def test_stragglers_are_on_by_default_and_can_be_turned_off():
+    spec = parse_run_config({}).train.stragglers
+    assert (spec.enabled, spec.every_steps, spec.factor, spec.windows) == (True, 20, 1.5, 3)
+    assert not parse_run_config({"train": {"stragglers": {"enabled": False}}}).train.stragglers.enabled
