@@ -38,7 +38,7 @@ from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
 from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
 from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model
 from hpkit.runtime.stragglers import StragglerMonitor, Window
-from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape
+from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape, sequence_parallel_default
 
 # Debug: a directory where each rank appends "sample-index sha1" per sample it trains on (tests compare runs).
 DIGESTS_ENV = "HPKIT_DATA_DIGESTS"
@@ -120,6 +120,11 @@ class Trainer:
         self.loss_parallel = (
             self.dims.tp_enabled and cfg.parallelism.tp_modules is None and not self.dims.pp_enabled
         )
+        self.sequence_parallel = (
+            cfg.parallelism.sequence_parallel
+            if cfg.parallelism.sequence_parallel is not None
+            else sequence_parallel_default(device.type)
+        )
         self.model, self.module = self._build_model()
         # FSDP casts parameters itself; otherwise bf16 comes from autocast around the forward.
         self.autocast = self.mixed_precision == "bf16" and not self.dims.fsdp_enabled
@@ -151,8 +156,14 @@ class Trainer:
         part = split_model(whole, self.dims.pp, self.pp_stage)
         if self.dims.tp_enabled:
             whole_model = cfg.parallelism.tp_modules is None
-            check_tp_shape(part, self.dims.tp, cfg.model.seq_len, whole_model)
-            apply_tp(part, self.coords.tp_mesh, cfg.parallelism.tp_modules, self.loss_parallel)
+            check_tp_shape(part, self.dims.tp, cfg.model.seq_len, whole_model, self.sequence_parallel)
+            apply_tp(
+                part,
+                self.coords.tp_mesh,
+                cfg.parallelism.tp_modules,
+                self.loss_parallel,
+                self.sequence_parallel,
+            )
         apply_ac(part, tr.activation_checkpoint)
         if tr.compile:
             apply_compile(part)
