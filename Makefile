@@ -16,7 +16,7 @@ export SLURM_CONF := $(DEV_CLUSTER_DIR)/etc/slurm.conf
 # Short and outside the checkout: munge's socket path must fit in a sockaddr_un (108 bytes).
 TEST_TMP ?= /tmp/hpkit-test
 
-.PHONY: help setup system-deps venv demo test test-gpu test-unit lint cluster-up cluster-down bench clean
+.PHONY: help setup system-deps venv demo test test-gpu test-unit lint cluster-up cluster-down bench bench-anchor clean
 
 help:
 	@echo "make demo         install, start the local Slurm cluster, run a 2-node training job"
@@ -26,6 +26,7 @@ help:
 	@echo "make test-gpu     the CUDA half of the suite (tests/gpu), on a GPU machine"
 	@echo "make lint         ruff + shellcheck"
 	@echo "make bench        benchmarks that print ratios measured side by side"
+	@echo "make bench-anchor hpkit against torchtitan 0.2.2 (TITAN_DIR=prepared folder; ROUNDS=3)"
 	@echo "make image        build the GPU training image through the Docker Engine API (image-cpu: CPU image)"
 	@echo "make image-sqsh   export the image as an enroot squashfs for pyxis"
 
@@ -83,6 +84,11 @@ test-unit: venv
 
 bench: venv
 	$(BIN)/python bench/run_all.py
+
+# Not part of `make bench` or `make test`: it needs torchtitan installed in TITAN_DIR (bench/bench_vs_torchtitan.py).
+bench-anchor: venv
+	@test -n "$${TITAN_DIR:-}" || { echo "bench-anchor: set TITAN_DIR to a prepared torchtitan folder (see bench/bench_vs_torchtitan.py)" >&2; exit 2; }
+	$(BIN)/python bench/bench_vs_torchtitan.py --rounds $${ROUNDS:-3}
 
 include docker/image.mk
 

@@ -14,6 +14,7 @@ import tempfile
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from hpkit.runtime.config import parse_run_config
 from hpkit.runtime.env import distributed
@@ -46,9 +47,15 @@ def main() -> None:
             0, trainer.model_cfg.vocab_size, (2, SEQ), generator=torch.Generator().manual_seed(1)
         )
         logits = None
+        logits_placements = None
         if not trainer.dims.pp_enabled:  # a pipeline stage alone gives no logits; its loss is compared
             with torch.no_grad():
-                logits = trainer.module(tokens.to(trainer.device)).float().cpu()
+                result = trainer.module(tokens.to(trainer.device))
+            if isinstance(result, DTensor):
+                # Loss parallel: under tensor parallel the logits stay sharded over the vocabulary.
+                logits_placements = [str(p) for p in result.placements]
+                result = result.full_tensor()
+            logits = result.float().cpu()
         position = trainer.loader.position
         inputs, labels = trainer.loader.next_batch()
         trainer.loader.position = position
@@ -62,7 +69,15 @@ def main() -> None:
         if dist.get_rank() == 0:
             by_dp = {dp: (i, lab) for dp, i, lab in batches}
             torch.save(
-                {"logits": logits, "tokens": tokens, "batches": by_dp, "loss": loss, "bytes_read": read}, out
+                {
+                    "logits": logits,
+                    "logits_placements": logits_placements,
+                    "tokens": tokens,
+                    "batches": by_dp,
+                    "loss": loss,
+                    "bytes_read": read,
+                },
+                out,
             )
 
 

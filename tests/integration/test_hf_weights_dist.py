@@ -68,6 +68,8 @@ def test_first_step_matches_transformers(
             for inputs, labels in got["batches"].values()
         ]
     assert got["loss"] == pytest.approx(float(torch.stack(per_rank).mean()), abs=ATOL)
+    if layout == "tp2":  # loss parallel: the vocabulary stays sharded, no logit gather in the step
+        assert got["logits_placements"] == ["S(2)"], got["logits_placements"]
     # Each rank read its half of the weights (q/k by whole heads; TP keeps the small norms whole).
     total = sum(p.numel() * p.element_size() for p in reference.parameters())
     for read in got["bytes_read"]:

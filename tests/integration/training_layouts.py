@@ -45,18 +45,25 @@ LAYOUTS: dict[int, dict[str, tuple[dict[str, Any], dict[str, Any]]]] = {
         "ddp": ({"ddp": True}, {}),
         "fsdp": ({"dp_shard": 4}, {}),
         "hsdp": ({"dp_replicate": 2, "dp_shard": 2}, {}),
+        # On CPU tensor parallel keeps the residual stream whole unless sequence_parallel is set.
         "tp": ({"dp_shard": 1, "tensor_parallel_degree": 4}, {}),
         "fsdp_tp": ({"dp_shard": 2, "tp": 2}, {}),
+        "fsdp_tp_sp": ({"dp_shard": 2, "tp": 2, "sequence_parallel": True}, {}),
         "ddp_tp": ({"ddp": True, "tensor_parallel_degree": 2}, {}),
         "fsdp_tp_chosen_modules": ({"dp_shard": 2, "tp": 2, "tp_modules": ["attention", "layers.3"]}, {}),
         "fsdp_ac_full": ({"dp_shard": 4}, {"activation_checkpoint": "full"}),
-        "fsdp_tp_ac_selective": ({"dp_shard": 2, "tp": 2}, {"activation_checkpoint": "selective"}),
+        "fsdp_tp_ac_selective": (
+            {"dp_shard": 2, "tp": 2, "sequence_parallel": True},
+            {"activation_checkpoint": "selective"},
+        ),
         "pp_fsdp_1f1b": ({"pp": 2, "dp_shard": 2, "microbatches": 4, "pp_schedule": "1f1b"}, {}),
         "pp_ddp_gpipe": (
             {"pipeline_parallel_degree": 2, "ddp": True, "microbatches": 4, "pp_schedule": "gpipe"},
             {},
         ),
         "pp_tp": ({"pp": 2, "dp_shard": 1, "tp": 2, "microbatches": 4}, {}),
+        # Sequence-sharded activations cross the stage boundary.
+        "pp_tp_sp": ({"pp": 2, "dp_shard": 1, "tp": 2, "microbatches": 4, "sequence_parallel": True}, {}),
         "pp4_1f1b": ({"pp": 4, "dp_shard": 1, "microbatches": 4}, {}),
     },
     2: {

@@ -59,3 +59,28 @@ def test_stage_layers_cover_every_block_once():
             assert max(map(len, stages)) - min(map(len, stages)) <= 1
     with pytest.raises(SpecError, match="at least 4 blocks"):
         stage_layers(2, 4, 0)
+
+
+def test_sequence_parallel_follows_the_backend_unless_set():
+    from hpkit.runtime.tensor_parallel import sequence_parallel_default
+
+    # NCCL reduce-scatters natively; gloo would run a full all-reduce and then all-gather.
+    assert sequence_parallel_default("cuda") and not sequence_parallel_default("cpu")
+    assert ParallelismSpec(tp=2).sequence_parallel is None
+    assert ParallelismSpec(tp=2, sequence_parallel=True).sequence_parallel is True
+
+
+def test_sequence_parallel_needs_the_whole_model():
+    with pytest.raises(ValueError, match="sequence_parallel applies to whole-model tensor parallel"):
+        ParallelismSpec(tp=2, tp_modules=["attention"], sequence_parallel=True)
+    ParallelismSpec(tp=2, tp_modules=["attention"], sequence_parallel=False)
+
+
+def test_seq_len_must_divide_only_under_sequence_parallel():
+    from hpkit.models.llama import build_model, config_for
+    from hpkit.runtime.tensor_parallel import check_tp_shape
+
+    model = build_model(config_for("debug", seq_len=30), "meta")
+    check_tp_shape(model, 4, 30, whole_model=True, sequence_parallel=False)
+    with pytest.raises(SpecError, match="seq_len=30"):
+        check_tp_shape(model, 4, 30, whole_model=True, sequence_parallel=True)

@@ -37,6 +37,14 @@ class ParallelismSpec(StrictModel):
     tp_modules: list[str] | None = Field(
         default=None, description="apply tensor parallel only to these module names (None: the whole model)"
     )
+    sequence_parallel: bool | None = Field(
+        default=None,
+        description=(
+            "under whole-model tensor parallel, shard the norms and the residual stream along the sequence; "
+            "unset: on CUDA, off on CPU (gloo has no reduce-scatter of its own: it runs a full all-reduce, "
+            "so sequence parallel would only add all-gathers there)"
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -73,6 +81,11 @@ class ParallelismSpec(StrictModel):
                 raise ValueError(f"{name}={value}: a degree is a positive integer, or -1 to infer it")
         if sum(v == -1 for v in degrees.values()) > 1:
             raise ValueError("only one of dp_replicate, dp_shard, tp, pp may be -1")
+        if self.sequence_parallel and self.tp_modules is not None:
+            raise ValueError(
+                "sequence_parallel applies to whole-model tensor parallel; with tp_modules the residual stream "
+                "stays whole: remove one of them"
+            )
         if self.pp > 1 and self.microbatches < self.pp:
             raise ValueError(f"microbatches={self.microbatches} must be >= pp={self.pp} to fill the pipeline")
         return self

@@ -23,10 +23,20 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: str, pp_e
     # Under PP every microbatch runs forward and backward separately: resharding after each forward
     # would all-gather the stage's weights once per microbatch.
     reshard = not pp_enabled
+    # The embeddings and the head are units of their own rather than left to the root: the root's
+    # gradients are reduced only after the whole backward, where nothing overlaps them, while the
+    # head's (half of a small model's parameters with a large vocabulary) are then reduced as soon as
+    # its backward is done, under the blocks' backward.
+    if model.tok_embeddings is not None:
+        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
     blocks = list(model.layers.values())
     for i, block in enumerate(blocks):
         # The last block's weights are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
+    head = [m for m in (model.norm, model.output) if m is not None]
+    if head:
+        # Backward starts with the head, right after its forward: keep it gathered.
+        fully_shard(head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
 
 

@@ -55,10 +55,13 @@ def total_grad_norm(
 @torch.no_grad()
 def clip_grads_(params: Iterable[nn.Parameter], max_norm: float, total_norm: torch.Tensor) -> None:
     coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    # Scaling is elementwise: each rank scales its own shards by the same global factor, so the
+    # local tensors of every mesh go into one foreach kernel per device and dtype.
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = defaultdict(list)
     for p in params:
         if p.grad is None:
             continue
-        g = p.grad
-        # Scaling is elementwise: each rank scales its own shard by the same global factor.
-        local = g.to_local() if isinstance(g, DTensor) else g
-        local.mul_(coef.to(local.device, local.dtype))
+        local = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+        groups[(local.device, local.dtype)].append(local)
+    for (device, dtype), grads in groups.items():
+        torch._foreach_mul_(grads, coef.to(device, dtype))

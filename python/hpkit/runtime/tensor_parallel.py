@@ -1,7 +1,10 @@
 """Tensor parallel (Megatron-style) plans for the reference decoder.
 
-Whole model: attention and MLP are column- then row-parallel, and the norms and residual stream run
-sequence-parallel (activations sharded along the sequence between blocks), as torchtitan does.
+Whole model: attention and MLP are column- then row-parallel. With sequence parallel the norms and
+the residual stream run sharded along the sequence between blocks, as torchtitan does: each row-parallel
+output is reduce-scattered and each block input all-gathered, which moves the bytes of one all-reduce
+and keeps 1/tp of the activations. Without it (the default on CPU, see `sequence_parallel_default`)
+the residual stream stays whole and each row-parallel output is all-reduced.
 
 Chosen modules only (SMP's set_tensor_parallelism on some modules): the chosen attention/MLP units
 are column/row parallel and hand back ordinary replicated tensors, so they can sit next to modules
@@ -12,9 +15,10 @@ from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -22,11 +26,14 @@ from torch.distributed.tensor.parallel import (
     SequenceParallel,
     parallelize_module,
 )
+from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from hpkit.errors import SpecError
 
 
-def check_tp_shape(model: nn.Module, tp: int, seq_len: int, whole_model: bool) -> None:
+def check_tp_shape(
+    model: nn.Module, tp: int, seq_len: int, whole_model: bool, sequence_parallel: bool = True
+) -> None:
     cfg = model.cfg
     problems = []
     if cfg.n_heads % tp:
@@ -35,7 +42,7 @@ def check_tp_shape(model: nn.Module, tp: int, seq_len: int, whole_model: bool) -
         problems.append(f"n_kv_heads={cfg.n_kv_heads}")
     if cfg.ffn_dim % tp:
         problems.append(f"ffn_dim={cfg.ffn_dim}")
-    if whole_model and seq_len % tp:
+    if whole_model and sequence_parallel and seq_len % tp:
         problems.append(f"seq_len={seq_len} (sequence parallel splits it)")
     if whole_model and cfg.vocab_size % tp:
         problems.append(f"vocab_size={cfg.vocab_size}")
@@ -66,10 +73,33 @@ def select_units(units: list[str], patterns: list[str]) -> list[str]:
     return chosen
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, modules: list[str] | None = None) -> list[str]:
-    """Parallelise in place; returns the units that were parallelised."""
+def sequence_parallel_default(device_type: str) -> bool:
+    """On for CUDA: NCCL's reduce-scatter plus all-gather cost what its all-reduce does, and the
+    activations between blocks shrink by tp. Off for CPU: gloo runs a reduce-scatter as a full
+    all-reduce, so sequence parallel would add an all-gather per block input and save nothing
+    (26 all-gathers per step of the debug model under dp2 x tp2, about a third of its collective time)."""
+    return device_type == "cuda"
+
+
+def apply_tp(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    modules: list[str] | None = None,
+    loss_parallel: bool = False,
+    sequence_parallel: bool = True,
+) -> list[str]:
+    """Parallelise in place; returns the units that were parallelised.
+
+    With `loss_parallel` (whole model only) the output head hands back logits sharded along the
+    vocabulary as a DTensor, for a loss computed under `torch.distributed.tensor.parallel.loss_parallel()`:
+    no rank gathers the full (batch, seq, vocab) logits, which is the largest activation of a small
+    model, and the backward needs no gather either.
+    """
     if modules is None:
-        _apply_whole_model(model, tp_mesh)
+        if sequence_parallel:
+            _apply_whole_model(model, tp_mesh, loss_parallel)
+        else:
+            _apply_whole_model_replicated_stream(model, tp_mesh, loss_parallel)
         return tp_units(model)
     units = tp_units(model)
     chosen = select_units(units, modules)
@@ -95,7 +125,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, modules: list[str] | None = 
     return chosen
 
 
-def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
     # A pipeline stage may lack embeddings or the head; the residual stream between stages is then
     # sequence-sharded, so stage boundaries need the matching layouts.
     top: dict[str, object] = {}
@@ -104,7 +134,11 @@ def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     if model.norm is not None:
         top["norm"] = SequenceParallel()
     if model.output is not None:
-        top["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())
+        top["output"] = ColwiseParallel(
+            input_layouts=Shard(1),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
     if top:
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
@@ -126,6 +160,77 @@ def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh) -> None:
                 ),
                 "feed_forward.w1": ColwiseParallel(),
                 "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w3": ColwiseParallel(),
+            },
+        )
+
+
+class ReplicateParallel(ParallelStyle):
+    """A module that every tensor-parallel rank runs whole (the norms without sequence parallel).
+
+    Its parameters become Replicate DTensors on the mesh, so that every parameter of the model lives on
+    one mesh (FSDP, the fused optimizer and the grad norm treat them alike); its input and output stay
+    plain tensors, identical on every rank, so its backward needs no collective.
+    """
+
+    @staticmethod
+    def _replicate_params(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for p_name, param in module.named_parameters(recurse=False):
+            # The model is built on the meta device and initialised afterwards: no values to broadcast.
+            replicated = DTensor.from_local(param, mesh, [Replicate()], run_check=False)
+            module.register_parameter(p_name, nn.Parameter(replicated, param.requires_grad))
+
+    @staticmethod
+    def _input_fn(module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        return tuple(
+            DTensor.from_local(t, mesh, [Replicate()], run_check=False) if isinstance(t, torch.Tensor) else t
+            for t in inputs
+        )
+
+    @staticmethod
+    def _output_fn(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        return output.to_local() if isinstance(output, DTensor) else output
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, device_mesh, self._replicate_params, self._input_fn, self._output_fn)
+
+
+def _apply_whole_model_replicated_stream(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
+    # The residual stream is a plain tensor, whole and equal on every tensor-parallel rank. Each block's
+    # attention and MLP turn their input into one Replicate DTensor that all three (or two) column-parallel
+    # projections share, so the backward sums their partial input gradients once, in one all-reduce.
+    top: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if model.norm is not None:
+        top["norm"] = ReplicateParallel()
+    if model.output is not None:
+        top["output"] = ColwiseParallel(
+            input_layouts=Replicate(),
+            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+            use_local_output=not loss_parallel,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():
+        parallelize_module(
+            block,
+            tp_mesh,
+            {
+                "attention_norm": ReplicateParallel(),
+                "attention": PrepareModuleInput(
+                    input_layouts=(Replicate(), None, None), desired_input_layouts=(Replicate(), None, None)
+                ),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(),
+                "ffn_norm": ReplicateParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(),
                 "feed_forward.w3": ColwiseParallel(),
             },
         )

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from hpkit.errors import SpecError
 from hpkit.hf.config import read_hf_config
@@ -37,7 +38,7 @@ from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
 from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
 from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model
 from hpkit.runtime.stragglers import StragglerMonitor, Window
-from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape
+from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape, sequence_parallel_default
 
 # Debug: a directory where each rank appends "sample-index sha1" per sample it trains on (tests compare runs).
 DIGESTS_ENV = "HPKIT_DATA_DIGESTS"
@@ -115,6 +116,15 @@ class Trainer:
         self.pp_stage = self.coords.pp_rank
         self.is_first_stage = self.pp_stage == 0
         self.is_last_stage = self.pp_stage == self.dims.pp - 1
+        # Whole-model TP without PP: the loss runs on vocabulary-sharded logits (see apply_tp).
+        self.loss_parallel = (
+            self.dims.tp_enabled and cfg.parallelism.tp_modules is None and not self.dims.pp_enabled
+        )
+        self.sequence_parallel = (
+            cfg.parallelism.sequence_parallel
+            if cfg.parallelism.sequence_parallel is not None
+            else sequence_parallel_default(device.type)
+        )
         self.model, self.module = self._build_model()
         # FSDP casts parameters itself; otherwise bf16 comes from autocast around the forward.
         self.autocast = self.mixed_precision == "bf16" and not self.dims.fsdp_enabled
@@ -146,8 +156,14 @@ class Trainer:
         part = split_model(whole, self.dims.pp, self.pp_stage)
         if self.dims.tp_enabled:
             whole_model = cfg.parallelism.tp_modules is None
-            check_tp_shape(part, self.dims.tp, cfg.model.seq_len, whole_model)
-            apply_tp(part, self.coords.tp_mesh, cfg.parallelism.tp_modules)
+            check_tp_shape(part, self.dims.tp, cfg.model.seq_len, whole_model, self.sequence_parallel)
+            apply_tp(
+                part,
+                self.coords.tp_mesh,
+                cfg.parallelism.tp_modules,
+                self.loss_parallel,
+                self.sequence_parallel,
+            )
         apply_ac(part, tr.activation_checkpoint)
         if tr.compile:
             apply_compile(part)
@@ -168,14 +184,18 @@ class Trainer:
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         tr = self.cfg.train
+        # The fused kernel (CPU and CUDA) updates each parameter in one pass; foreach runs a dozen
+        # elementwise kernels over the whole list and cost 5x the time in a CPU profile. Both need all
+        # DTensors on one mesh: TP on chosen modules mixes meshes, and then the plain loop runs.
+        one_mesh = _single_mesh(self.params)
         return torch.optim.AdamW(
             self.params,
             lr=tr.lr,
             betas=(0.9, 0.95),
             eps=1e-8,
             weight_decay=tr.weight_decay,
-            # foreach kernels need all DTensors on one mesh; TP on chosen modules mixes meshes.
-            foreach=_single_mesh(self.params),
+            fused=True if one_mesh else None,
+            foreach=None if one_mesh else False,
         )
 
     def _build_loader(self) -> data_mod.DataLoader:
@@ -300,11 +320,14 @@ class Trainer:
 
     def _forward_backward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         if self.schedule is None:
-            with self._autocast():
-                logits = self.module(inputs)
-            loss = loss_fn(logits, labels)
-            loss.backward()
-            return loss.detach()
+            # Under loss parallel both the loss and its backward must run inside the context.
+            with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
+                with self._autocast():
+                    logits = self.module(inputs)
+                loss = loss_fn(logits, labels)
+                loss.backward()
+            # A loss-parallel loss is a DTensor replicated over the tp group: every rank holds it whole.
+            return (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
         losses: list[torch.Tensor] = []
         with self._autocast():
             if self.is_first_stage:
@@ -388,6 +411,6 @@ def model_config(m: ModelSpec) -> LlamaConfig:
         raise SpecError(f"model: {exc}") from None
 
 
-def _single_mesh(params: list[torch.nn.Parameter]) -> bool | None:
+def _single_mesh(params: list[torch.nn.Parameter]) -> bool:
     meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
-    return None if len(meshes) <= 1 else False
+    return len(meshes) <= 1
