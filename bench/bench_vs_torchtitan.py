@@ -443,9 +443,18 @@ def compare(setups: list[Setup], titan_dir: Path, tmp: Path, args: argparse.Name
         ratio = med["hpkit"] / med["torchtitan"]
         extra = f"  (before: {med['hpkit-before'] / med['torchtitan']:.3f})" if before else ""
         extra += f"  fast-quartile ratio {fast['hpkit'] / fast['torchtitan']:.3f}"
+        extra += f"  median of per-round ratios {paired_ratio(runs, setup.name):.3f}"
         print(f"{setup.name:<8}" + "".join(f"{med[side]:14,.0f}" for side in sides) + f"  {ratio:.3f}{extra}")
         print(f"RATIO anchor_{setup.name} = {ratio:.3f}")
     return 0
+
+
+def paired_ratio(runs: list[Run], setup: str) -> float:
+    """Median over rounds of hpkit / torchtitan within a round: the two runs of a round are adjacent
+    in time, so a machine whose speed drifts over minutes moves both alike."""
+    hp = [r.tokens_per_s for r in runs if r.setup == setup and r.side == "hpkit"]
+    tt = [r.tokens_per_s for r in runs if r.setup == setup and r.side == "torchtitan"]
+    return statistics.median(a / b for a, b in zip(hp, tt, strict=True))
 
 
 if __name__ == "__main__":
