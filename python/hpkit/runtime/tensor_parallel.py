@@ -96,10 +96,7 @@ def apply_tp(
     model, and the backward needs no gather either.
     """
     if modules is None:
-        if sequence_parallel:
-            _apply_whole_model(model, tp_mesh, loss_parallel)
-        else:
-            _apply_whole_model_replicated_stream(model, tp_mesh, loss_parallel)
+        _apply_whole_model(model, tp_mesh, loss_parallel, sequence_parallel)
         return tp_units(model)
     units = tp_units(model)
     chosen = select_units(units, modules)
@@ -125,17 +122,26 @@ def apply_tp(
     return chosen
 
 
-def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    # A pipeline stage may lack embeddings or the head; the residual stream between stages is then
-    # sequence-sharded, so stage boundaries need the matching layouts.
+def _apply_whole_model(
+    model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool
+) -> None:
+    # The residual stream between blocks is sequence-sharded under sequence parallel, else a plain tensor,
+    # whole and equal on every TP rank. A pipeline stage may lack embeddings or the head, so stage
+    # boundaries carry the same layout. Each block's attention and MLP turn their input into one DTensor
+    # that the column-parallel projections share, so the backward sums their partial input gradients once.
+    stream = Shard(1) if sequence_parallel else Replicate()
+
+    def norm() -> ParallelStyle:
+        return SequenceParallel() if sequence_parallel else ReplicateParallel()
+
     top: dict[str, object] = {}
     if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     if model.norm is not None:
-        top["norm"] = SequenceParallel()
+        top["norm"] = norm()
     if model.output is not None:
         top["output"] = ColwiseParallel(
-            input_layouts=Shard(1),
+            input_layouts=stream,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
         )
@@ -146,20 +152,20 @@ def _apply_whole_model(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: boo
             block,
             tp_mesh,
             {
-                "attention_norm": SequenceParallel(),
+                "attention_norm": norm(),
                 "attention": PrepareModuleInput(
-                    input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None)
+                    input_layouts=(stream, None, None), desired_input_layouts=(Replicate(), None, None)
                 ),
                 "attention.wq": ColwiseParallel(),
                 "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=stream),
+                "ffn_norm": norm(),
                 "feed_forward": PrepareModuleInput(
-                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                    input_layouts=(stream,), desired_input_layouts=(Replicate(),)
                 ),
                 "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+                "feed_forward.w2": RowwiseParallel(output_layouts=stream),
                 "feed_forward.w3": ColwiseParallel(),
             },
         )
@@ -193,44 +199,3 @@ class ReplicateParallel(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, self._replicate_params, self._input_fn, self._output_fn)
-
-
-def _apply_whole_model_replicated_stream(model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool) -> None:
-    # The residual stream is a plain tensor, whole and equal on every tensor-parallel rank. Each block's
-    # attention and MLP turn their input into one Replicate DTensor that all three (or two) column-parallel
-    # projections share, so the backward sums their partial input gradients once, in one all-reduce.
-    top: dict[str, object] = {}
-    if model.tok_embeddings is not None:
-        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
-    if model.norm is not None:
-        top["norm"] = ReplicateParallel()
-    if model.output is not None:
-        top["output"] = ColwiseParallel(
-            input_layouts=Replicate(),
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            use_local_output=not loss_parallel,
-        )
-    if top:
-        parallelize_module(model, tp_mesh, top)
-    for block in model.layers.values():
-        parallelize_module(
-            block,
-            tp_mesh,
-            {
-                "attention_norm": ReplicateParallel(),
-                "attention": PrepareModuleInput(
-                    input_layouts=(Replicate(), None, None), desired_input_layouts=(Replicate(), None, None)
-                ),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(),
-                "ffn_norm": ReplicateParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-            },
-        )
