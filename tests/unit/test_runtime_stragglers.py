@@ -1,12 +1,17 @@
-"""The straggler decision (a pure function of per-rank window times) and its configuration."""
+"""The straggler decision (a pure function of per-rank window times), its configuration, and what a CPU
+rank's timer counts as its own work."""
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
+
 import pytest
+import torch
 
 from hpkit.errors import SpecError
 from hpkit.runtime.config import parse_run_config
-from hpkit.runtime.stragglers import StragglerDetector, slowdowns
+from hpkit.runtime.stragglers import StragglerDetector, WorkTimer, slowdowns
 
 
 def test_slowdown_is_against_the_median_of_the_other_ranks():
@@ -74,3 +79,26 @@ def test_stragglers_are_on_by_default_and_can_be_turned_off():
     spec = parse_run_config({}).train.stragglers
     assert (spec.enabled, spec.every_steps, spec.factor, spec.windows) == (True, 20, 1.5, 3)
     assert not parse_run_config({"train": {"stragglers": {"enabled": False}}}).train.stragglers.enabled
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+@pytest.mark.skipif(not Path("/proc/thread-self/schedstat").exists(), reason="needs Linux schedstat")
+def test_on_a_cpu_a_step_counts_its_compute_not_its_sleep_and_a_batch_wait_counts_whole():
+    timer = WorkTimer(torch.device("cpu"))
+    with timer.step():
+        _spin(0.2)  # compute: this rank's own
+        time.sleep(0.4)  # asleep, as in a collective waiting for the other ranks: not this rank's work
+        with timer.device():
+            _spin(0.1)  # counted once, by the step
+    mine = timer.take()
+    assert 0.28 < mine < 0.4, mine  # a timer of the whole step would give 0.7, of the segment only 0.1
+    with timer.step(), timer.host():
+        time.sleep(0.3)  # waiting for a batch from loader workers is this rank's delay
+        _spin(0.1)
+    assert 0.39 < timer.take() < 0.5
+    assert timer.take() == 0.0  # a new window starts empty

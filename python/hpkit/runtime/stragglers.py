@@ -2,9 +2,13 @@
 
 A rank's step time cannot show it: in synchronous training every rank waits for the slowest one at each
 collective, so over a window all ranks measure the same wall time (the slow rank's). What differs is
-the time a rank spends on work that waits for no other rank: loading its batch, clipping its gradient
-shards and its optimizer step. Each rank sums that local work over a window of steps; at the window's
-end the ranks exchange the means (one all-gather of 2 x world floats on a CPU group, started without
+the time a rank spends on work that waits for no other rank. On a GPU that is the segments between
+collectives that the step can time alone (loading its batch, clipping its gradient shards, its optimizer
+step; CUDA events). On a CPU it is the whole step's compute: the training thread's time running or
+waiting for a core (the kernel's schedstat), which leaves out only the time it sleeps in a collective
+for the other ranks; a rank starved of CPU in bursts (a cgroup quota's 100 ms period) is slow in its
+forward and backward as much as in its ~1 ms optimizer step, which a burst would mostly miss. Each rank
+sums that local work over a window of steps; at the window's end the ranks exchange the means (one all-gather of 2 x world floats on a CPU group, started without
 waiting and read at the next step, so no step waits for it) and every rank runs the same detector on
 the same numbers.
 
@@ -20,6 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -88,25 +93,64 @@ class Window:
     stragglers: list[Straggler]
 
 
+def _schedstat_path() -> Path | None:
+    """The calling thread's schedstat (Linux with CONFIG_SCHED_INFO), or None where it cannot be read."""
+    path = Path("/proc/thread-self/schedstat")
+    try:
+        _wanted_s(path)
+    except (OSError, ValueError, IndexError):
+        return None
+    return path
+
+
+def _wanted_s(path: Path) -> float:
+    """Seconds this thread has spent on a CPU plus waiting for one (run delay, which includes the time a
+    CPU quota holds it back); time asleep (in a collective, on I/O) is in neither."""
+    on_cpu_ns, run_delay_ns, _ = path.read_text().split()
+    return (int(on_cpu_ns) + int(run_delay_ns)) / 1e9
+
+
 class WorkTimer:
-    """Sums the time of a rank's local work segments. On CUDA the segments are timed with events, read only
-    at a window's end: a host clock would time the kernel launches, not the work."""
+    """Sums a rank's local work over a window.
+
+    On CUDA: the timed segments, with events read only at a window's end (a host clock would time the
+    kernel launches, not the work). On a CPU with schedstat: the whole step's running-or-runnable time of
+    the training thread, plus the wall time of host segments (a batch the thread waits for from loader
+    workers is this rank's own delay, though it sleeps). Elsewhere: the segments on the host clock."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.seconds = 0.0
         self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        # Read from the thread that trains: the first call is made there, in the trainer's set-up.
+        self._schedstat = None if self.cuda else _schedstat_path()
+
+    @contextmanager
+    def step(self) -> Iterator[None]:
+        """One whole training step."""
+        if self._schedstat is None:
+            yield
+            return
+        start = _wanted_s(self._schedstat)
+        yield
+        self.seconds += _wanted_s(self._schedstat) - start
 
     @contextmanager
     def host(self) -> Iterator[None]:
-        """Work the host does itself (loading a batch): its own clock."""
+        """Work the host does itself, or waits for on this rank's behalf (loading a batch): its wall time."""
         start = time.perf_counter()
+        wanted = _wanted_s(self._schedstat) if self._schedstat is not None else 0.0
         yield
         self.seconds += time.perf_counter() - start
+        if self._schedstat is not None:  # counted by step() too
+            self.seconds -= _wanted_s(self._schedstat) - wanted
 
     @contextmanager
     def device(self) -> Iterator[None]:
         """Work queued on the device (clipping, the optimizer step)."""
+        if self._schedstat is not None:  # counted by step()
+            yield
+            return
         if not self.cuda:
             with self.host():
                 yield

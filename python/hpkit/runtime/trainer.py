@@ -293,26 +293,27 @@ class Trainer:
         lr = self.lr_at(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        # Only the segments timed by self._work wait for no other rank: they measure this rank's speed.
-        with self._work.host():
-            inputs, labels = self.loader.next_batch()
-            inputs = inputs.to(self.device, non_blocking=True)
-            labels = labels.to(self.device, non_blocking=True)
-        local_loss = self._forward_backward(inputs, labels)
-        norm = total_grad_norm(self.params, self.pp_group)
-        if self.cfg.train.grad_clip is not None:
+        # self._work measures what waits for no other rank: this rank's speed (see stragglers.WorkTimer).
+        with self._work.step():
+            with self._work.host():
+                inputs, labels = self.loader.next_batch()
+                inputs = inputs.to(self.device, non_blocking=True)
+                labels = labels.to(self.device, non_blocking=True)
+            local_loss = self._forward_backward(inputs, labels)
+            norm = total_grad_norm(self.params, self.pp_group)
+            if self.cfg.train.grad_clip is not None:
+                with self._work.device():
+                    clip_grads_(self.params, self.cfg.train.grad_clip, norm)
+            if checkpointer is not None:
+                checkpointer.wait_for_staging()  # an async save may still be copying these weights
             with self._work.device():
-                clip_grads_(self.params, self.cfg.train.grad_clip, norm)
-        if checkpointer is not None:
-            checkpointer.wait_for_staging()  # an async save may still be copying these weights
-        with self._work.device():
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-        self.stop.exchange()
-        result = StepResult(self.step, lr, 0.0)
-        if self.is_logging_step(self.step):
-            result.loss = self._global_loss(local_loss)
-            result.grad_norm = float(norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            self.stop.exchange()
+            result = StepResult(self.step, lr, 0.0)
+            if self.is_logging_step(self.step):
+                result.loss = self._global_loss(local_loss)
+                result.grad_norm = float(norm)
         result.step_time_s = time.perf_counter() - start
         if self.stragglers is not None:
             result.window = self.stragglers.end_step(self.step, result.step_time_s)
@@ -388,7 +389,7 @@ class _NoTimer:
     def host(self) -> Any:
         yield
 
-    device = host
+    device = step = host
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
