@@ -161,9 +161,19 @@ def test_wait_rides_out_a_controller_restart_and_gives_up_on_a_long_outage(tmp_p
             stdout=subprocess.PIPE,
             text=True,
         )
+        # And one showing the status line, which asks Slurm the same way.
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "hpkit", "wait", job, "--follow", "--backend", "cli"],
+            env=env,
+            cwd=work,
+            stderr=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         lines: list[str] = []
         try:
             _read_until(waiter.stderr, rf"job {job} \(wrap\): RUNNING", lines)
+            _read_until(follower.stdout, rf"job {job} \(wrap\): RUNNING", [])
             _stop_slurmctld(env)
             _read_until(waiter.stderr, r"Slurm did not answer", lines)
             # Meanwhile a waiter with a short outage limit gives up, in one line.
@@ -181,12 +191,17 @@ def test_wait_rides_out_a_controller_restart_and_gives_up_on_a_long_outage(tmp_p
             devcluster.up(env)  # starts slurmctld again (the rest is still running)
             _read_until(waiter.stderr, r"Slurm answers again after \d+ s", lines)
             _, rest = waiter.communicate(timeout=120)
+            shown, said = follower.communicate(timeout=60)
         finally:
-            if waiter.poll() is None:
-                waiter.kill()
+            for process in (waiter, follower):
+                if process.poll() is None:
+                    process.kill()
         text = "".join(lines) + rest
         assert waiter.returncode == 0, text
         assert text.count("Slurm did not answer") == 1, text
+        assert follower.returncode == 0, said
+        assert said.count("Slurm did not answer") == 1 and "Slurm answers again" in said, said
+        assert re.match(rf"job {job} \(wrap\): COMPLETED", shown.splitlines()[-1]), shown
         assert (work / f"out-{job}.txt").read_text().strip() == f"done-{job}"
 
 

@@ -218,7 +218,13 @@ def _wait(args: argparse.Namespace) -> int:
     # The status line, live: progress for a training job, Slurm's state for any other.
     from hpkit.commands.watch import follow
 
-    info = follow(backend, args.job_ids[0], poll_s=args.poll, timeout_s=args.timeout)
+    info = follow(
+        backend,
+        args.job_ids[0],
+        poll_s=args.poll,
+        timeout_s=args.timeout,
+        outage_limit_s=args.outage_timeout,
+    )
     return 0 if info.state == JobState.COMPLETED else info.exit_code or 1
 
 

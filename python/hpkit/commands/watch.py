@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import sys
-import time
 from dataclasses import asdict
 from typing import Any, TextIO
 
+from hpkit.errors import SlurmError
 from hpkit.job_files import JobFiles, locate
 from hpkit.metrics_file import MetricsReader
 from hpkit.progress import Progress, progress
-from hpkit.slurm import Backend, JobInfo
+from hpkit.slurm import OUTAGE_LIMIT_S, Backend, JobInfo, wait
 
 
 class JobWatcher:
@@ -22,13 +22,21 @@ class JobWatcher:
         self.files: JobFiles | None = None
         self._reader: MetricsReader | None = None
 
-    def poll(self, info: JobInfo | None = None) -> tuple[JobInfo, Progress | None]:
+    def poll(
+        self, info: JobInfo | None = None, *, locate_files: bool = True
+    ) -> tuple[JobInfo, Progress | None]:
+        """Slurm's record (or `info`, already polled) and the progress; `locate_files=False` only re-reads the
+        metrics file, asking the controller nothing."""
         info = info or self.backend.info(self.job_id)
-        located = locate(self.job_id)
-        if located is not None:
-            if self.files is None or located.metrics_path != self.files.metrics_path:
-                self._reader = MetricsReader(located.metrics_path)
-            self.files = located
+        if locate_files:
+            try:
+                located = locate(self.job_id)
+            except SlurmError:  # the controller did not answer: keep what it said last
+                located = None
+            if located is not None:
+                if self.files is None or located.metrics_path != self.files.metrics_path:
+                    self._reader = MetricsReader(located.metrics_path)
+                self.files = located
         if self.files is None or self._reader is None:
             return info, None
         log = self._reader.update()
@@ -37,7 +45,7 @@ class JobWatcher:
             self.files.metrics_path,
             total_steps=self.files.total_steps,
             checkpoint_dir=self.files.checkpoint_dir,
-            slurm_restarts=located.slurm_restarts if located else 0,
+            slurm_restarts=self.files.slurm_restarts,
         )
 
 
@@ -59,20 +67,41 @@ def follow(
     poll_s: float,
     timeout_s: float | None,
     stream: TextIO = sys.stdout,
+    outage_limit_s: float = OUTAGE_LIMIT_S,
 ) -> JobInfo:
     """Print the status line until the job ends: rewritten in place on a terminal, else one line per change.
 
-    "Change" leaves out the ETA and speed, which move on every poll; a new step, state, checkpoint or
-    restart prints a line.
+    Slurm is asked as `wait` asks it (rarer as the job ages; a controller restart is ridden out), while
+    the progress comes from the metrics file between those polls. "Change" leaves out the ETA and speed,
+    which move on every read; a new step, state, checkpoint or restart prints a line.
     """
-    from hpkit.errors import SlurmError
+    status = _StatusLine(JobWatcher(backend, job_id), stream)
+    try:
+        info = wait(
+            backend,
+            job_id,
+            poll_s=poll_s,
+            timeout_s=timeout_s,
+            on_poll=status.show,
+            on_tick=status.refresh,
+            outage_limit_s=outage_limit_s,
+        )
+    finally:
+        status.close()
+    return info
 
-    watcher = JobWatcher(backend, job_id)
-    tty = stream.isatty()
-    start = time.monotonic()
-    shown: tuple | None = None
-    while True:
-        info, prog = watcher.poll()
+
+class _StatusLine:
+    def __init__(self, watcher: JobWatcher, stream: TextIO) -> None:
+        self.watcher = watcher
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.last: JobInfo | None = None
+        self.shown: tuple | None = None
+
+    def show(self, info: JobInfo, *, polled: bool = True) -> None:
+        self.last = info
+        info, prog = self.watcher.poll(info, locate_files=polled)
         key = (
             info.state,
             prog.step if prog else None,
@@ -81,19 +110,19 @@ def follow(
             prog.finished if prog else None,
         )
         text = line(info, prog)
-        if tty:
-            stream.write("\r\033[K" + text)
-            stream.flush()
-        elif key != shown:
-            stream.write(text + "\n")
-            stream.flush()
-        shown = key
-        if info.state.finished:
-            if tty:
-                stream.write("\n")
-            return info
-        if timeout_s is not None and time.monotonic() - start > timeout_s:
-            if tty:
-                stream.write("\n")
-            raise SlurmError(f"job {job_id} still {info.state.value} after {timeout_s:.0f} s")
-        time.sleep(poll_s)
+        if self.tty:
+            self.stream.write("\r\033[K" + text)
+        elif key != self.shown:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+        self.shown = key
+
+    def refresh(self) -> None:
+        """Between Slurm polls: the run's progress with the last known state."""
+        if self.last is not None:
+            self.show(self.last, polled=False)
+
+    def close(self) -> None:
+        if self.tty and self.shown is not None:
+            self.stream.write("\n")
+            self.stream.flush()
