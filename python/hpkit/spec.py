@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from hpkit import slurm_options
 from hpkit.errors import SpecError
@@ -27,7 +27,7 @@ from hpkit.runtime.config import (
     RunConfig,
     TrainSpec,
 )
-from hpkit.validation import StrictModel, check_no_control_chars, format_validation_error
+from hpkit.validation import StrictModel, check_no_control_chars, validate_document
 
 # The training blocks live with the runtime's configuration; they are part of every job spec.
 __all__ = [
@@ -440,14 +440,7 @@ class JobSpec(RunConfig):
 
 def parse_spec(data: Any, source: str = "spec") -> JobSpec:
     """Validate a decoded spec; SpecError carries one line per problem, each naming its field."""
-    if not isinstance(data, dict):
-        raise SpecError(
-            f"{source}: a job spec is a mapping of keys (name, nodes, ...), not {type(data).__name__}"
-        )
-    try:
-        return JobSpec.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(format_validation_error(exc, JobSpec, source)) from None
+    return validate_document(JobSpec, data, source, "a job spec is a mapping of keys (name, nodes, ...)")
 
 
 def read_document(path: str | Path) -> Any:

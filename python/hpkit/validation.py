@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
+
+from hpkit.errors import SpecError
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class StrictModel(BaseModel):
@@ -66,3 +70,18 @@ def format_validation_error(
 ) -> str:
     """Every problem in `exc`, one line each, prefixed by where the document came from."""
     return "\n".join(f"{source}: {describe_error(e, model, prefix, missing)}" for e in exc.errors())
+
+
+def validate_document(
+    model: type[ModelT], data: Any, source: str, shape: str, missing: str = REQUIRED
+) -> ModelT:
+    """A decoded document as `model`; SpecError with one line per problem, each naming its field.
+
+    `shape` says what the document is when it is not a mapping at all ("a job spec is a mapping of keys
+    (name, nodes, ...)")."""
+    if not isinstance(data, dict):
+        raise SpecError(f"{source}: {shape}, not {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(format_validation_error(exc, model, source, missing=missing)) from None

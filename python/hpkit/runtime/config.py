@@ -13,10 +13,9 @@ import posixpath
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from hpkit.errors import SpecError
-from hpkit.validation import StrictModel, check_no_control_chars, format_validation_error
+from hpkit.validation import StrictModel, check_no_control_chars, validate_document
 
 SPEC_ENV = "HPKIT_SPEC"
 
@@ -348,12 +347,7 @@ class RunConfig(StrictModel):
 
 def parse_run_config(data: Any, source: str = "config") -> RunConfig:
     """Validate decoded training blocks; SpecError carries one line per problem, each naming its field."""
-    if not isinstance(data, dict):
-        raise SpecError(f"{source}: a training config is a mapping of keys, not {type(data).__name__}")
-    try:
-        return RunConfig.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(format_validation_error(exc, RunConfig, source)) from None
+    return validate_document(RunConfig, data, source, "a training config is a mapping of keys")
 
 
 def load_run_config(path: str | Path) -> RunConfig:

@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from hpkit.errors import SpecError
 from hpkit.spec import read_document
-from hpkit.validation import format_validation_error
+from hpkit.validation import validate_document
 
 
 class Estimator(BaseModel):
@@ -45,17 +44,13 @@ class Estimator(BaseModel):
 
 
 def parse_estimator(data: Any, source: str) -> Estimator:
-    if not isinstance(data, dict):
-        raise SpecError(
-            f"{source}: an estimator description is a mapping (entry_point, instance_type, ...), "
-            f"not {type(data).__name__}"
-        )
-    try:
-        return Estimator.model_validate(data)
-    except ValidationError as exc:
-        raise SpecError(
-            format_validation_error(exc, Estimator, source, missing="copy it from the estimator's arguments")
-        ) from None
+    return validate_document(
+        Estimator,
+        data,
+        source,
+        "an estimator description is a mapping (entry_point, instance_type, ...)",
+        missing="copy it from the estimator's arguments",
+    )
 
 
 def load_estimator(path: str | Path) -> Estimator:
