@@ -24,6 +24,14 @@ TEST_CLUSTER_PORT = os.environ.get("HPKIT_TEST_CLUSTER_PORT", "7817")
 TEST_FIRST_JOB_ID = os.environ.get("HPKIT_TEST_FIRST_JOB_ID", "5000")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def job_notes(tmp_path_factory) -> Path:
+    """`hpkit submit` notes each job under HPKIT_STATE_DIR: the tests' notes stay out of the home directory."""
+    state = tmp_path_factory.mktemp("hpkit-state")
+    os.environ["HPKIT_STATE_DIR"] = str(state)
+    return state
+
+
 @pytest.fixture(scope="session")
 def repo() -> Path:
     return REPO

@@ -33,11 +33,13 @@ def client_env(
     cpus: int = 2,
     base: Mapping[str, str] | None = None,
     slurmd_timeout: int | None = None,
+    min_job_age: int | None = None,
 ) -> dict[str, str]:
     """The environment for slurm/dev's scripts and the cluster's clients (sbatch, squeue, its jobs).
 
     `base` (default: this process's environment) is copied, not changed. `slurmd_timeout`: seconds
-    before a silent node is declared DOWN (slurm/dev's default where None).
+    before a silent node is declared DOWN; `min_job_age`: seconds the controller keeps an ended job
+    (slurm/dev's defaults where None).
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -52,6 +54,8 @@ def client_env(
     )
     if slurmd_timeout is not None:
         env["SLURMD_TIMEOUT"] = str(slurmd_timeout)
+    if min_job_age is not None:
+        env["MIN_JOB_AGE"] = str(min_job_age)
     return env
 
 

@@ -7,7 +7,8 @@ resolves them inside the job (relative paths from the job's working directory, %
 Paths with spaces survive: `scontrol show job -o` values are split on the next `Key=`, and the
 script's export is one shell word, read back with shlex.
 
-The controller forgets a job MinJobAge seconds after it ends; after that only its Slurm state is known.
+The controller forgets a job MinJobAge seconds after it ends; after that the note `hpkit submit` left
+(hpkit.job_index) says where the script and working directory were.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpkit.errors import HpkitError
+from hpkit.job_index import recall
 from hpkit.slurm import _run, parse_scontrol_record
 
 SPEC_EXPORT = "export HPKIT_SPEC="
@@ -56,6 +58,13 @@ def controller_record(job_id: str, env: Mapping[str, str] | None = None) -> Cont
     )
 
 
+def _noted(job_id: str, name: str | None) -> ControllerRecord | None:
+    note = recall(job_id, name)
+    if note is None:
+        return None
+    return ControllerRecord(script=Path(note.script), workdir=Path(note.workdir), restarts=0)
+
+
 def spec_of_script(script: Path) -> Path | None:
     """The HPKIT_SPEC the script exports (hpkit's template writes it as one shell-quoted word)."""
     try:
@@ -92,9 +101,12 @@ def files_for(job_id: str, spec_path: Path, workdir: Path, slurm_restarts: int =
     return JobFiles(job_id, spec_path, metrics, ckpt, cfg.train.steps, slurm_restarts)
 
 
-def locate(job_id: str, env: Mapping[str, str] | None = None) -> JobFiles | None:
-    """The job's training files, or None for a job that is not an hpkit training job (or is forgotten)."""
-    record = controller_record(job_id, env)
+def locate(job_id: str, env: Mapping[str, str] | None = None, name: str | None = None) -> JobFiles | None:
+    """The job's training files, or None for a job that is not an hpkit training job (or is forgotten).
+
+    The controller's record first; once it has forgotten the job, the note `hpkit submit` left (for a job
+    named `name`, where the caller knows Slurm's name for it)."""
+    record = controller_record(job_id, env) or _noted(job_id, name)
     if record is None or record.script is None or record.workdir is None:
         return None
     spec = spec_of_script(record.script)

@@ -11,6 +11,8 @@
 #                          since job scripts derive their rendezvous port from the job id (default: 1)
 #   SLURMD_TIMEOUT         seconds without a node's answer before slurmctld declares it DOWN
 #                          (default: 30; node-loss tests lower it on their own cluster)
+#   MIN_JOB_AGE            seconds the controller keeps an ended job (default: 600; a test of
+#                          forgotten jobs lowers it on its own cluster)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -20,6 +22,7 @@ cpus=${CPUS:-2}
 port=${HPKIT_DEV_PORT:-6817}
 first_job_id=${FIRST_JOB_ID:-1}
 slurmd_timeout=${SLURMD_TIMEOUT:-30}
+min_job_age=${MIN_JOB_AGE:-600}
 
 die() { echo "cluster-up: $*" >&2; exit 1; }
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, not '$nodes'"
@@ -29,6 +32,7 @@ if ! [[ $port =~ ^[0-9]+$ ]] || ((port < 1024 || port + nodes > 65535)); then
 fi
 [[ $first_job_id =~ ^[1-9][0-9]*$ ]] || die "FIRST_JOB_ID must be a positive integer, not '$first_job_id'"
 [[ $slurmd_timeout =~ ^[1-9][0-9]*$ ]] || die "SLURMD_TIMEOUT must be a positive integer, not '$slurmd_timeout'"
+[[ $min_job_age =~ ^[1-9][0-9]*$ ]] || die "MIN_JOB_AGE must be a positive integer, not '$min_job_age'"
 for cmd in munged slurmctld slurmd scontrol sinfo; do
   command -v "$cmd" >/dev/null || die "$cmd not found: install Debian's slurm-wlm and munge (make system-deps)"
 done
@@ -48,7 +52,7 @@ if ! alive "$dir/run/slurmctld.pid"; then
     mkdir -p "$dir/spool/node$i" "$dir/tmp/node$i"
     node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((port + i)) CPUs=$cpus RealMemory=2048 State=UNKNOWN"$'\n'
   done
-  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" "$here/slurm.conf.in" >"$conf.tmp"
+  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" "$here/slurm.conf.in" >"$conf.tmp"
   # The node lines hold newlines, which sed's replacement cannot carry portably.
   awk -v nodes="$node_lines" '{ if ($0 == "@NODES@") printf "%s", nodes; else print }' "$conf.tmp" >"$conf"
   rm -f "$conf.tmp"

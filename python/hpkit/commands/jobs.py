@@ -112,6 +112,11 @@ def _write_new(path: Path, text: str, mode: int = 0o644) -> None:
         ) from None
 
 
+def job_workdir(spec: JobSpec) -> Path:
+    """Where the job will run (sbatch's --chdir, else the directory it is submitted from)."""
+    return (Path(spec.workdir) if spec.workdir else Path.cwd()).resolve()
+
+
 def prepare_submission(spec_file: str | Path) -> tuple[JobSpec, Path, Path]:
     """Everything `hpkit submit` does before sbatch: check the spec, write its snapshot and the script.
 
@@ -124,8 +129,7 @@ def prepare_submission(spec_file: str | Path) -> tuple[JobSpec, Path, Path]:
     from hpkit.spec import load_spec
 
     spec = load_spec(spec_file)
-    base = Path(spec.workdir) if spec.workdir else Path.cwd()
-    out_dir = (base / spec.output_dir).resolve()
+    out_dir = (job_workdir(spec) / spec.output_dir).resolve()
     # A snapshot of the spec travels with the job: editing the YAML after submitting must not
     # change a job that is still pending.
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
@@ -137,6 +141,7 @@ def prepare_submission(spec_file: str | Path) -> tuple[JobSpec, Path, Path]:
 
 
 def _submit(args: argparse.Namespace) -> int:
+    from hpkit.job_index import JobNote, remember
     from hpkit.slurm import get_backend
 
     spec, script_path, out_dir = prepare_submission(args.spec)
@@ -148,6 +153,14 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"submitted job {job_id} ({spec.name}, {spec.nodes} node(s) x {spec.ranks_per_node} rank(s))")
     print(f"  script: {script_path}")
     print(f"  output: {out_dir / f'{spec.name}-{job_id}.out'}", flush=True)
+    # For `hpkit status` and `hpkit plot` once the controller has forgotten the job.
+    problem = remember(JobNote(job_id, spec.name, str(script_path), str(job_workdir(spec))))
+    if problem:
+        print(
+            f"hpkit submit: note: {problem}; `hpkit status {job_id}` will lose track of the training files "
+            "once Slurm forgets the job (set HPKIT_STATE_DIR to a writable directory)",
+            file=sys.stderr,
+        )
     if not args.wait:
         return 0
     return _wait_for(backend, [job_id], args)

@@ -120,7 +120,7 @@ def _training_run(text: str, label: str, plot):
     if files is None:
         raise HpkitError(
             f"job {text}: not an hpkit training job that slurmctld still knows (it forgets ended jobs after "
-            "MinJobAge): give its metrics .jsonl instead"
+            "MinJobAge) or that `hpkit submit` noted: give its metrics .jsonl instead"
         )
     run = plot.TrainingRun(label, read_metrics(files.metrics_path))
     if files.checkpoint_dir is not None:

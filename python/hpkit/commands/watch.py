@@ -30,7 +30,7 @@ class JobWatcher:
         info = info or self.backend.info(self.job_id)
         if locate_files:
             try:
-                located = locate(self.job_id)
+                located = locate(self.job_id, name=info.name)
             except SlurmError:  # the controller did not answer: keep what it said last
                 located = None
             if located is not None:
