@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from hpkit import exit_settle
+
 
 class TinyRegression(pl.LightningModule):
     def __init__(self, lr: float = 0.1):
@@ -45,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_settle.install()  # DDP on gloo: see hpkit.exit_settle
     args = parse_args(argv)
     pl.seed_everything(0, verbose=False)
     data = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))

@@ -7,11 +7,10 @@ groups through `_create`, which builds exactly what `backend="nccl"` (or "gloo")
 
 from __future__ import annotations
 
-import atexit
-import time
-
 import torch
 import torch.distributed as dist
+
+from hpkit import exit_settle
 
 NAME = "smddp"
 
@@ -56,23 +55,5 @@ def register() -> bool:
     # would with that backend, instead of silently taking another path.
     device = {"nccl": "cuda", "gloo": "cpu"}[alias_target()]
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=[device])
-    atexit.register(_let_collective_threads_finish)
+    exit_settle.install()
     return True
-
-
-# Seconds the interpreter waits at exit, without the GIL, before it finalizes.
-SETTLE_S = 0.1
-
-
-def _let_collective_threads_finish() -> None:
-    """A DDP script's last all-reduce is freed by a gloo worker thread, and freeing it takes the GIL.
-
-    DDP keeps the group alive after `destroy_process_group()`, so that can still be pending when the
-    script ends; if the interpreter is finalizing by then, the worker thread is killed while it unwinds
-    and the process aborts ("terminate called without an active exception": a core's stack shows
-    ~AsyncAllreduceWork -> gil_scoped_acquire -> PyThread_exit_thread). The seeds' DDP script did that in
-    about one run in four on the local cluster. Sleeping here, before finalization, hands the GIL to
-    that thread.
-    """
-    if dist.is_available():
-        time.sleep(SETTLE_S)
