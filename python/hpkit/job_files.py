@@ -20,6 +20,7 @@ from pathlib import Path
 
 from hpkit.errors import HpkitError
 from hpkit.job_index import recall
+from hpkit.run_identity import RunIdentity, run_paths
 from hpkit.slurm import _run, parse_scontrol_record
 
 SPEC_EXPORT = "export HPKIT_SPEC="
@@ -93,12 +94,10 @@ def files_for(job_id: str, spec_path: Path, workdir: Path, slurm_restarts: int =
     command = getattr(cfg, "command", ["hpkit", "train"])
     if "train" not in command or not any(Path(word).name.startswith(("hpkit", "python")) for word in command):
         return None
-    out = workdir / cfg.output_dir  # an absolute output_dir replaces workdir
-    metrics = (
-        out / cfg.train.metrics_file if cfg.train.metrics_file else out / f"{cfg.name}-{job_id}.metrics.jsonl"
+    paths = run_paths(cfg, RunIdentity.of_job(job_id), workdir)
+    return JobFiles(
+        job_id, spec_path, paths.metrics_file, paths.checkpoint_dir, cfg.train.steps, slurm_restarts
     )
-    ckpt = workdir / cfg.checkpoint.dir.replace("%j", job_id) if cfg.checkpoint.dir else None
-    return JobFiles(job_id, spec_path, metrics, ckpt, cfg.train.steps, slurm_restarts)
 
 
 def locate(job_id: str, env: Mapping[str, str] | None = None, name: str | None = None) -> JobFiles | None:

@@ -1,8 +1,8 @@
 """Reading a training run's metrics JSONL (written by hpkit.runtime.metrics) without torch.
 
-The file holds two kinds of records, one JSON object a line: step records (step, loss, tokens_per_s,
-step_time_s, mfu, time, ...) and event records with an "event" key (start, checkpoint, end). A requeued
-job appends to the same file, so one file can hold several runs, each opened by a start record.
+The file holds two kinds of records, one JSON object a line (their fields: hpkit.metrics_records): step
+records and event records with an "event" key (start, checkpoint, end, ...). A requeued job appends to
+the same file, so one file can hold several runs, each opened by a start record.
 
 Training appends while we read: `MetricsReader` reads only whole lines, remembers where it stopped,
 and leaves a half-written last line for the next call.
@@ -13,39 +13,43 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from hpkit.errors import HpkitError
+from hpkit.metrics_records import Event, StartEvent, StepRecord, parse_record
+
+E = TypeVar("E", bound=Event)
 
 
 @dataclass
 class MetricsLog:
     """Everything read so far, in file order."""
 
-    steps: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
+    steps: list[StepRecord] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     run_starts: list[int] = field(default_factory=list)  # index into `steps` where each run began
 
-    def of_kind(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("event") == kind]
+    def of_kind(self, kind: type[E]) -> list[E]:
+        return [e for e in self.events if isinstance(e, kind)]
 
     @property
-    def last_step(self) -> dict[str, Any] | None:
+    def last_step(self) -> StepRecord | None:
         return self.steps[-1] if self.steps else None
 
     @property
     def total_steps(self) -> int | None:
         for event in reversed(self.events):
-            if isinstance(event.get("total_steps"), int):
-                return event["total_steps"]
+            total = getattr(event, "total_steps", None)
+            if isinstance(total, int) and not isinstance(total, bool):
+                return total
         return None
 
     @property
     def restarts(self) -> int:
         """Runs after the first: every start record opens a run."""
-        return max(0, len(self.of_kind("start")) - 1)
+        return max(0, len(self.of_kind(StartEvent)) - 1)
 
-    def current_run_steps(self) -> list[dict[str, Any]]:
+    def current_run_steps(self) -> list[StepRecord]:
         """The step records written since the last start record (all of them in a file without one)."""
         return self.steps[self.run_starts[-1] :] if self.run_starts else self.steps
 
@@ -90,11 +94,12 @@ class MetricsReader:
                 f"{self.path}:{self._line}: a record without an integer 'step': "
                 "is this an hpkit metrics file (train.metrics_file)?"
             )
-        if "event" not in record:
-            self.log.steps.append(record)
+        parsed = parse_record(record)
+        if isinstance(parsed, StepRecord):
+            self.log.steps.append(parsed)
             return
-        self.log.events.append(record)
-        if record["event"] == "start":
+        self.log.events.append(parsed)
+        if isinstance(parsed, StartEvent):
             self.log.run_starts.append(len(self.log.steps))
 
 

@@ -19,8 +19,9 @@ from matplotlib.ticker import FixedLocator, FuncFormatter
 
 from hpkit.bench.results import BenchRow
 from hpkit.metrics_file import MetricsLog
+from hpkit.metrics_records import CheckpointEvent, StartEvent, StepRecord
 
-# (key in the step records, axis label, factor)
+# (field of the step records, axis label, factor)
 TRAINING_PANELS: tuple[tuple[str, str, float], ...] = (
     ("loss", "loss", 1.0),
     ("tokens_per_s", "tokens/s", 1.0),
@@ -41,12 +42,12 @@ class TrainingRun:
 
     def restart_steps(self) -> list[int]:
         """Where each run after the first began (the step it resumed from)."""
-        return [int(e["step"]) for e in self.log.of_kind("start")[1:]]
+        return [e.step for e in self.log.of_kind(StartEvent)[1:]]
 
     def all_checkpoint_steps(self) -> list[int]:
-        return sorted(self.checkpoint_steps | {int(e["step"]) for e in self.log.of_kind("checkpoint")})
+        return sorted(self.checkpoint_steps | {e.step for e in self.log.of_kind(CheckpointEvent)})
 
-    def segments(self) -> list[list[dict]]:
+    def segments(self) -> list[list[StepRecord]]:
         """The step records of each run: a resumed run repeats steps, and must not draw a line back."""
         bounds = (
             [*self.log.run_starts, len(self.log.steps)] if self.log.run_starts else [0, len(self.log.steps)]
@@ -72,9 +73,7 @@ def training_figure(runs: list[TrainingRun], size_px: tuple[int, int], dpi: int 
         ax.grid(True, alpha=0.3)
         for i, run in enumerate(runs):
             for j, segment in enumerate(run.segments()):
-                points = [
-                    (r["step"], r[key] * factor) for r in segment if isinstance(r.get(key), (int, float))
-                ]
+                points = [(r.step, value * factor) for r in segment if (value := getattr(r, key)) is not None]
                 if not points:
                     continue
                 xs, ys = zip(*points, strict=True)

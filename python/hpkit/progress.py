@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpkit.metrics_file import MetricsLog
+from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
 from hpkit.runtime.checkpoint_record import RecordError, checkpoint_dirs, read_record
 
 # Steps averaged for the speed and the ETA: recent enough to follow a change, long enough to smooth noise.
@@ -113,25 +114,25 @@ def progress(
     recent = log.current_run_steps()
     # The first step of a run pays for start-up (allocation, compile, communicators): leave it out.
     timed = (recent[1:] if len(recent) > 1 else recent)[-WINDOW:]
-    times = [float(s["step_time_s"]) for s in timed if isinstance(s.get("step_time_s"), (int, float))]
+    times = [s.step_time_s for s in timed if s.step_time_s is not None]
     step_time = sum(times) / len(times) if times else None
-    speeds = [float(s["tokens_per_s"]) for s in timed if isinstance(s.get("tokens_per_s"), (int, float))]
-    step = last["step"] if last else None
+    speeds = [s.tokens_per_s for s in timed if s.tokens_per_s is not None]
+    step = last.step if last else None
     # Done when the newest run record is an end that no signal caused (a requeue writes a start next).
-    runs = [e for e in log.events if e.get("event") in ("start", "end")]
-    finished = bool(runs) and runs[-1]["event"] == "end" and runs[-1].get("stopped_by_signal") is None
+    runs = [e for e in log.events if isinstance(e, (StartEvent, EndEvent))]
+    finished = bool(runs) and isinstance(runs[-1], EndEvent) and runs[-1].stopped_by_signal is None
     eta = None
     if step is not None and total is not None and step_time is not None:
         eta = max(0, total - step) * step_time
     return Progress(
         step=step,
         total_steps=total,
-        loss=float(last["loss"]) if last and last.get("loss") is not None else None,
+        loss=last.loss if last else None,
         tokens_per_s=sum(speeds) / len(speeds) if speeds else None,
-        mfu=float(last["mfu"]) if last and last.get("mfu") is not None else None,
+        mfu=last.mfu if last else None,
         step_time_s=step_time,
         eta_s=eta,
-        updated=float(last["time"]) if last and last.get("time") is not None else None,
+        updated=last.time if last else None,
         checkpoint=last_checkpoint(checkpoint_dir) or _checkpoint_from_events(log),
         restarts=max(slurm_restarts, log.restarts),
         finished=finished,
@@ -141,11 +142,11 @@ def progress(
 
 def _checkpoint_from_events(log: MetricsLog) -> Checkpoint | None:
     """Where the checkpoint directory is not visible from here, the metrics file's last checkpoint record."""
-    found = log.of_kind("checkpoint")
+    found = log.of_kind(CheckpointEvent)
     if not found:
         return None
     last = found[-1]
-    return Checkpoint(int(last["step"]), last.get("time"), str(last.get("path", "")))
+    return Checkpoint(last.step, last.time, last.path)
 
 
 def _duration(seconds: float) -> str:

@@ -1,8 +1,8 @@
 """Talking to Slurm: submit, inspect, cancel, wait.
 
 Two backends share one small interface: the Slurm CLI (always available where jobs can be
-submitted) and pyslurm, used only when its build matches the cluster's Slurm major.minor — a
-mismatched pyslurm fails in confusing ways, so we refuse it and say why.
+submitted, and the default) and pyslurm, only when asked for and only when its build matches the
+cluster's Slurm major.minor — a mismatched pyslurm fails in confusing ways, so we refuse it and say why.
 """
 
 from __future__ import annotations
@@ -499,17 +499,19 @@ def pyslurm_status() -> tuple[object | None, str]:
 
 
 def get_backend(name: str = "auto") -> Backend:
-    """auto: pyslurm when a matching build is importable, else the CLI."""
-    if name == "cli":
+    """auto and cli: the Slurm CLI; pyslurm only when asked for by name.
+
+    pyslurm is half a backend (it submits through sbatch, polls one job per call, and reports fewer
+    fields than `squeue --json`), so having it installed must not change what `auto` does.
+    """
+    if name in ("auto", "cli"):
         return CliBackend()
-    module, why = pyslurm_status()
-    if name == "pyslurm":
-        if module is None:
-            raise SlurmError(f"the pyslurm backend is unavailable: {why}")
-        return PyslurmBackend(module)
-    if name != "auto":
+    if name != "pyslurm":
         raise SlurmError(f"unknown backend {name!r}: use auto, cli or pyslurm")
-    return PyslurmBackend(module) if module is not None else CliBackend()
+    module, why = pyslurm_status()
+    if module is None:
+        raise SlurmError(f"the pyslurm backend is unavailable: {why}")
+    return PyslurmBackend(module)
 
 
 # Seconds between polls as a job ages (since its last state change): quick at first, when states

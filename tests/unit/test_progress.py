@@ -48,11 +48,11 @@ def test_reader_keeps_a_half_written_line_for_later(tmp_path):
         f.write(whole[:10])  # training is in the middle of writing this line
     reader = MetricsReader(path)
     log = reader.update()
-    assert [s["step"] for s in log.steps] == [1] and log.total_steps == 100
+    assert [s.step for s in log.steps] == [1] and log.total_steps == 100
     with path.open("a") as f:
         f.write(whole[10:] + "\n")
-    assert [s["step"] for s in reader.update().steps] == [1, 2]
-    assert [s["step"] for s in reader.update().steps] == [1, 2], "a line is read once"
+    assert [s.step for s in reader.update().steps] == [1, 2]
+    assert [s.step for s in reader.update().steps] == [1, 2], "a line is read once"
 
 
 def test_progress_of_a_restarted_run(tmp_path):

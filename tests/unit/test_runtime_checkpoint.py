@@ -194,29 +194,38 @@ def test_ckpt_verify_and_ls_name_each_bad_file(tmp_path, repo, capsys):
     assert find_latest(root) is None, "a checkpoint without its record is never a resume candidate"
 
 
-def test_checkpoint_streams_checksum_what_they_write_and_start_its_writeback(tmp_path, monkeypatch):
-    """The stream DCP writes each checkpoint file through: bytes, offsets, digest, writeback, fsync."""
+def test_checkpoint_streams_checksum_what_they_write_through_a_window_of_page_cache(tmp_path, monkeypatch):
+    """The stream DCP writes each checkpoint file through: bytes, offsets, digest, writeback window, fsync."""
     import io
     import os
 
     import crc32c
 
+    from hpkit.runtime import page_cache
     from hpkit.runtime.checkpoint import ChecksummingFileSystem
     from hpkit.runtime.checkpoint_record import ChecksumWriter, DigestLog
 
-    calls: list[tuple[int, int, int]] = []  # (offset, length, file size on disk at the call)
-    real = os.posix_fadvise
+    events: list[tuple[str, int, int, int]] = []  # (what, offset, end, file size on disk at the call)
+    real_sync, real_fadvise = page_cache._sync_file_range, os.posix_fadvise
+    assert real_sync is not None, "sync_file_range is in every Linux libc"
 
-    def spy(fd: int, offset: int, length: int, advice: int) -> None:
+    def sync_spy(fd: int, offset: int, length: int, flags: int) -> int:
+        events.append(("wait" if flags & 4 else "start", offset, offset + length, os.fstat(fd).st_size))
+        return real_sync(fd, offset, length, flags)
+
+    def fadvise_spy(fd: int, offset: int, length: int, advice: int) -> None:
         assert advice == os.POSIX_FADV_DONTNEED
-        calls.append((offset, length, os.fstat(fd).st_size))
-        real(fd, offset, length, advice)
+        events.append(("drop", offset, offset + length, os.fstat(fd).st_size))
+        real_fadvise(fd, offset, length, advice)
 
-    monkeypatch.setattr(os, "posix_fadvise", spy)
-    # Small writes (zip headers, kept in the buffer) and large ones (tensor data) across the 64 KiB steps.
-    chunks = [os.urandom(n) for n in (100, 70_000, 30, 200_000, 5, 65_520, 20, 1)]
+    monkeypatch.setattr(page_cache, "_sync_file_range", sync_spy)
+    monkeypatch.setattr(os, "posix_fadvise", fadvise_spy)
+    # Small writes (zip headers, kept in the buffer) and large ones (tensor data, one above the
+    # writer's 1 MiB piece) across the 64 KiB window steps.
+    chunks = [os.urandom(n) for n in (100, 70_000, 30, 200_000, 5, 65_520, 20, 1, (1 << 20) + 300_001, 7)]
+    window = 64 << 10
     log = DigestLog()
-    fs = ChecksummingFileSystem(log, writeback_bytes=64 << 10)
+    fs = ChecksummingFileSystem(log, writeback_bytes=window)
     path = tmp_path / "__0_0.distcp"
     with fs.create_stream(path, "wb") as stream:
         written = 0
@@ -229,22 +238,68 @@ def test_checkpoint_streams_checksum_what_they_write_and_start_its_writeback(tmp
     data = b"".join(chunks)
     assert path.read_bytes() == data
     assert log.files == {path.name: digest_file(path)} and log.files[path.name].crc32c == crc32c.crc32c(data)
-    # Writeback was asked for in contiguous ranges from the start, only for bytes already in the file.
-    assert [c[0] for c in calls] == [0, *[sum(c[:2]) for c in calls[:-1]]]
-    assert len(calls) >= 3 and all(offset + length <= size for offset, length, size in calls)
-    assert sum(c[1] for c in calls) > len(data) - (64 << 10)
+
+    started = [(a, b) for what, a, b, _ in events if what == "start"]
+    waited = [(a, b) for what, a, b, _ in events if what == "wait"]
+    dropped = [(a, b) for what, a, b, _ in events if what == "drop"]
+    # Writeback starts in contiguous ranges from the start, only for bytes already in the file...
+    assert [a for a, _ in started] == [0, *[b for _, b in started[:-1]]]
+    assert all(b <= size for what, _, b, size in events if what == "start")
+    # ...and pages are dropped only once their range has been waited for: never a dirty page.
+    assert dropped == waited and len(dropped) >= 3
+    for i, (what, a, b, _) in enumerate(events):
+        if what == "drop":
+            assert events[i - 1][:3] == ("wait", a, b)
+    # The footprint stays bounded: at most `in_flight` ranges started and not yet dropped, behind the writer,
+    # although the large tensor arrived in one write.
+    assert len(started) - len(dropped) == 2 and len(dropped) >= len(data) // window - 3
+    assert max(b - a for a, b in started) < 2 * window
 
     # Reading goes to DCP's own stream, untouched.
     with fs.create_stream(path, "rb") as stream:
         assert stream.read() == data
 
     # A stream without a file descriptor: no writeback, and the checksum is still right.
-    calls.clear()
+    events.clear()
     sink = io.BytesIO()
     writer = ChecksumWriter(sink, lambda w: None, writeback_bytes=16)
     for chunk in chunks:
         writer.write(chunk)
-    assert sink.getvalue() == data and writer.crc == crc32c.crc32c(data) and calls == []
+    assert sink.getvalue() == data and writer.crc == crc32c.crc32c(data) and events == []
+
+
+def test_a_failed_writeback_fails_the_write_instead_of_hiding_from_fsync(tmp_path, monkeypatch):
+    """Waiting on a range consumes the file's writeback error, so the fsync after it would succeed:
+    the error must surface from the write. A file that cannot take part (EINVAL) just falls back."""
+    import ctypes
+    import errno
+    import os
+
+    from hpkit.runtime import page_cache
+    from hpkit.runtime.checkpoint_record import ChecksumWriter
+
+    def failing(code: int):
+        def call(fd: int, offset: int, length: int, flags: int) -> int:
+            if not flags & 4:
+                return 0
+            ctypes.set_errno(code)
+            return -1
+
+        return call
+
+    data = os.urandom(4 << 20)  # four pieces: the third waits for the first
+    monkeypatch.setattr(page_cache, "_sync_file_range", failing(errno.EIO))
+    with (tmp_path / "eio").open("wb", buffering=0) as raw:
+        writer = ChecksumWriter(raw, lambda w: None, writeback_bytes=64 << 10)
+        with pytest.raises(OSError, match="writing back bytes") as caught:
+            writer.write(data)
+        assert caught.value.errno == errno.EIO
+
+    monkeypatch.setattr(page_cache, "_sync_file_range", failing(errno.EINVAL))
+    with (tmp_path / "einval").open("wb", buffering=0) as raw:
+        writer = ChecksumWriter(raw, lambda w: None, writeback_bytes=64 << 10)
+        assert writer.write(data) == len(data) and not writer._writeback.active
+    assert (tmp_path / "einval").read_bytes() == data
 
 
 def test_digest_file_reads_across_its_chunks(tmp_path):

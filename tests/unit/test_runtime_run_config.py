@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import yaml
 
-from hpkit.runtime.config import expand_job_pattern, load_run_config
+from hpkit.runtime.config import load_run_config
 from hpkit.runtime.env import DeviceInfo, LaunchEnv
 from hpkit.runtime.run import choose_collectives
 
@@ -25,15 +25,6 @@ def test_whole_spec_carries_resilience_and_collectives(tmp_path):
     assert cfg.resilience.collective_timeout_s == 42
     assert cfg.collectives.backend == "smddp" and cfg.collectives.smddp_fallback
     assert cfg.instance_type == "ml.p4d.24xlarge"
-
-
-def test_job_id_pattern_in_checkpoint_dirs(monkeypatch):
-    monkeypatch.setenv("SLURM_JOB_ID", "5123")
-    assert expand_job_pattern("/fsx/ckpt/run-%j") == "/fsx/ckpt/run-5123"
-    monkeypatch.delenv("SLURM_JOB_ID")
-    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
-    assert expand_job_pattern("ckpt-%j") == "ckpt-local"
-    assert expand_job_pattern("/plain") == "/plain"
 
 
 def test_cpu_keeps_gloo_whatever_the_collectives_block_says(tmp_path):

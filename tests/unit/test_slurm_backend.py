@@ -93,6 +93,20 @@ def test_mismatched_pyslurm_is_refused(monkeypatch):
     assert isinstance(slurm.get_backend("auto"), CliBackend)
 
 
+def test_auto_backend_is_cli_even_with_a_matching_pyslurm(monkeypatch):
+    """pyslurm is opt-in: a matching build installed must not change what `auto` picks."""
+    fake = types.ModuleType("pyslurm")
+    fake.__version__ = "22.5.0"
+    fake.JobSubmitDescription = object
+    monkeypatch.setitem(sys.modules, "pyslurm", fake)
+    monkeypatch.setattr(slurm, "slurm_version", lambda: (22, 5))
+    assert slurm.pyslurm_status()[0] is fake
+    assert isinstance(slurm.get_backend("auto"), CliBackend)
+    assert isinstance(slurm.get_backend(), CliBackend)
+    chosen = slurm.get_backend("pyslurm")
+    assert isinstance(chosen, slurm.PyslurmBackend) and chosen.pyslurm is fake
+
+
 class _PyslurmJob:
     """pyslurm 23.02+'s Job, reduced to the attributes hpkit reads, under pyslurm's own names
     (pyslurm/core/job/job.pyx: allocated_nodes, not nodes; exit_code and exit_code_signal split)."""

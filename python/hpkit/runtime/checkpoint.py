@@ -127,11 +127,12 @@ def find_latest(root: Path) -> Path | None:
     return done[-1][1] if done else None
 
 
-# Start writing a shard to disk every this many bytes instead of all at its fsync, so that the flush
-# overlaps serialisation (e.g. 32 << 20). Off: on the 2-core test VM it cut the final fsync from 0.26
-# to 0.01 s per 720 MB at low load, but cost 0.1-0.2 CPU-s per save in every loaded run and lost
-# there as often as it won (BENCHMARKS.md, P4). bench_checkpoint.py measures it as side (b').
-WRITEBACK_BYTES = 0
+# Each checkpoint file streams to disk through this much page cache (`page_cache.StreamingWriteback`):
+# its pages are written back and dropped behind the writer, so a save reuses a few MiB of cache
+# instead of allocating its whole size anew (slow on VMs that hand free memory back to the host)
+# and the disk works while tensors are still being serialised. 0: the whole file waits for its fsync.
+# Measured on the 2-vCPU test VM in BENCHMARKS.md, P4; bench_checkpoint.py keeps measuring both.
+WRITEBACK_BYTES = 16 << 20
 # torch.save writes each tensor as a zip of ~11 pieces, most of them a few bytes of header; this
 # buffer gathers them before they reach the checksum (Python code), and larger writes go straight
 # through. torch.save flushes after every tensor, so a bigger buffer would not gather more.

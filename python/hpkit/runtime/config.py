@@ -8,7 +8,6 @@ training blocks is one too.
 from __future__ import annotations
 
 import math
-import os
 import posixpath
 from pathlib import Path
 from typing import Any, Literal
@@ -364,11 +363,3 @@ def resolve_mixed_precision(setting: str, device_type: str) -> str:
     if setting == "auto":
         return "bf16" if device_type == "cuda" else "fp32"
     return setting
-
-
-def expand_job_pattern(path: str) -> str:
-    """%j -> the Slurm job id, as in sbatch's --output: a requeued job keeps its id (and resumes its own
-    checkpoints), a new submission starts a fresh directory."""
-    return path.replace(
-        "%j", os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID") or "local"
-    )

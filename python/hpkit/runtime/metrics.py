@@ -6,6 +6,7 @@ look meaningful when it is not, so an unknown device (any CPU) reports none.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import resource
 import sys
@@ -15,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from hpkit.metrics_records import Event, StepRecord
 
 # Dense (no sparsity) peak TFLOP/s per device, bf16 and tf32, from the vendors' data sheets.
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
@@ -79,18 +82,19 @@ class StepStats:
     def mfu(self) -> float | None:
         return self.tflops_per_device / self.peak_tflops if self.peak_tflops else None
 
-    def record(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "loss": self.loss,
-            "grad_norm": self.grad_norm,
-            "lr": self.lr,
-            "step_time_s": self.step_time_s,
-            "tokens_per_s": self.tokens_per_s,
-            "tflops_per_device": self.tflops_per_device,
-            "mfu": self.mfu,
-            f"memory_{self.memory_kind}_gib": self.memory_gib,
-        }
+    def record(self) -> StepRecord:
+        return StepRecord(
+            step=self.step,
+            loss=self.loss,
+            grad_norm=self.grad_norm,
+            lr=self.lr,
+            step_time_s=self.step_time_s,
+            tokens_per_s=self.tokens_per_s,
+            tflops_per_device=self.tflops_per_device,
+            mfu=self.mfu,
+            memory_gib=self.memory_gib,
+            memory_kind=self.memory_kind,
+        )
 
     def line(self) -> str:
         mfu = f"{self.mfu * 100:.1f}%" if self.mfu is not None else "n/a"
@@ -133,20 +137,18 @@ class MetricsLogger:
         record = stats.record()
         if self._file is not None:
             # The wall-clock time tells readers (`hpkit status --json`: updated) how fresh the numbers are.
-            self._file.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
+            stamped = dataclasses.replace(record, time=round(time.time(), 3))
+            self._file.write(json.dumps(stamped.to_json()) + "\n")
             self._file.flush()
         if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and value is not None:
+            for key, value in record.scalars().items():
+                if value is not None:
                     self._tb.add_scalar(key, value, stats.step)
 
-    def event(self, record: dict[str, Any]) -> None:
-        """A record of something that happened (`{"event": "start" | "checkpoint" | "end", "step": N, ...}`).
-
-        Step records have no "event" key: readers tell the two apart by it (hpkit.metrics_file).
-        """
+    def event(self, event: Event) -> None:
+        """A record of something that happened (hpkit.metrics_records: start, checkpoint, end, ...)."""
         if self.enabled and self._file is not None:
-            self._file.write(json.dumps({"time": round(time.time(), 3), **record}) + "\n")
+            self._file.write(json.dumps(event.to_json(round(time.time(), 3))) + "\n")
             self._file.flush()
 
     def close(self) -> None:

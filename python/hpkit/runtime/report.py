@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hpkit.metrics_records import StepTimesEvent, StragglerEvent
 from hpkit.runtime.metrics import MetricsLogger, StepStats, peak_memory_gib
 from hpkit.runtime.stragglers import Window
 from hpkit.runtime.trainer import StepResult, Trainer
@@ -35,15 +36,7 @@ class StepReporter:
     def window(self, window: Window) -> None:
         if self.exporter is not None:
             self.exporter.window(window)
-        self.metrics.event(
-            {
-                "event": "step_times",
-                "step": window.step,
-                "steps": window.steps,
-                "local_work_s": window.local_work_s,
-                "step_s": window.step_s,
-            }
-        )
+        self.metrics.event(StepTimesEvent(window.step, window.steps, window.local_work_s, window.step_s))
         nodes = self.trainer.stragglers.nodes if self.trainer.stragglers is not None else []
         spec = self.trainer.cfg.train.stragglers
         for s in window.stragglers:
@@ -54,16 +47,15 @@ class StepReporter:
                 f"work per step) for {spec.windows} windows of {spec.every_steps} steps, up to step {window.step}"
             )
             self.metrics.event(
-                {
-                    "event": "straggler",
-                    "step": window.step,
-                    "rank": s.rank,
-                    "node": node,
-                    "factor": s.factor,
-                    "local_work_s": s.seconds,
-                    "median_local_work_s": s.median_s,
-                    "windows": spec.windows,
-                }
+                StragglerEvent(
+                    window.step,
+                    rank=s.rank,
+                    node=node,
+                    factor=s.factor,
+                    local_work_s=s.seconds,
+                    median_local_work_s=s.median_s,
+                    windows=spec.windows,
+                )
             )
 
     def stats(self, result: StepResult) -> StepStats:

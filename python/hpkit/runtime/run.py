@@ -10,17 +10,18 @@ import dataclasses
 import math
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpkit.errors import SpecError
+from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
+from hpkit.run_identity import RunIdentity, RunPaths, run_paths
 from hpkit.runtime.checkpoint import Checkpointer
 from hpkit.runtime.checkpoint_record import CommitRecord
 from hpkit.runtime.collectives import decide
-from hpkit.runtime.config import RunConfig, expand_job_pattern
+from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed, node_name
 from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
@@ -44,11 +45,13 @@ def run(cfg: RunConfig) -> int:
 
 def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     say = _printer(launch.rank == 0)
-    metrics = _metrics_logger(cfg, launch.rank == 0)
+    identity = RunIdentity.from_env()
+    paths = run_paths(cfg, identity)  # the same answer `hpkit status|plot` finds from outside (job_files)
+    metrics = _metrics_logger(cfg, launch.rank == 0, paths)
     trainer = Trainer(cfg, device)
     peak = peak_tflops(device.name, device.type, trainer.mixed_precision)
-    report = StepReporter(trainer, metrics, _exporter(cfg, launch), peak, say)
-    checkpointer = _checkpointer(cfg, launch.rank, trainer, say, metrics)
+    report = StepReporter(trainer, metrics, _exporter(cfg, launch, identity), peak, say)
+    checkpointer = _checkpointer(cfg, launch.rank, trainer, say, metrics, paths.checkpoint_dir)
     say(_banner(cfg, launch, device, trainer))
     resumed = None
     if checkpointer is not None and cfg.checkpoint.resume:
@@ -64,14 +67,13 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
         )
     # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
     metrics.event(
-        {
-            "event": "start",
-            "step": trainer.step,
-            "total_steps": cfg.train.steps,
-            "restart": int(os.environ.get("SLURM_RESTART_COUNT") or 0),
-            "resumed_from": str(resumed) if resumed is not None else None,
-            "world_size": launch.world_size,
-        }
+        StartEvent(
+            trainer.step,
+            total_steps=cfg.train.steps,
+            restart=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
+            resumed_from=str(resumed) if resumed is not None else None,
+            world_size=launch.world_size,
+        )
     )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
     last: StepResult | None = None
@@ -95,12 +97,11 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                     checkpointer.save(last.step, trainer.checkpoint_state(), final=True)
                 checkpointer.close()
         metrics.event(
-            {
-                "event": "end",
-                "step": trainer.step,
-                "total_steps": cfg.train.steps,
-                "stopped_by_signal": trainer.stop_signal if trainer.stop_requested else None,
-            }
+            EndEvent(
+                trainer.step,
+                total_steps=cfg.train.steps,
+                stopped_by_signal=trainer.stop_signal if trainer.stop_requested else None,
+            )
         )
     finally:
         trainer.close()
@@ -156,22 +157,12 @@ def _printer(enabled: bool) -> Callable[[str], None]:
     return say
 
 
-def run_id() -> str:
-    """The job's id (a requeued job keeps it), else a timestamp; torchrun's standalone id is `none`."""
-    found = os.environ.get("SLURM_JOB_ID") or os.environ.get("TORCHELASTIC_RUN_ID")
-    return found if found and found != "none" else time.strftime("%Y%m%d-%H%M%S")
+def _metrics_logger(cfg: RunConfig, enabled: bool, paths: RunPaths) -> MetricsLogger:
+    tensorboard = paths.tensorboard_dir if cfg.train.tensorboard else None
+    return MetricsLogger(enabled=enabled, jsonl_path=paths.metrics_file, tensorboard_dir=tensorboard)
 
 
-def _metrics_logger(cfg: RunConfig, enabled: bool) -> MetricsLogger:
-    out, ident = Path(cfg.output_dir), run_id()
-    jsonl = (
-        out / cfg.train.metrics_file if cfg.train.metrics_file else out / f"{cfg.name}-{ident}.metrics.jsonl"
-    )
-    tensorboard = out / "tensorboard" / f"{cfg.name}-{ident}" if cfg.train.tensorboard else None
-    return MetricsLogger(enabled=enabled, jsonl_path=jsonl, tensorboard_dir=tensorboard)
-
-
-def _exporter(cfg: RunConfig, launch: LaunchEnv) -> PrometheusExporter | None:
+def _exporter(cfg: RunConfig, launch: LaunchEnv, identity: RunIdentity) -> PrometheusExporter | None:
     if cfg.train.prometheus is None:
         return None
     # Imported only when asked for: the images install torch and hpkit, not every package of the extra.
@@ -184,19 +175,23 @@ def _exporter(cfg: RunConfig, launch: LaunchEnv) -> PrometheusExporter | None:
         ) from None
 
     return PrometheusExporter(
-        cfg.train.prometheus, cfg.name, run_id(), launch.rank, launch.local_rank, node_name()
+        cfg.train.prometheus, cfg.name, identity.run_id, launch.rank, launch.local_rank, node_name()
     )
 
 
 def _checkpointer(
-    cfg: RunConfig, rank: int, trainer: Trainer, say: Callable[[str], None], metrics: MetricsLogger
+    cfg: RunConfig,
+    rank: int,
+    trainer: Trainer,
+    say: Callable[[str], None],
+    metrics: MetricsLogger,
+    root: Path | None,
 ) -> Checkpointer | None:
-    if not cfg.checkpoint.dir:
+    if root is None:
         return None
-    root = expand_job_pattern(cfg.checkpoint.dir)
 
     def committed(record: CommitRecord, path: Path) -> None:
-        metrics.event({"event": "checkpoint", "step": record.step, "path": str(path)})
+        metrics.event(CheckpointEvent(record.step, path=str(path)))
 
     return Checkpointer(
         cfg.checkpoint,
