@@ -40,9 +40,10 @@ def main() -> int:
 
     from hpkit.hf.export import export_hf
     from hpkit.runtime.checkpoint import Checkpointer, ModelState
-    from hpkit.runtime.config import CheckpointSpec, parse_run_config
+    from hpkit.runtime.config import CheckpointSpec, RunConfig
     from hpkit.runtime.env import distributed
     from hpkit.runtime.trainer import Trainer
+    from hpkit.validation import parse_document
 
     root = Path(args.dir)
     model = {"name": "debug", "dim": args.dim, "n_layers": args.layers, "n_heads": 8, "n_kv_heads": 4}
@@ -55,7 +56,7 @@ def main() -> int:
             shutil.rmtree(root, ignore_errors=True)
         dist.barrier()
         # The weights: a random model saved by the runtime, then exported as a Hugging Face directory.
-        source = Trainer(parse_run_config({**base, "model": model}), job.device)
+        source = Trainer(parse_document(RunConfig, {**base, "model": model}), job.device)
         ckpt = Checkpointer(CheckpointSpec(), root / "ckpt", job.launch.rank, model=source.model_record())
         ckpt.save(1, source.checkpoint_state(), forced=True)
         ckpt.close()
@@ -66,7 +67,8 @@ def main() -> int:
         source.close()
 
         trainer = Trainer(
-            parse_run_config({**base, "model": {"init_from": str(root / "hf"), "seq_len": 64}}), job.device
+            parse_document(RunConfig, {**base, "model": {"init_from": str(root / "hf"), "seq_len": 64}}),
+            job.device,
         )
         state = {"model": ModelState([trainer.model])}
         hf_times, dcp_times = [], []

@@ -61,13 +61,15 @@ def _compare(args: argparse.Namespace, device_info) -> None:
     from torch.distributed.fsdp import fully_shard
 
     from hpkit.models.llama import build_model
-    from hpkit.runtime.config import parse_run_config, resolve_mixed_precision
+    from hpkit.runtime.config import RunConfig, resolve_mixed_precision
     from hpkit.runtime.fsdp import mixed_precision_policy
     from hpkit.runtime.trainer import Trainer
+    from hpkit.validation import parse_document
 
     world, rank = dist.get_world_size(), dist.get_rank()
     precision = resolve_mixed_precision("auto", device_info.type)
-    cfg = parse_run_config(
+    cfg = parse_document(
+        RunConfig,
         {
             "parallelism": {"dp_shard": -1},
             "model": {"name": args.model, "seq_len": args.seq_len},
@@ -80,7 +82,7 @@ def _compare(args: argparse.Namespace, device_info) -> None:
                 # The host reads the loss and grad norm on logging steps only (torchtitan logs every 10).
                 "log_every": args.log_every,
             },
-        }
+        },
     )
     hp = Trainer(cfg, device_info)
     device = hp.device
@@ -157,19 +159,21 @@ def _compare_monitoring(args: argparse.Namespace, device_info) -> None:
 
     import torch.distributed as dist
 
-    from hpkit.runtime.config import parse_run_config, resolve_mixed_precision
+    from hpkit.runtime.config import RunConfig, resolve_mixed_precision
     from hpkit.runtime.env import node_name
     from hpkit.runtime.metrics import MetricsLogger
     from hpkit.runtime.prometheus import PrometheusExporter
     from hpkit.runtime.report import StepReporter
     from hpkit.runtime.trainer import Trainer
+    from hpkit.validation import parse_document
 
     world, rank = dist.get_world_size(), dist.get_rank()
     precision = resolve_mixed_precision("auto", device_info.type)
     textfiles = tempfile.mkdtemp(prefix="hpkit-bench-prom-")
 
     def config(on: bool):
-        return parse_run_config(
+        return parse_document(
+            RunConfig,
             {
                 "parallelism": {"dp_shard": -1},
                 "model": {"name": args.model, "seq_len": args.seq_len},
@@ -182,7 +186,7 @@ def _compare_monitoring(args: argparse.Namespace, device_info) -> None:
                     "stragglers": {"enabled": on, "every_steps": args.straggler_every},
                     "prometheus": {"textfile_dir": textfiles} if on else None,
                 },
-            }
+            },
         )
 
     def stepper(on: bool):

@@ -287,10 +287,10 @@ def hpkit_profile_main(cfg_path: str, step: int) -> int:
     """Under torchrun: train with hpkit's Trainer and trace `step` (rank 0 writes the trace)."""
     import torch
 
-    from hpkit.runtime.config import load_run_config
     from hpkit.runtime.env import distributed
     from hpkit.runtime.run import quiet_known_warnings
     from hpkit.runtime.trainer import Trainer
+    from hpkit.spec import load_run_config
 
     quiet_known_warnings()
     cfg = load_run_config(cfg_path)

@@ -85,7 +85,7 @@ def spec_of_script(script: Path) -> Path | None:
 
 def files_for(job_id: str, spec_path: Path, workdir: Path, slurm_restarts: int = 0) -> JobFiles | None:
     """The files `hpkit train` writes for this spec in this job; None when the spec is not a training job."""
-    from hpkit.runtime.config import load_run_config
+    from hpkit.spec import load_run_config
 
     try:
         cfg = load_run_config(spec_path)

@@ -6,17 +6,14 @@ decisions and a mistake is reported as one line naming the field, not as a faile
 
 from __future__ import annotations
 
-import json
 import re
 import shlex
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-import yaml
 from pydantic import Field, field_validator, model_validator
 
 from hpkit import slurm_options
-from hpkit.errors import SpecError
 from hpkit.runtime.config import (
     CheckpointSpec,
     CollectivesSpec,
@@ -27,7 +24,7 @@ from hpkit.runtime.config import (
     RunConfig,
     TrainSpec,
 )
-from hpkit.validation import StrictModel, check_no_control_chars, validate_document
+from hpkit.validation import StrictModel, check_no_control_chars, parse_document, read_document
 
 # The training blocks live with the runtime's configuration; they are part of every job spec.
 __all__ = [
@@ -41,9 +38,7 @@ __all__ = [
     "ResilienceSpec",
     "SageMakerEnvSpec",
     "TrainSpec",
-    "load_spec",
-    "parse_spec",
-    "read_document",
+    "load_run_config",
 ]
 
 # Values that land in `#SBATCH` lines are parsed by sbatch, not by a shell, so they cannot be
@@ -156,6 +151,9 @@ class SageMakerEnvSpec(StrictModel):
 class JobSpec(RunConfig):
     """One training job: resources, placement, container, launcher and command, plus the training blocks
     it inherits from RunConfig."""
+
+    document_shape: ClassVar[str] = "a job spec is a mapping of keys (name, nodes, ...)"
+    document_source: ClassVar[str] = "spec"
 
     name: str
     nodes: int = Field(default=1, ge=1)
@@ -438,30 +436,11 @@ class JobSpec(RunConfig):
         return self.nodes * self.ranks_per_node
 
 
-def parse_spec(data: Any, source: str = "spec") -> JobSpec:
-    """Validate a decoded spec; SpecError carries one line per problem, each naming its field."""
-    return validate_document(JobSpec, data, source, "a job spec is a mapping of keys (name, nodes, ...)")
-
-
-def read_document(path: str | Path) -> Any:
-    """Decode a YAML (or, by suffix, JSON) file; SpecError names the file and line on any problem."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise SpecError(f"{path}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise SpecError(f"{path}: cannot read: {exc}") from None
-    try:
-        # YAML is a superset of JSON, but JSON's own parser gives the better message for JSON files.
-        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    except json.JSONDecodeError as exc:
-        raise SpecError(f"{path}: line {exc.lineno} is not valid JSON: {exc.msg}") from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}:{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
-
-
-def load_spec(path: str | Path) -> JobSpec:
-    return parse_spec(read_document(path), str(path))
+def load_run_config(path: str | Path) -> RunConfig:
+    """What `hpkit train --config` reads: a whole job spec (validated as `hpkit submit` did) or a file of
+    bare training blocks. It lives here, above both models, so that the training configuration never
+    has to know about job specs."""
+    data = read_document(path)
+    if isinstance(data, dict) and "name" in data and not set(data) <= set(RunConfig.model_fields):
+        return parse_document(JobSpec, data, str(path))
+    return parse_document(RunConfig, data, str(path))

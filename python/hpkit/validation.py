@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, TypeVar
+import json
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
+import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from hpkit.errors import SpecError
@@ -16,6 +19,9 @@ class StrictModel(BaseModel):
     """Unknown keys are errors (a typo must not silently fall back to a default); values are frozen."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+    # What a whole document of this model is, for the message when it is not a mapping at all.
+    document_shape: ClassVar[str] = "a mapping of keys"
+    document_source: ClassVar[str] = "document"
 
 
 def check_no_control_chars(value: str, what: str) -> str:
@@ -72,16 +78,45 @@ def format_validation_error(
     return "\n".join(f"{source}: {describe_error(e, model, prefix, missing)}" for e in exc.errors())
 
 
-def validate_document(
-    model: type[ModelT], data: Any, source: str, shape: str, missing: str = REQUIRED
-) -> ModelT:
+def parse_document(model: type[ModelT], data: Any, source: str | None = None) -> ModelT:
     """A decoded document as `model`; SpecError with one line per problem, each naming its field.
 
-    `shape` says what the document is when it is not a mapping at all ("a job spec is a mapping of keys
-    (name, nodes, ...)")."""
+    The one validate-or-SpecError boundary for every file a user writes (job spec, training config,
+    SageMaker estimator). A model may say what its document is (`document_shape`, used when the data
+    is not a mapping at all) and what a missing field's line should advise (`document_missing`).
+    `source` names where the data came from (default: the model's `document_source`).
+    """
+    source = source or getattr(model, "document_source", "document")
+    shape = getattr(model, "document_shape", "a mapping of keys")
+    missing = getattr(model, "document_missing", REQUIRED)
     if not isinstance(data, dict):
         raise SpecError(f"{source}: {shape}, not {type(data).__name__}")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise SpecError(format_validation_error(exc, model, source, missing=missing)) from None
+
+
+def read_document(path: str | Path) -> Any:
+    """Decode a YAML (or, by suffix, JSON) file; SpecError names the file and line on any problem."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(f"{path}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"{path}: cannot read: {exc}") from None
+    try:
+        # YAML is a superset of JSON, but JSON's own parser gives the better message for JSON files.
+        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(f"{path}: line {exc.lineno} is not valid JSON: {exc.msg}") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}:{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+
+
+def load_document(model: type[ModelT], path: str | Path) -> ModelT:
+    """`parse_document` of a file."""
+    return parse_document(model, read_document(path), str(path))

@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpkit.runtime.config import parse_run_config
+from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import distributed
 from hpkit.runtime.trainer import Trainer
+from hpkit.validation import parse_document
 
 SEQ = 32
 
@@ -26,7 +27,8 @@ SEQ = 32
 def main() -> None:
     hf_dir, out, parallelism = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     with distributed() as d:
-        cfg = parse_run_config(
+        cfg = parse_document(
+            RunConfig,
             {
                 "name": "hf-layouts",
                 "output_dir": tempfile.mkdtemp(),
@@ -39,7 +41,7 @@ def main() -> None:
                     "tensorboard": False,
                     "seed": 7,
                 },
-            }
+            },
         )
         trainer = Trainer(cfg, d.device)
         stats = trainer.load_pretrained()

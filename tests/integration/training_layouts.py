@@ -74,16 +74,17 @@ LAYOUTS: dict[int, dict[str, tuple[dict[str, Any], dict[str, Any]]]] = {
 
 
 def config_for(parallelism: dict[str, Any], train: dict[str, Any], world_size: int):
-    from hpkit.runtime.config import parse_run_config
+    from hpkit.runtime.config import RunConfig
     from hpkit.runtime.parallel_dims import ParallelDims
+    from hpkit.validation import parse_document
 
     data = json.loads(json.dumps(BASE))
     data["parallelism"] = parallelism
     data["train"].update(train)
-    cfg = parse_run_config(data)
+    cfg = parse_document(RunConfig, data)
     dims = ParallelDims.from_spec(cfg.parallelism, world_size)
     local = GLOBAL_BATCH // dims.dp
-    return parse_run_config({**data, "train": {**data["train"], "local_batch_size": local}})
+    return parse_document(RunConfig, {**data, "train": {**data["train"], "local_batch_size": local}})
 
 
 def main(out_path: str, only: list[str] | None = None) -> int:

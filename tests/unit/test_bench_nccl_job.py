@@ -12,7 +12,8 @@ import pytest
 
 from hpkit.bench.nccl_job import NcclTestsArgs, render_nccl_tests
 from hpkit.errors import SpecError
-from hpkit.spec import parse_spec
+from hpkit.spec import JobSpec
+from hpkit.validation import parse_document
 
 
 def shellcheck() -> str:
@@ -25,7 +26,7 @@ def shellcheck() -> str:
 def spec(**extra):
     data = {"name": "nccl", "nodes": 2, "gpus_per_node": 8, "launcher": "srun", "command": ["x"]}
     data.update(extra)
-    return parse_spec(data)
+    return parse_document(JobSpec, data)
 
 
 def check_script(script: str, tmp_path: Path) -> None:

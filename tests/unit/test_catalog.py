@@ -9,7 +9,8 @@ import pytest
 
 from hpkit.catalog import INSTANCE_TYPES, SMDDP_TYPES, lookup, normalise
 from hpkit.sagemaker.convert import convert
-from hpkit.sagemaker.estimator import parse_estimator
+from hpkit.sagemaker.estimator import Estimator
+from hpkit.validation import parse_document
 
 SEEDS = Path("/work/shared/seeds")
 # The types the seeds' estimators name (grep ml\. in /work/shared/seeds), kept here so that the test
@@ -89,8 +90,8 @@ def test_smddp_is_supported_on_p4d_and_p4de_only():
 
 def test_importer_takes_gpus_from_the_catalog_and_warns_on_unknown_types():
     def imported(instance_type: str):
-        est = parse_estimator(
-            {"entry_point": "t.py", "instance_count": 2, "instance_type": instance_type}, "est"
+        est = parse_document(
+            Estimator, {"entry_point": "t.py", "instance_count": 2, "instance_type": instance_type}, "est"
         )
         return convert(est)
 

@@ -13,13 +13,14 @@ import pytest
 from hpkit.compat import SHIM_DIR
 from hpkit.errors import SpecError
 from hpkit.render import compat_step, render
-from hpkit.spec import parse_spec
+from hpkit.spec import JobSpec
+from hpkit.validation import parse_document
 
 PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
 
 
 def spec(**fields):
-    return parse_spec({"name": "sm", "nodes": 2, "tasks_per_node": 2, **fields})
+    return parse_document(JobSpec, {"name": "sm", "nodes": 2, "tasks_per_node": 2, **fields})
 
 
 @pytest.mark.parametrize(

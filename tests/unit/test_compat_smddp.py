@@ -12,13 +12,14 @@ import yaml
 
 from hpkit.compat import SHIM_DIR
 from hpkit.compat.smddp.policy import launch_rank, verdict
-from hpkit.runtime.config import parse_run_config
+from hpkit.runtime.config import RunConfig
+from hpkit.validation import parse_document
 
 PYTHON_DIR = Path(__file__).resolve().parents[2] / "python"
 
 
 def cfg(**collectives):
-    return parse_run_config({"collectives": collectives, "instance_type": "ml.p4d.24xlarge"})
+    return parse_document(RunConfig, {"collectives": collectives, "instance_type": "ml.p4d.24xlarge"})
 
 
 def test_no_spec_or_backend_auto_or_fallback_allowed_runs_on_the_alias():
@@ -30,7 +31,7 @@ def test_no_spec_or_backend_auto_or_fallback_allowed_runs_on_the_alias():
 
 
 def test_the_line_names_an_unsupported_type():
-    config = parse_run_config({"instance_type": "ml.g5.12xlarge"})
+    config = parse_document(RunConfig, {"instance_type": "ml.g5.12xlarge"})
     assert (
         "SMDDP supports only ml.p4d.24xlarge, ml.p4de.24xlarge, not ml.g5.12xlarge"
         in verdict(config, "nccl").line

@@ -20,7 +20,8 @@ from hpkit.errors import SpecError
 from hpkit.hf.config import parse_hf_config, read_hf_config
 from hpkit.hf.load import INDEX_NAME, load_hf_weights, to_hf_rows, to_runtime_rows
 from hpkit.models.llama import SHAPES, build_model
-from hpkit.runtime.config import parse_run_config
+from hpkit.runtime.config import RunConfig
+from hpkit.validation import parse_document
 
 SEQ = 32
 LLAMA3_SCALING = {
@@ -203,12 +204,12 @@ def test_a_missing_directory_and_a_missing_tensor_are_one_line_each(tmp_path: Pa
 
 
 def test_init_from_takes_the_shape_so_shape_fields_are_refused() -> None:
-    cfg = parse_run_config({"model": {"init_from": "/ckpt/llama", "seq_len": 64}})
+    cfg = parse_document(RunConfig, {"model": {"init_from": "/ckpt/llama", "seq_len": 64}})
     assert cfg.model.init_from == "/ckpt/llama"
     with pytest.raises(SpecError, match=r"model.*dim cannot be given with init_from"):
-        parse_run_config({"model": {"init_from": "/ckpt/llama", "dim": 64}})
+        parse_document(RunConfig, {"model": {"init_from": "/ckpt/llama", "dim": 64}})
     with pytest.raises(SpecError, match=r"name cannot be given with init_from"):
-        parse_run_config({"model": {"init_from": "/ckpt/llama", "name": "8B"}})
+        parse_document(RunConfig, {"model": {"init_from": "/ckpt/llama", "name": "8B"}})
 
 
 def test_export_of_a_checkpoint_without_a_model_record_says_what_to_do(tmp_path: Path) -> None:

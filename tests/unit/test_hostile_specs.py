@@ -29,7 +29,8 @@ from hypothesis import strategies as st
 
 from hpkit.errors import SpecError
 from hpkit.render import render
-from hpkit.spec import JobSpec, load_spec, parse_spec
+from hpkit.spec import JobSpec
+from hpkit.validation import load_document, parse_document
 
 EXAMPLES = 300
 MIN_VALID = 0.9
@@ -249,7 +250,7 @@ def run_rendered(spec: JobSpec, data: dict, run_dir: Path, stand_ins: Path, tall
         assert seen[key] == value, key
     assert seen["HPKIT_SPEC"] == str(spec_file)
     # What `hpkit train` will read: the spec back from that path, checkpoint.dir and all.
-    reread = load_spec(seen["HPKIT_SPEC"])
+    reread = load_document(JobSpec, seen["HPKIT_SPEC"])
     assert reread.checkpoint.dir == data["checkpoint"]["dir"] and reread == spec
 
     srun_options = record.with_suffix(".srun").read_bytes().split(b"\0")[:-1]
@@ -296,7 +297,7 @@ def test_generated_hostile_specs_run_literally(stand_ins, tmp_path):
     def one(data: dict) -> None:
         tally.generated += 1
         try:
-            spec = parse_spec(data)
+            spec = parse_document(JobSpec, data)
         except SpecError as exc:
             # A refusal is one line per problem, each naming its field.
             assert all(line.startswith("spec: ") for line in str(exc).splitlines()), str(exc)
@@ -376,7 +377,7 @@ def test_hostile_sbatch_values_are_refused_naming_the_field(field_name, payload,
         value = ["--label", f"--comment={value}"] if field_name == "srun_options" else [f"--comment={value}"]
     data = {"name": "job", "command": ["prog"], field_name: value}
     with pytest.raises(SpecError) as err:
-        parse_spec(data)
+        parse_document(JobSpec, data)
     lines = str(err.value).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"spec: {field_name}: "), str(err.value)
     assert "Traceback" not in str(err.value)

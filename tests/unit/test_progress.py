@@ -14,7 +14,8 @@ from hpkit.metrics_file import MetricsReader, read_metrics
 from hpkit.progress import progress
 from hpkit.render import render
 from hpkit.runtime.checkpoint_record import CommitRecord, FileDigest, write_record
-from hpkit.spec import parse_spec
+from hpkit.spec import JobSpec
+from hpkit.validation import parse_document
 
 
 def step(n: int, loss: float, step_time: float = 0.5, tps: float = 1000.0) -> dict:
@@ -122,7 +123,9 @@ def test_job_files_from_a_rendered_script_in_a_folder_with_spaces(tmp_path):
     }
     spec_path.write_text(json.dumps(data))
     script = workdir / "logs" / "tiny run.sbatch"
-    script.write_text(render(parse_spec(data), script_name=str(script), spec_path=str(spec_path)))
+    script.write_text(
+        render(parse_document(JobSpec, data), script_name=str(script), spec_path=str(spec_path))
+    )
     assert spec_of_script(script) == spec_path
     files = files_for("4242", spec_path, workdir)
     assert files is not None

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from hpkit.render import render
-from hpkit.spec import load_spec, parse_spec
+from hpkit.spec import JobSpec
+from hpkit.validation import load_document, parse_document
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 SPECS = sorted(GOLDEN.glob("*.yaml"))
@@ -49,7 +50,9 @@ def hostile_spec(canary: str) -> dict:
 def render_golden(spec_path: Path) -> str:
     # A fixed spec path keeps the golden files independent of where the checkout lives.
     return render(
-        load_spec(spec_path), script_name=f"{spec_path.stem}.sbatch", spec_path=f"/jobs/{spec_path.name}"
+        load_document(JobSpec, spec_path),
+        script_name=f"{spec_path.stem}.sbatch",
+        spec_path=f"/jobs/{spec_path.name}",
     )
 
 
@@ -68,7 +71,7 @@ def _variants() -> list[tuple[str, str]]:
     hostile = hostile_spec("/tmp/never")
     for launcher in ("torchrun", "srun"):
         for container in (None, {"image": "img:1", "mounts": ["/a:/b:ro"]}):
-            spec = parse_spec({**hostile, "launcher": launcher, "container": container})
+            spec = parse_document(JobSpec, {**hostile, "launcher": launcher, "container": container})
             out.append((f"hostile-{launcher}-{'pyxis' if container else 'bare'}", render(spec)))
     return out
 
@@ -84,21 +87,23 @@ def test_rendered_script_passes_bash_n_and_shellcheck(tmp_path, name, script):
 
 
 def test_script_starts_with_run_with_header():
-    script = render(parse_spec({"name": "x"}), script_name="x.sbatch")
+    script = render(parse_document(JobSpec, {"name": "x"}), script_name="x.sbatch")
     lines = script.splitlines()
     assert lines[0] == "#!/bin/bash"
     assert lines[1] == "# Run with: sbatch x.sbatch"
 
 
 def test_pyxis_flags_only_with_a_container():
-    bare = render(parse_spec({"name": "x"}))
+    bare = render(parse_document(JobSpec, {"name": "x"}))
     assert "--container-image" not in bare
-    boxed = render(parse_spec({"name": "x", "container": {"image": "nvcr.io#nvidia/pytorch:24.07-py3"}}))
+    boxed = render(
+        parse_document(JobSpec, {"name": "x", "container": {"image": "nvcr.io#nvidia/pytorch:24.07-py3"}})
+    )
     assert "--container-image='nvcr.io#nvidia/pytorch:24.07-py3'" in boxed
     assert "container_mounts=/var/log:/var/log" in boxed
     assert "/var/log/aws/clusters" in boxed
-    opted_out = parse_spec(
-        {"name": "x", "container": {"image": "i", "mounts": ["/fsx:/fsx"], "mount_var_log": False}}
+    opted_out = parse_document(
+        JobSpec, {"name": "x", "container": {"image": "i", "mounts": ["/fsx:/fsx"], "mount_var_log": False}}
     )
     assert "container_mounts=/fsx:/fsx\n" in render(opted_out)
     assert "/var/log" not in render(opted_out)
@@ -146,7 +151,7 @@ def run_with_fake_srun(tmp_path: Path, spec_data: dict) -> dict:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     script = tmp_path / "job.sbatch"
-    script.write_text(render(parse_spec(spec_data)))
+    script.write_text(render(parse_document(JobSpec, spec_data)))
     record = tmp_path / "record.json"
     env = {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from hpkit.render import render
-from hpkit.spec import parse_spec
+from hpkit.spec import JobSpec
+from hpkit.validation import parse_document
 
 # Every stand-in appends its argv to $CALLS, so a case can assert what the script asked of Slurm.
 FAKE_SCONTROL = """#!/bin/bash
@@ -78,8 +79,8 @@ def run_script(
     ):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    spec = parse_spec(
-        {"name": "r", "nodes": 2, "launcher": "srun", "command": ["train"], "resilience": resilience}
+    spec = parse_document(
+        JobSpec, {"name": "r", "nodes": 2, "launcher": "srun", "command": ["train"], "resilience": resilience}
     )
     script = tmp_path / "job.sbatch"
     script.write_text(render(spec))
@@ -248,6 +249,6 @@ def test_requeue_on_failure_needs_a_restart_budget():
     from hpkit.errors import SpecError
 
     with pytest.raises(SpecError, match="requeue_on_failure: true needs a restart budget"):
-        parse_spec({"name": "r", "resilience": {"max_restarts": 0, "requeue_on_failure": True}})
-    script = render(parse_spec({"name": "r", "resilience": {"max_restarts": 0}}))
+        parse_document(JobSpec, {"name": "r", "resilience": {"max_restarts": 0, "requeue_on_failure": True}})
+    script = render(parse_document(JobSpec, {"name": "r", "resilience": {"max_restarts": 0}}))
     assert "#SBATCH --no-requeue" in script and "runs_file" not in script

@@ -15,7 +15,8 @@ from hpkit.runtime.checkpoint_record import (
     read_record,
     write_record,
 )
-from hpkit.runtime.config import RunConfig, load_run_config
+from hpkit.runtime.config import RunConfig
+from hpkit.spec import load_run_config
 
 
 def _complete(root: Path, step: int) -> Path:

@@ -10,10 +10,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpkit.errors import SpecError
-from hpkit.runtime.config import PrometheusSpec, parse_run_config
+from hpkit.runtime.config import PrometheusSpec, RunConfig
 from hpkit.runtime.metrics import StepStats
 from hpkit.runtime.prometheus import PrometheusExporter
 from hpkit.runtime.stragglers import Straggler, Window
+from hpkit.validation import parse_document
 
 
 def samples(text: str) -> dict[str, tuple[dict[str, str], float]]:
@@ -93,7 +94,7 @@ def test_http_listens_on_port_plus_local_rank_and_a_taken_port_is_one_error_line
 )
 def test_prometheus_needs_exactly_one_of_textfile_dir_and_port(block):
     with pytest.raises(SpecError) as err:
-        parse_run_config({"train": {"prometheus": block}}, "job.yaml")
+        parse_document(RunConfig, {"train": {"prometheus": block}}, "job.yaml")
     assert str(err.value) == (
         "job.yaml: train.prometheus: give exactly one of textfile_dir (a directory node_exporter reads) "
         "or port (an HTTP endpoint)"
@@ -101,5 +102,5 @@ def test_prometheus_needs_exactly_one_of_textfile_dir_and_port(block):
 
 
 def test_prometheus_is_off_unless_asked_for():
-    assert parse_run_config({}).train.prometheus is None
-    assert parse_run_config({"train": {"prometheus": {"port": 9400}}}).train.prometheus.port == 9400
+    assert parse_document(RunConfig, {}).train.prometheus is None
+    assert parse_document(RunConfig, {"train": {"prometheus": {"port": 9400}}}).train.prometheus.port == 9400

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import yaml
 
-from hpkit.runtime.config import load_run_config
 from hpkit.runtime.env import DeviceInfo, LaunchEnv
 from hpkit.runtime.run import choose_collectives
+from hpkit.spec import load_run_config
 
 
 def test_whole_spec_carries_resilience_and_collectives(tmp_path):

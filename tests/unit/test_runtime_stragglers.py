@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from hpkit.errors import SpecError
-from hpkit.runtime.config import parse_run_config
+from hpkit.runtime.config import RunConfig
 from hpkit.runtime.stragglers import StragglerDetector, WorkTimer, slowdowns
+from hpkit.validation import parse_document
 
 
 def test_slowdown_is_against_the_median_of_the_other_ranks():
@@ -70,15 +71,17 @@ def test_even_noise_is_never_a_straggler():
 )
 def test_bad_straggler_settings_are_one_line_naming_the_field(block, message):
     with pytest.raises(SpecError) as err:
-        parse_run_config({"train": {"stragglers": block}}, "job.yaml")
+        parse_document(RunConfig, {"train": {"stragglers": block}}, "job.yaml")
     assert str(err.value).startswith(f"job.yaml: {message}")
     assert "\n" not in str(err.value)
 
 
 def test_stragglers_are_on_by_default_and_can_be_turned_off():
-    spec = parse_run_config({}).train.stragglers
+    spec = parse_document(RunConfig, {}).train.stragglers
     assert (spec.enabled, spec.every_steps, spec.factor, spec.windows) == (True, 20, 1.5, 3)
-    assert not parse_run_config({"train": {"stragglers": {"enabled": False}}}).train.stragglers.enabled
+    assert not parse_document(
+        RunConfig, {"train": {"stragglers": {"enabled": False}}}
+    ).train.stragglers.enabled
 
 
 def _spin(seconds: float) -> None:

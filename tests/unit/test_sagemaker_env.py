@@ -10,7 +10,8 @@ import pytest
 
 from hpkit.errors import SpecError
 from hpkit.render import render
-from hpkit.spec import parse_spec
+from hpkit.spec import JobSpec
+from hpkit.validation import parse_document
 
 # Stands in for srun outside a cluster: runs the task wrapper once per "node", as two tasks would.
 FAKE_SRUN = """#!/bin/bash
@@ -29,7 +30,8 @@ RECORD = (
 def test_each_task_sees_sagemaker_variables(tmp_path, launcher):
     canary = tmp_path / "canary"
     hostile = f"data/$(touch {canary}) 'x'"
-    spec = parse_spec(
+    spec = parse_document(
+        JobSpec,
         {
             "name": "sm",
             "nodes": 2,
@@ -38,7 +40,7 @@ def test_each_task_sees_sagemaker_variables(tmp_path, launcher):
             "output_dir": "out",
             "command": ["python3", "-c", RECORD],
             "sagemaker_env": {"channels": {"training": "/fsx/train", "eval": hostile}},
-        }
+        },
     )
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
@@ -82,6 +84,6 @@ def test_each_task_sees_sagemaker_variables(tmp_path, launcher):
 )
 def test_bad_sagemaker_env_names_its_field(sm, words):
     with pytest.raises(SpecError) as err:
-        parse_spec({"name": "x", "sagemaker_env": sm}, "job.yaml")
+        parse_document(JobSpec, {"name": "x", "sagemaker_env": sm}, "job.yaml")
     assert words in str(err.value)
     assert len(str(err.value).splitlines()) == 1

@@ -12,8 +12,9 @@ import yaml
 from hpkit.errors import SpecError
 from hpkit.render import render
 from hpkit.sagemaker.convert import convert
-from hpkit.sagemaker.estimator import parse_estimator
-from hpkit.spec import load_spec
+from hpkit.sagemaker.estimator import Estimator
+from hpkit.spec import JobSpec
+from hpkit.validation import load_document, parse_document
 
 SMP_MPI = {
     "enabled": True,
@@ -33,7 +34,7 @@ SEED_000 = {
 
 
 def imported(estimator: dict):
-    return convert(parse_estimator(estimator, "est.yaml"), source="est.yaml")
+    return convert(parse_document(Estimator, estimator, "est.yaml"), source="est.yaml")
 
 
 def warned(result) -> dict[str, str]:
@@ -329,7 +330,7 @@ def test_cli_writes_a_spec_that_loads_and_prints_the_warnings(tmp_path, repo):
     assert "warning: role: SageMaker-only option" in proc.stderr
     text = out.read_text()
     assert "#   - role: SageMaker-only option" in text
-    spec = load_spec(out)
+    spec = load_document(JobSpec, out)
     assert (spec.name, spec.launcher, spec.ranks_per_node) == ("moved", "mpi", 8)
     assert yaml.safe_load(text)["instance_type"] == "ml.p3.16xlarge"
 

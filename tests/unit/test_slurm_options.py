@@ -13,7 +13,8 @@ import pytest
 from hpkit.errors import SpecError
 from hpkit.render import render, sbatch_directives, srun_options
 from hpkit.slurm_options import PYXIS_OPTIONS, SBATCH_OPTIONS, SRUN_OPTIONS
-from hpkit.spec import parse_spec
+from hpkit.spec import JobSpec
+from hpkit.validation import parse_document
 
 MIN_CONF = "ClusterName=x\nSlurmctldHost=localhost\nNodeName=n1\nPartitionName=p Nodes=n1\n"
 
@@ -69,7 +70,7 @@ VALID = {
 @pytest.mark.parametrize("field", sorted(VALID))
 def test_valid_options_become_sbatch_directives(field):
     value, line = VALID[field]
-    script = render(parse_spec({"name": "x", field: value}))
+    script = render(parse_document(JobSpec, {"name": "x", field: value}))
     assert line in script
     if field == "signal":  # it replaces hpkit's own warning signal: only one --signal line
         assert script.count("#SBATCH --signal=") == 1
@@ -130,7 +131,7 @@ INVALID = [
 @pytest.mark.parametrize(("field", "value", "message"), INVALID, ids=[f"{f}-{v!r}" for f, v, _ in INVALID])
 def test_invalid_options_are_one_line_naming_the_field(field, value, message):
     with pytest.raises(SpecError) as err:
-        parse_spec({"name": "x", field: value})
+        parse_document(JobSpec, {"name": "x", field: value})
     text = str(err.value)
     assert len(text.splitlines()) == 1 and text.startswith(f"spec: {field}: "), text
     assert message in text, text
@@ -138,26 +139,30 @@ def test_invalid_options_are_one_line_naming_the_field(field, value, message):
 
 def test_conflicts_between_fields_are_refused():
     with pytest.raises(SpecError, match=r"^spec: gres: GPUs come from gpus_per_node"):
-        parse_spec({"name": "x", "gpus_per_node": 8, "gres": "gpu:h100:8"})
+        parse_document(JobSpec, {"name": "x", "gpus_per_node": 8, "gres": "gpu:h100:8"})
     with pytest.raises(
         SpecError, match=r"^spec: mem: Slurm's --mem, --mem-per-cpu and --mem-per-gpu exclude"
     ):
-        parse_spec({"name": "x", "mem": "8G", "sbatch_options": ["--mem-per-gpu=8G"]})
+        parse_document(JobSpec, {"name": "x", "mem": "8G", "sbatch_options": ["--mem-per-gpu=8G"]})
     # gres without gpu, and gpu gres on a spec that counts no GPUs, are fine
-    parse_spec({"name": "x", "gpus_per_node": 8, "gres": "nvme:1"})
-    parse_spec({"name": "x", "gres": "gpu:1"})
+    parse_document(JobSpec, {"name": "x", "gpus_per_node": 8, "gres": "nvme:1"})
+    parse_document(JobSpec, {"name": "x", "gres": "gpu:1"})
 
 
 def test_srun_options_are_quoted_after_hpkits_own():
-    spec = parse_spec({"name": "x", "launcher": "mpi", "srun_options": ["--label", "--comment=$(id)"]})
+    spec = parse_document(
+        JobSpec, {"name": "x", "launcher": "mpi", "srun_options": ["--label", "--comment=$(id)"]}
+    )
     assert srun_options(spec) == ["--kill-on-bad-exit=1", "--mpi=pmix", "--label", "'--comment=$(id)'"]
     assert "--container-env=A" in " ".join(
-        srun_options(parse_spec({"name": "x", "srun_options": ["--container-env=A"]}))
+        srun_options(parse_document(JobSpec, {"name": "x", "srun_options": ["--container-env=A"]}))
     )
     assert all(o in PYXIS_OPTIONS for o in ("container-image", "container-env"))
 
 
 def test_sbatch_options_come_after_the_typed_directives():
-    spec = parse_spec({"name": "x", "exclude": "n1", "sbatch_options": ["--comment=c", "--hold"]})
+    spec = parse_document(
+        JobSpec, {"name": "x", "exclude": "n1", "sbatch_options": ["--comment=c", "--hold"]}
+    )
     lines = [d.line() for d in sbatch_directives(spec)]
     assert lines[-3:] == ["#SBATCH --exclude=n1", "#SBATCH --comment=c", "#SBATCH --hold"]

@@ -8,14 +8,15 @@ import sys
 import pytest
 
 from hpkit.errors import SpecError
-from hpkit.spec import load_spec, parse_spec
+from hpkit.spec import JobSpec
+from hpkit.validation import load_document, parse_document
 
 BASE = {"name": "job", "nodes": 2, "tasks_per_node": 2}
 
 
 def error_of(data: dict) -> str:
     with pytest.raises(SpecError) as info:
-        parse_spec(data, "job.yaml")
+        parse_document(JobSpec, data, "job.yaml")
     return str(info.value)
 
 
@@ -88,7 +89,8 @@ def test_each_problem_is_one_line():
 
 
 def test_sagemaker_aliases_and_ddp():
-    spec = parse_spec(
+    spec = parse_document(
+        JobSpec,
         {
             "name": "j",
             "nodes": 2,
@@ -99,32 +101,35 @@ def test_sagemaker_aliases_and_ddp():
                 "microbatches": 4,
                 "ddp": True,
             },
-        }
+        },
     )
     assert spec.parallelism.resolve(spec.world_size) == {"dp_replicate": 2, "dp_shard": 1, "tp": 4, "pp": 2}
-    spec = parse_spec(
-        {"name": "j", "nodes": 1, "tasks_per_node": 4, "parallelism": {"partitions": 2, "microbatches": 2}}
+    spec = parse_document(
+        JobSpec,
+        {"name": "j", "nodes": 1, "tasks_per_node": 4, "parallelism": {"partitions": 2, "microbatches": 2}},
     )
     assert spec.parallelism.resolve(4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
 
 
 def test_defaults_infer_fsdp_over_all_ranks():
-    spec = parse_spec({"name": "j", "nodes": 2, "tasks_per_node": 2})
+    spec = parse_document(JobSpec, {"name": "j", "nodes": 2, "tasks_per_node": 2})
     assert spec.world_size == 4
     assert spec.parallelism.resolve(spec.world_size) == {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "pp": 1}
 
 
 def test_metrics_paths_are_normalised():
-    spec = parse_spec({**BASE, "train": {"metrics_file": "./runs//a/../m.jsonl"}})
+    spec = parse_document(JobSpec, {**BASE, "train": {"metrics_file": "./runs//a/../m.jsonl"}})
     assert spec.train.metrics_file == "runs/m.jsonl"
     assert (
-        parse_spec({**BASE, "train": {"metrics_file": "/fsx/m.jsonl"}}).train.metrics_file == "/fsx/m.jsonl"
+        parse_document(JobSpec, {**BASE, "train": {"metrics_file": "/fsx/m.jsonl"}}).train.metrics_file
+        == "/fsx/m.jsonl"
     )
 
 
 def test_scalars_become_strings():
-    spec = parse_spec(
-        {"name": "j", "time_limit": 30, "env": {"N": 1, "B": True}, "command": "python -c 'print(1)'"}
+    spec = parse_document(
+        JobSpec,
+        {"name": "j", "time_limit": 30, "env": {"N": 1, "B": True}, "command": "python -c 'print(1)'"},
     )
     assert spec.time_limit == "30"
     assert spec.env == {"N": "1", "B": "true"}
@@ -135,12 +140,12 @@ def test_yaml_errors_point_at_the_line(tmp_path):
     path = tmp_path / "job.yaml"
     path.write_text("name: j\nnodes: [1\n")
     with pytest.raises(SpecError, match=r"job.yaml: line \d+ is not valid YAML"):
-        load_spec(path)
+        load_document(JobSpec, path)
     path.write_text("- just\n- a list\n")
     with pytest.raises(SpecError, match="a job spec is a mapping"):
-        load_spec(path)
+        load_document(JobSpec, path)
     with pytest.raises(SpecError, match="no such file"):
-        load_spec(tmp_path / "missing.yaml")
+        load_document(JobSpec, tmp_path / "missing.yaml")
 
 
 def test_cli_prints_one_line_and_exits_1(tmp_path, repo):
@@ -164,4 +169,4 @@ def test_example_job_specs_are_valid(repo):
     specs = sorted((repo / "slurm" / "jobs").glob("*.yaml"))
     assert specs, "slurm/jobs holds the example specs users copy"
     for path in specs:
-        load_spec(path)
+        load_document(JobSpec, path)

@@ -143,7 +143,8 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 def _render(argv: list[str], prog: str) -> int:
     from hpkit.bench.nccl_job import DEFAULT_TESTS, NcclTestsArgs, render_nccl_tests
-    from hpkit.spec import parse_spec
+    from hpkit.spec import JobSpec
+    from hpkit.validation import parse_document
 
     parser = argparse.ArgumentParser(prog=prog, description="Render an sbatch script that runs nccl-tests.")
     parser.add_argument("--nodes", type=int, default=2)
@@ -187,7 +188,7 @@ def _render(argv: list[str], prog: str) -> int:
             data[key] = value
     if args.container_image:
         data["container"] = {"image": args.container_image, "mounts": args.mount}
-    spec = parse_spec(data, source="options")
+    spec = parse_document(JobSpec, data, source="options")
     tests = tuple(t.strip() for t in args.tests.split(",") if t.strip())
     nccl_args = NcclTestsArgs(
         tests, args.min_bytes, args.max_bytes, args.factor, args.iters, args.warmup, bin_dir=args.bin_dir

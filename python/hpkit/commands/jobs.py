@@ -82,9 +82,10 @@ def main(argv: list[str], prog: str = "hpkit") -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from hpkit.render import render
-    from hpkit.spec import load_spec
+    from hpkit.spec import JobSpec
+    from hpkit.validation import load_document
 
-    spec = load_spec(args.spec)
+    spec = load_document(JobSpec, args.spec)
     name = args.output or f"{spec.name}.sbatch"
     script = render(spec, script_name=name, spec_path=str(Path(args.spec).resolve()))
     if args.output:
@@ -126,9 +127,10 @@ def prepare_submission(spec_file: str | Path) -> tuple[JobSpec, Path, Path]:
     import yaml
 
     from hpkit.render import render
-    from hpkit.spec import load_spec
+    from hpkit.spec import JobSpec
+    from hpkit.validation import load_document
 
-    spec = load_spec(spec_file)
+    spec = load_document(JobSpec, spec_file)
     out_dir = (job_workdir(spec) / spec.output_dir).resolve()
     # A snapshot of the spec travels with the job: editing the YAML after submitting must not
     # change a job that is still pending.

@@ -6,7 +6,8 @@ import argparse
 import os
 
 from hpkit.errors import SpecError
-from hpkit.runtime.config import SPEC_ENV, load_run_config
+from hpkit.runtime.config import SPEC_ENV
+from hpkit.spec import load_run_config
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import math
 import posixpath
-from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hpkit.validation import StrictModel, check_no_control_chars, validate_document
+from hpkit.validation import StrictModel, check_no_control_chars
 
 SPEC_ENV = "HPKIT_SPEC"
 
@@ -331,6 +330,9 @@ class CollectivesSpec(StrictModel):
 class RunConfig(StrictModel):
     """The training blocks of a job spec; also a file of its own (`hpkit train --config`)."""
 
+    document_shape: ClassVar[str] = "a training config is a mapping of keys"
+    document_source: ClassVar[str] = "config"
+
     name: str = "train"
     output_dir: str = "logs"
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
@@ -342,21 +344,6 @@ class RunConfig(StrictModel):
     instance_type: str | None = Field(
         default=None, description="the EC2/SageMaker type the nodes are (ml.p4d.24xlarge): informs SMDDP"
     )
-
-
-def parse_run_config(data: Any, source: str = "config") -> RunConfig:
-    """Validate decoded training blocks; SpecError carries one line per problem, each naming its field."""
-    return validate_document(RunConfig, data, source, "a training config is a mapping of keys")
-
-
-def load_run_config(path: str | Path) -> RunConfig:
-    """A whole job spec (validated as `hpkit submit` did) or a file of bare training blocks."""
-    from hpkit.spec import load_spec, read_document
-
-    data = read_document(path)
-    if isinstance(data, dict) and "name" in data and not set(data) <= set(RunConfig.model_fields):
-        return load_spec(path)
-    return parse_run_config(data, str(path))
 
 
 def resolve_mixed_precision(setting: str, device_type: str) -> str:

@@ -15,7 +15,7 @@ from hpkit.errors import SpecError
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hpkit.spec import ParallelismSpec
+    from hpkit.runtime.config import ParallelismSpec
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 

@@ -26,8 +26,8 @@ from hpkit.catalog import SMDDP_TYPES, lookup
 from hpkit.errors import SpecError
 from hpkit.runtime.collectives import smddp_verdict
 from hpkit.sagemaker.estimator import Estimator
-from hpkit.spec import JobSpec, ParallelismSpec, parse_spec
-from hpkit.validation import format_validation_error
+from hpkit.spec import JobSpec, ParallelismSpec
+from hpkit.validation import format_validation_error, parse_document
 
 SAGEMAKER_INPUT_DIR = "/opt/ml/input/data"
 
@@ -213,7 +213,7 @@ def convert(est: Estimator, source: str = "estimator", name: str | None = None) 
     if c.errors:
         raise SpecError("\n".join(c.errors))
     try:
-        spec = parse_spec(data, f"{source} (imported spec)")
+        spec = parse_document(JobSpec, data, f"{source} (imported spec)")
     except SpecError as exc:
         raise SpecError(f"{exc}\n{source}: fix the estimator description above, then import again") from None
     return Imported(data=data, spec=spec, warnings=c.warnings, notes=c.notes)

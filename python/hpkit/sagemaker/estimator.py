@@ -7,17 +7,15 @@ decided in convert.py. Keys this model does not name are kept, so that each can 
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
-
-from hpkit.spec import read_document
-from hpkit.validation import validate_document
 
 
 class Estimator(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)
+    document_shape: ClassVar[str] = "an estimator description is a mapping (entry_point, instance_type, ...)"
+    document_missing: ClassVar[str] = "copy it from the estimator's arguments"
 
     entry_point: str = Field(min_length=1)
     source_dir: str | None = None
@@ -41,17 +39,3 @@ class Estimator(BaseModel):
 
     def extra_keys(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
-
-
-def parse_estimator(data: Any, source: str) -> Estimator:
-    return validate_document(
-        Estimator,
-        data,
-        source,
-        "an estimator description is a mapping (entry_point, instance_type, ...)",
-        missing="copy it from the estimator's arguments",
-    )
-
-
-def load_estimator(path: str | Path) -> Estimator:
-    return parse_estimator(read_document(path), str(path))

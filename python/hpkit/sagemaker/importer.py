@@ -13,7 +13,8 @@ from pathlib import Path
 import yaml
 
 from hpkit.sagemaker.convert import Imported, convert
-from hpkit.sagemaker.estimator import load_estimator
+from hpkit.sagemaker.estimator import Estimator
+from hpkit.validation import load_document
 
 
 def spec_text(imported: Imported, source: str) -> str:
@@ -32,7 +33,7 @@ def main(argv: list[str], prog: str = "hpkit import-sagemaker") -> int:
     parser.add_argument("-o", "--output", help="write the job spec here (default: print it)")
     parser.add_argument("--name", help="the job name (default: base_job_name, else the entry point's name)")
     args = parser.parse_args(argv[1:])
-    imported = convert(load_estimator(args.estimator), source=args.estimator, name=args.name)
+    imported = convert(load_document(Estimator, args.estimator), source=args.estimator, name=args.name)
     text = spec_text(imported, args.estimator)
     for warning in imported.warnings:
         print(f"{prog}: warning: {warning.line()}", file=sys.stderr)

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from hpkit.errors import HpkitError
 from hpkit.runtime.collectives import smddp_verdict
-from hpkit.runtime.config import RunConfig, load_run_config
+from hpkit.runtime.config import RunConfig
+from hpkit.spec import load_run_config
 
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 

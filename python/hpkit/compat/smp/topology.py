@@ -130,7 +130,8 @@ def state() -> _State:
 
 def _spec_parameters() -> dict[str, Any] | SmpConfig:
     from hpkit.errors import HpkitError
-    from hpkit.runtime.config import SPEC_ENV, load_run_config
+    from hpkit.runtime.config import SPEC_ENV
+    from hpkit.spec import load_run_config
 
     path = os.environ.get(SPEC_ENV)
     if not path:
