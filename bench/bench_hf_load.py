@@ -38,7 +38,7 @@ def main() -> int:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from hpkit.hf.export import export_hf
+    from hpkit.hf_export import export_hf
     from hpkit.runtime.checkpoint import Checkpointer, ModelState
     from hpkit.runtime.config import CheckpointSpec, RunConfig
     from hpkit.runtime.env import distributed

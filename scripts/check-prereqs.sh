@@ -21,4 +21,4 @@ fi
 
 # The checkout goes first on the path so that an older installed hpkit cannot shadow it.
 export PYTHONPATH="${package_root}${PYTHONPATH:+:${PYTHONPATH}}"
-exec "${python}" -m hpkit.checks "$@"
+exec "${python}" -m hpkit.commands.prereqs "$@"

@@ -107,3 +107,13 @@ def normalise(instance_type: str) -> str:
 
 def lookup(instance_type: str | None) -> InstanceSpec | None:
     return INSTANCE_TYPES.get(normalise(instance_type)) if instance_type else None
+
+
+def smddp_verdict(instance_type: str | None) -> str | None:
+    """None when SMDDP may run on this type (supported, or unknown), else why not: the instance catalog."""
+    if instance_type is None:
+        return None
+    row = lookup(instance_type)
+    if row is not None and row.smddp:
+        return None
+    return f"SMDDP supports only {', '.join(SMDDP_TYPES)}, not {instance_type}"

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from hpkit.errors import HpkitError
 from hpkit.job_index import recall
-from hpkit.run_identity import RunIdentity, run_paths
+from hpkit.runtime.run_identity import RunIdentity, run_paths
 from hpkit.slurm import _run, parse_scontrol_record
 
 SPEC_EXPORT = "export HPKIT_SPEC="

@@ -8,7 +8,7 @@ import pytest
 
 from hpkit.bench.bandwidth import algbw_gbps, bus_factor, busbw_gbps
 from hpkit.bench.results import BenchRow, from_csv, to_csv
-from hpkit.bench.sizes import human, parse_size, sweep
+from hpkit.sizes import human, parse_size, sweep
 
 
 @pytest.mark.parametrize(

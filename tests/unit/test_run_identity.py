@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from hpkit.run_identity import RunIdentity, run_paths
 from hpkit.runtime.config import RunConfig
+from hpkit.runtime.run_identity import RunIdentity, run_paths
 
 
 @pytest.mark.parametrize(

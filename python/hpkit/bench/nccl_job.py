@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpkit import __version__
-from hpkit.bench.sizes import human
 from hpkit.errors import SpecError
 from hpkit.render import container_mounts, sbatch_directives, shell_quote, template_environment
+from hpkit.sizes import human
 from hpkit.spec import HYPERPOD_LOG_DIR, JobSpec
 
 TESTS = (

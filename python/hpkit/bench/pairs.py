@@ -16,6 +16,8 @@ import os
 import sys
 from collections.abc import Sequence
 
+from hpkit.arg_types import byte_size, positive_int
+
 Pair = tuple[int, int]
 
 
@@ -43,14 +45,14 @@ def round_robin(n: int, rounds: int) -> list[list[Pair]]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from hpkit.commands.bench import _positive_int, _size
-
     parser = argparse.ArgumentParser(
         prog="python -m hpkit.bench.pairs", description="Pairwise all_reduce bandwidth, one task per node."
     )
-    parser.add_argument("--rounds", type=_positive_int, default=3, help="pairings to run (default 3)")
-    parser.add_argument("--size", type=_size, default=_size("16M"), help="all_reduce size (default 16M)")
-    parser.add_argument("--iters", type=_positive_int, default=10, help="timed iterations (default 10)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="pairings to run (default 3)")
+    parser.add_argument(
+        "--size", type=byte_size, default=byte_size("16M"), help="all_reduce size (default 16M)"
+    )
+    parser.add_argument("--iters", type=positive_int, default=10, help="timed iterations (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
     return parser
 

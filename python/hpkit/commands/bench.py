@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from hpkit.arg_types import byte_size, positive_int
 from hpkit.errors import SpecError
 
 USAGE = """usage: hpkit bench SUBCOMMAND [ARGS]
@@ -37,25 +38,6 @@ def main(argv: list[str], prog: str = "hpkit bench") -> int:
     return 2
 
 
-def _size(text: str) -> int:
-    from hpkit.bench.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
-
-
 def _ops(text: str) -> tuple[str, ...]:
     from hpkit.bench.bandwidth import OPS
 
@@ -80,10 +62,14 @@ def _collectives_parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--ops", type=_ops, default=DEFAULT_OPS, help=f"comma-separated (default: {','.join(DEFAULT_OPS)})"
     )
-    parser.add_argument("-b", "--min-bytes", type=_size, default=_size("8"), help="smallest size (default 8)")
-    parser.add_argument("-e", "--max-bytes", type=_size, default=_size("64M"), help="largest (default 64M)")
-    parser.add_argument("-f", "--factor", type=_positive_int, default=2, help="size step factor (default 2)")
-    parser.add_argument("-n", "--iters", type=_positive_int, default=20, help="timed iterations (default 20)")
+    parser.add_argument(
+        "-b", "--min-bytes", type=byte_size, default=byte_size("8"), help="smallest size (default 8)"
+    )
+    parser.add_argument(
+        "-e", "--max-bytes", type=byte_size, default=byte_size("64M"), help="largest (default 64M)"
+    )
+    parser.add_argument("-f", "--factor", type=positive_int, default=2, help="size step factor (default 2)")
+    parser.add_argument("-n", "--iters", type=positive_int, default=20, help="timed iterations (default 20)")
     parser.add_argument("-w", "--warmup", type=int, default=5, help="untimed iterations first (default 5)")
     parser.add_argument("-d", "--dtype", choices=sorted(DTYPES), default="float", help="element type")
     parser.add_argument("--no-check", action="store_true", help="skip checking each result's values")
@@ -94,7 +80,7 @@ def _collectives_parser(prog: str) -> argparse.ArgumentParser:
 
 def _collectives(argv: list[str], prog: str) -> int:
     from hpkit.bench.collectives import SweepConfig
-    from hpkit.bench.sizes import sweep
+    from hpkit.sizes import sweep
 
     parser = _collectives_parser(prog)
     args = parser.parse_args(argv)
@@ -162,8 +148,8 @@ def _render(argv: list[str], prog: str) -> int:
     parser.add_argument(
         "--tests", default=",".join(DEFAULT_TESTS), help="comma-separated nccl-tests binaries"
     )
-    parser.add_argument("-b", "--min-bytes", type=_size, default=_size("8"))
-    parser.add_argument("-e", "--max-bytes", type=_size, default=_size("8G"))
+    parser.add_argument("-b", "--min-bytes", type=byte_size, default=byte_size("8"))
+    parser.add_argument("-e", "--max-bytes", type=byte_size, default=byte_size("8G"))
     parser.add_argument("-f", "--factor", type=int, default=2)
     parser.add_argument("-n", "--iters", type=int, default=20)
     parser.add_argument("-w", "--warmup", type=int, default=5)

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpkit.arg_types import byte_size, positive_float, positive_int
 from hpkit.checks.context import PROFILES, Context, Roots
 
 USAGE_EXIT = 2
@@ -20,40 +21,11 @@ def _names(values: list[str] | None) -> list[str]:
     return [name.strip() for value in values or [] for name in value.split(",") if name.strip()]
 
 
-def _positive(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError("must be greater than 0")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
-
-
 def _fraction(text: str) -> float:
-    value = _positive(text)
+    value = positive_float(text)
     if value > 1:
         raise argparse.ArgumentTypeError("must be a fraction of the median, in (0, 1]")
     return value
-
-
-def _size(text: str) -> int:
-    from hpkit.bench.sizes import parse_size
-
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser(prog: str) -> argparse.ArgumentParser:
@@ -85,11 +57,11 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         "--table", action="store_const", dest="format", const="table", help="a Rich table even when piped"
     )
     parser.add_argument(
-        "--timeout", type=_positive, default=3.0, metavar="S", help="limit per probe command (3)"
+        "--timeout", type=positive_float, default=3.0, metavar="S", help="limit per probe command (3)"
     )
     parser.add_argument(
         "--imds-timeout",
-        type=_positive,
+        type=positive_float,
         default=0.8,
         metavar="S",
         help="limit for the metadata-service probe (0.8)",
@@ -119,7 +91,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     which = fleet.add_mutually_exclusive_group()
     which.add_argument(
-        "--nodes", type=_positive_int, metavar="N", help="N nodes Slurm picks (default: all up)"
+        "--nodes", type=positive_int, metavar="N", help="N nodes Slurm picks (default: all up)"
     )
     which.add_argument("--nodelist", metavar="LIST", help="these nodes (Slurm host list: node[1-4,9])")
     fleet.add_argument(
@@ -133,10 +105,10 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
         help="flag nodes whose best pair reaches less than F x the median busbw (0.5)",
     )
     fleet.add_argument(
-        "--bandwidth-rounds", type=_positive_int, default=3, metavar="R", help="pairings to run (3)"
+        "--bandwidth-rounds", type=positive_int, default=3, metavar="R", help="pairings to run (3)"
     )
     fleet.add_argument(
-        "--bandwidth-size", type=_size, default=16 << 20, metavar="BYTES", help="all_reduce size (16M)"
+        "--bandwidth-size", type=byte_size, default=16 << 20, metavar="BYTES", help="all_reduce size (16M)"
     )
     fleet.add_argument(
         "--output-dir",
@@ -150,7 +122,7 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     )
     fleet.add_argument(
         "--wait-timeout",
-        type=_positive,
+        type=positive_float,
         default=900.0,
         metavar="S",
         help="cancel the job if it has not ended after S seconds, e.g. waiting for busy nodes (900)",

@@ -73,7 +73,7 @@ def _export(root: Path, out: Path, dtype: str, max_shard_gib: float) -> int:
     if max_shard_gib <= 0:
         raise HpkitError(f"--max-shard-gib {max_shard_gib}: give a positive size")
     try:
-        from hpkit.hf.export import export_hf
+        from hpkit.hf_export import export_hf
     except ImportError as exc:
         raise HpkitError(
             f"hpkit ckpt export needs torch and the hf extra ({exc.name} is missing): pip install 'hpkit[train,hf]'"

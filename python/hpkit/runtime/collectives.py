@@ -2,15 +2,16 @@
 
 Torch-free at import: the decision is a pure function of (what the spec asks, whether SMDDP imported,
 the instance type's row in hpkit.catalog), so that it is testable without GPUs; `decide` adds the one
-import that registers the "smddp" backend with torch.distributed. The SageMaker importer reads
-`smddp_verdict` from here too, so an imported spec and the job that runs it agree.
+import that registers the "smddp" backend with torch.distributed. Which types SMDDP supports is the
+catalog's rule (`catalog.smddp_verdict`), read by the SageMaker importer too, so an imported spec and
+the job that runs it agree.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpkit.catalog import SMDDP_TYPES, lookup
+from hpkit.catalog import smddp_verdict
 from hpkit.compat.handover import shim_answers
 
 SMDDP_MODULE = "smdistributed.dataparallel.torch.torch_smddp"
@@ -21,16 +22,6 @@ class BackendChoice:
     backend: str  # the torch.distributed backend for GPUs: "smddp" or "nccl"
     reason: str  # one line, for the job's log
     usable: bool  # False: the spec forbids the fallback, so the job must stop with `reason`
-
-
-def smddp_verdict(instance_type: str | None) -> str | None:
-    """None when SMDDP may run on this type (supported, or unknown), else why not: the instance catalog."""
-    if instance_type is None:
-        return None
-    row = lookup(instance_type)
-    if row is not None and row.smddp:
-        return None
-    return f"SMDDP supports only {', '.join(SMDDP_TYPES)}, not {instance_type}"
 
 
 def choose_backend(

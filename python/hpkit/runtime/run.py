@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 
 from hpkit.errors import SpecError
 from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
-from hpkit.run_identity import RunIdentity, RunPaths, run_paths
 from hpkit.runtime.checkpoint import Checkpointer
 from hpkit.runtime.checkpoint_record import CommitRecord
 from hpkit.runtime.collectives import decide
@@ -25,6 +24,7 @@ from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed, node_name
 from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
+from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths
 from hpkit.runtime.trainer import StepResult, Trainer
 
 if TYPE_CHECKING:

@@ -22,9 +22,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from hpkit.catalog import SMDDP_TYPES, lookup
+from hpkit.catalog import SMDDP_TYPES, lookup, smddp_verdict
 from hpkit.errors import SpecError
-from hpkit.runtime.collectives import smddp_verdict
 from hpkit.sagemaker.estimator import Estimator
 from hpkit.spec import JobSpec, ParallelismSpec
 from hpkit.validation import format_validation_error, parse_document

@@ -13,8 +13,8 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from hpkit.catalog import smddp_verdict
 from hpkit.errors import HpkitError
-from hpkit.runtime.collectives import smddp_verdict
 from hpkit.runtime.config import RunConfig
 from hpkit.spec import load_run_config
 

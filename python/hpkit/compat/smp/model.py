@@ -19,7 +19,7 @@ from torch import fx, nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from hpkit.compat.smp import topology
+from hpkit.compat.smp import step_state, topology
 from hpkit.compat.smp.tp_marking import is_marked
 from hpkit.compat.smp.unsupported import stop
 
@@ -162,9 +162,9 @@ class DistributedModel(nn.Module):
         self.local_module = local
         self.schedule = None
         if cfg.pp > 1:
-            from hpkit.compat.smp.step import build_schedule
-
-            self.schedule = build_schedule(local, coords, self.device, cfg)
+            self.schedule = step_state.build_schedule(
+                local, coords, self.device, cfg.microbatches, cfg.schedule
+            )
         _current = self
 
     def _replicate_init(self, local: nn.Module) -> None:
@@ -189,9 +189,7 @@ class DistributedModel(nn.Module):
         return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        from hpkit.compat.smp.step import backward_in_step
-
-        if not backward_in_step(loss):
+        if not step_state.backward_in_step(loss):
             loss.backward(*args, **kwargs)
 
     @contextlib.contextmanager

@@ -17,7 +17,6 @@ A step runs backward when grad is enabled and the model is in train mode; otherw
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import pickle
 from collections.abc import Callable, Iterator
@@ -27,13 +26,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from hpkit.compat.smp import topology
+from hpkit.compat.smp import step_state, topology
+from hpkit.compat.smp.model import DistributedModel, current_model
 from hpkit.compat.smp.unsupported import bad_setting
 
 if TYPE_CHECKING:
-    from hpkit.compat.smp.model import DistributedModel
-    from hpkit.compat.smp.topology import SmpConfig
-    from hpkit.runtime.parallel_dims import MeshCoords
+    pass
 
 
 class StepOutput:
@@ -81,41 +79,6 @@ def _merge(values: list[Any]) -> Any:
 
 # ----------------------------------------------------------------------------------------------
 # the running step
-
-
-@dataclass
-class _Step:
-    microbatches: int
-    pipeline: bool
-    losses: list[torch.Tensor | None] = field(default_factory=list)
-
-
-_active: _Step | None = None
-
-
-def in_step() -> bool:
-    return _active is not None
-
-
-def backward_in_step(loss: torch.Tensor) -> bool:
-    """model.backward inside a step; False outside one (the caller then runs loss.backward())."""
-    if _active is None:
-        return False
-    if _active.pipeline:
-        _active.losses.append(loss)  # the schedule runs backward
-    else:
-        (loss / _active.microbatches).backward()
-    return True
-
-
-@contextlib.contextmanager
-def _running(state: _Step) -> Iterator[_Step]:
-    global _active
-    _active = state
-    try:
-        yield state
-    finally:
-        _active = None
 
 
 def split_microbatches(args: tuple, kwargs: dict, n: int) -> list[tuple[tuple, dict]]:
@@ -171,8 +134,6 @@ def step(func: Callable[..., Any] | None = None, **options: Any) -> Any:
 
     @functools.wraps(func)
     def run(*args: Any, **kwargs: Any) -> Any:
-        from hpkit.compat.smp.model import current_model
-
         model = current_model()
         if model is None:
             bad_setting("@smp.step ran before smp.DistributedModel(model) was created")
@@ -192,7 +153,7 @@ def _run_local(
 ) -> list[Any]:
     n = len(pieces)
     per_mb = []
-    with _running(_Step(n, pipeline=False)):
+    with step_state.running(step_state.RunningStep(n, pipeline=False)):
         for i, (a, k) in enumerate(pieces):
             with model.gradient_sync(i == n - 1):
                 per_mb.append(_detach(func(*a, **k)))
@@ -255,8 +216,8 @@ class _PipelineRun:
     def loss_fn(self, output: Any, index: torch.Tensor) -> torch.Tensor:
         i = int(index.reshape(-1)[0])
         a, k = _swap_model(self.pieces[i], self.model, _OutputGiver(self.model, output))
-        state = _Step(len(self.pieces), pipeline=True)
-        with _running(state):
+        state = step_state.RunningStep(len(self.pieces), pipeline=True)
+        with step_state.running(state):
             returned = self.func(*a, **k)
         self.results[i] = _detach(returned)
         if not self.train:
@@ -269,24 +230,9 @@ class _PipelineRun:
         return state.losses[0]
 
 
-_pipeline_run: _PipelineRun | None = None
-
-
-def _schedule_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    assert _pipeline_run is not None
-    return _pipeline_run.loss_fn(output, target)
-
-
-def build_schedule(local: torch.nn.Module, coords: MeshCoords, device: torch.device, cfg: SmpConfig) -> Any:
-    from hpkit.runtime.pipeline import build_schedule as hpkit_schedule
-
-    return hpkit_schedule(local, coords.pp_mesh, device, cfg.microbatches, cfg.schedule, _schedule_loss)
-
-
 def _run_pipeline(
     func: Callable[..., Any], model: DistributedModel, pieces: list[tuple[tuple, dict]]
 ) -> list[Any]:
-    global _pipeline_run
     st = topology.state()
     pp_rank, pp = st.coords.pp_rank, st.config.pp
     n = len(pieces)
@@ -296,15 +242,12 @@ def _run_pipeline(
         captured = [_capture_inputs(func, model, p) for p in pieces]
         inputs = tuple(torch.cat([c[j] for c in captured], dim=0) for j in range(len(captured[0])))
     run = _PipelineRun(func, model, pieces, train)
-    _pipeline_run = run
     target = torch.arange(n, device=st.device)
-    try:
+    with step_state.pipeline_running(run):
         if train:
             model.schedule.step(*inputs, target=target, losses=[])
         else:
             model.schedule.eval(*inputs, target=target, losses=[])
-    finally:
-        _pipeline_run = None
     if pp_rank == pp - 1:
         mine = [run.results[i] for i in range(n)]
         _send_results(mine, st.device)
@@ -312,19 +255,8 @@ def _run_pipeline(
     return _receive_results(pp - 1, st.device)
 
 
-# The last stage's sends of step results, still in flight: the last stage does not wait for the other
-# stages to finish their backward passes (a blocking broadcast there cost ~20 % of a step).
-_pending_sends: list[tuple[Any, torch.Tensor]] = []
-
-
-def finish_sends() -> None:
-    while _pending_sends:
-        work, _buffer = _pending_sends.pop()
-        work.wait()
-
-
 def _send_results(results: list[Any], device: torch.device) -> None:
-    finish_sends()
+    step_state.finish_sends()
     group = topology.get_pp_process_group()
     payload = pickle.dumps(_encode(results), protocol=pickle.HIGHEST_PROTOCOL)
     data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
@@ -332,7 +264,7 @@ def _send_results(results: list[Any], device: torch.device) -> None:
     src = dist.get_group_rank(group, dist.get_rank())
     for buffer in (size, data):
         work = dist.broadcast(buffer, group=group, group_src=src, async_op=True)
-        _pending_sends.append((work, buffer))
+        step_state.pending_sends.append((work, buffer))
 
 
 def _receive_results(src: int, device: torch.device) -> list[Any]:

@@ -205,7 +205,7 @@ def init(config: dict[str, Any] | None = None) -> None:
 def _leave() -> None:
     import torch.distributed as dist
 
-    from hpkit.compat.smp.step import finish_sends
+    from hpkit.compat.smp.step_state import finish_sends
 
     if dist.is_initialized():
         finish_sends()

@@ -1,4 +1,8 @@
-"""`python -m hpkit.checks`: the checker without the rest of hpkit (used by scripts/check-prereqs.sh)."""
+"""`python -m hpkit.commands.prereqs`: the checker without the rest of hpkit (scripts/check-prereqs.sh).
+
+An entry point, so it lives with the commands: the checks themselves (hpkit.checks) never import the
+command line.
+"""
 
 import sys
 
