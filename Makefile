@@ -69,6 +69,7 @@ lint: venv
 	$(BIN)/ruff format --check python tests bench
 	$(BIN)/shellcheck slurm/dev/*.sh scripts/*.sh docker/*.sh .ci/run
 	$(BIN)/deptry python --no-ansi
+	$(BIN)/lint-imports --no-cache
 
 test: setup lint image-test-deps
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)

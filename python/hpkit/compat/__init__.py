@@ -4,7 +4,7 @@ A job that opts in gets SHIM_DIR first on its tasks' PYTHONPATH (render.py). SHI
 `smdistributed` package whose modules are thin: they re-export hpkit.compat.smp / hpkit.compat.smddp, so
 that `import smdistributed.modelparallel.torch as smp` or `import smdistributed.dataparallel.torch.torch_smddp`
 runs a SageMaker script unchanged. Where SageMaker's own libraries are installed they win: the shim's
-`smdistributed/__init__.py` hands the whole package over to them (hpkit.compat.handover).
+`smdistributed/__init__.py` hands the whole package over to them (hpkit.shim_lookup).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hpkit.catalog import smddp_verdict
-from hpkit.compat.handover import shim_answers
+from hpkit.shim_lookup import shim_answers
 
 SMDDP_MODULE = "smdistributed.dataparallel.torch.torch_smddp"
 

@@ -50,7 +50,7 @@ def verdict(cfg: RunConfig | None, alias_of: str) -> AliasVerdict:
     asks for SMDDP and forbids the fallback stops; everything else runs on the alias.
     """
     instance_type = cfg.instance_type if cfg else None
-    # The shim is imported only where no real install exists (hpkit.compat.handover).
+    # The shim is imported only where no real install exists (hpkit.shim_lookup).
     why = "SMDDP is not installed here"
     if unsupported := smddp_verdict(instance_type):
         why += f", and {unsupported}"

@@ -6,7 +6,7 @@ path and its own __init__), and nothing below this folder is imported.
 
 import sys as _sys
 
-from hpkit.compat.handover import take_over as _take_over
+from hpkit.shim_lookup import take_over as _take_over
 
 _take_over(_sys.modules[__name__])
 del _sys, _take_over
