@@ -17,11 +17,7 @@ from hpkit import devcluster  # noqa: E402  (from this checkout, put on the path
 # tests/gpu is the CUDA half of the suite: `make test-gpu` (HPKIT_GPU_TESTS=1) on a GPU machine. CI has no GPU.
 collect_ignore = [] if os.environ.get("HPKIT_GPU_TESTS") == "1" else ["gpu"]
 
-# The test cluster must not collide with a developer's `make cluster-up` cluster: its own
-# directory, ports, and job ids (job scripts derive their rendezvous port from the job id).
-# Two test runs on one host (two checkouts) each set their own pair.
-TEST_CLUSTER_PORT = os.environ.get("HPKIT_TEST_CLUSTER_PORT", "7817")
-TEST_FIRST_JOB_ID = os.environ.get("HPKIT_TEST_FIRST_JOB_ID", "5000")
+from _clusters import slot  # noqa: E402  (tests/_clusters.py: every cluster's ports and job ids)
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -42,9 +38,9 @@ def slurm_cluster(tmp_path_factory) -> dict[str, str]:
     """Start a 2-node x 2-CPU cluster for this test session; returns the environment for clients."""
     if shutil.which("slurmctld") is None:
         pytest.fail("slurmctld not found: `make test` installs slurm-wlm; run it, or `make system-deps`")
-    env = devcluster.client_env(
-        tmp_path_factory.mktemp("slurm-cluster"), TEST_CLUSTER_PORT, TEST_FIRST_JOB_ID
-    )
+    # Not a developer's `make cluster-up` cluster, nor another xdist worker's: its own directory,
+    # ports and job ids.
+    env = devcluster.client_env(tmp_path_factory.mktemp("slurm-cluster"), *slot("session"))
     try:
         devcluster.up(env)
     except devcluster.DevClusterError as exc:
@@ -59,3 +55,30 @@ def slurm_cluster(tmp_path_factory) -> dict[str, str]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+def _ci() -> bool:
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under CI=true a skipped test is a failed one: CI installs everything the suite needs (`make test`),
+    so a skip there means a check silently did not run (a missing cgroup controller, package or tool)."""
+    outcome = yield
+    report = outcome.get_result()
+    if _ci() and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true, where every check must run: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole module skipped at import (pytest.importorskip at the top of a file)."""
+    outcome = yield
+    report = outcome.get_result()
+    if _ci() and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"skipped under CI=true, where every check must run: {reason}"

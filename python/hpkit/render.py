@@ -194,6 +194,33 @@ def compat_step(spec: JobSpec) -> str | None:
     )
 
 
+# Interpreter options that take the next word as their value (python -W ignore, -X dev).
+_PYTHON_OPTIONS_WITH_VALUE = frozenset({"-W", "-X", "-Q"})
+
+
+def user_command(spec: JobSpec) -> list[str]:
+    """The spec's command as each rank runs it: a Python program goes through `hpkit.run_script`.
+
+    The wrapper installs the exit hook that keeps an unchanged DDP script on gloo from aborting at exit
+    (hpkit.exit_settle), so users' scripts need no change. Only where hpkit is importable by the task's
+    Python: outside a container (the submitting environment's Python), or in one with `compat` (which
+    needs hpkit in the image anyway). `python -c ...` and non-Python programs run as written.
+    """
+    command = list(spec.command)
+    if not _PYTHON.match(PurePosixPath(command[0]).name):
+        return command
+    if spec.container is not None and not spec.compat:
+        return command
+    i = 1
+    while i < len(command) and command[i].startswith("-") and command[i] != "-m":
+        if command[i] in ("-c", "-"):
+            return command
+        i += 2 if command[i] in _PYTHON_OPTIONS_WITH_VALUE else 1
+    if i >= len(command):
+        return command  # an interactive interpreter: nothing to wrap
+    return [*command[:i], "-m", "hpkit.run_script", *command[i:]]
+
+
 def launch_words(spec: JobSpec) -> list[str]:
     """The program each srun task runs, before the user's command (already shell-quoted words)."""
     steps = []
@@ -329,7 +356,7 @@ def build_context(
         launch=" ".join(launch_words(spec)),
         sagemaker=spec.sagemaker_env is not None,
         sagemaker_env=sagemaker_exports(spec),
-        command=_quote_words(spec.command),
+        command=_quote_words(user_command(spec)),
         container_image=shell_quote(container.image) if container else None,
         container_mounts=shell_quote(",".join(container_mounts(container))) if container else None,
         container_workdir=shell_quote(container.workdir) if container and container.workdir else None,

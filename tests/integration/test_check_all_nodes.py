@@ -13,7 +13,6 @@ Each bad node must be named in the table, the JSON and the --exclude line, and n
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import socket
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from _clusters import slot
 from hpkit import devcluster
 
 REPO = Path(__file__).resolve().parents[2]
@@ -41,8 +41,7 @@ QUOTA_US, PERIOD_US = 5_000, 100_000
 # 18 on 2 cores one good pair ran at a quarter of another). Each round costs about a second.
 BANDWIDTH = ("--bandwidth-rounds", "9", "--bandwidth-size", "8M")
 # Its own ports and job ids: beside the session's 2-node cluster, not on top of it.
-PORT = int(os.environ.get("HPKIT_TEST_CLUSTER_PORT", "7817")) + 10
-FIRST_JOB_ID = int(os.environ.get("HPKIT_TEST_FIRST_JOB_ID", "5000")) + 500
+PORT, FIRST_JOB_ID = slot("all-nodes")
 
 
 def _write(path: Path, text: str = "") -> None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from _clusters import slot
 from hpkit import devcluster
 
 pytestmark = pytest.mark.cluster
@@ -32,7 +33,7 @@ def alive(pid: int) -> bool:
 
 def test_up_is_idempotent_and_down_stops_only_its_own_daemons(repo, tmp_path):
     state = tmp_path / "c"
-    env = devcluster.client_env(state, 7917, 9000, nodes=3, cpus=1)
+    env = devcluster.client_env(state, *slot("dev-cluster"), nodes=3, cpus=1)
     # A process that merely carries a daemon's name must survive the tear-down.
     decoy = subprocess.Popen(["bash", "-c", "exec -a slurmd sleep 120"])
     try:

@@ -17,12 +17,12 @@ import pytest
 from test_resilience import TINY_MODEL
 from test_slurm_jobs import hpkit, submit
 
+from _clusters import slot
 from hpkit import devcluster
 
 pytestmark = [pytest.mark.cluster, pytest.mark.dist]
 
-PORT = int(os.environ.get("HPKIT_TEST_CLUSTER_PORT", "7817")) + 30
-FIRST_JOB_ID = int(os.environ.get("HPKIT_TEST_FIRST_JOB_ID", "5000")) + 700
+PORT, FIRST_JOB_ID = slot("forgotten")
 STEPS = 6
 
 

@@ -20,6 +20,7 @@ import pytest
 from _dirwatch import DirWatch
 from test_resilience import job_log, losses, submit, training_spec, wait_for
 
+from _clusters import slot
 from hpkit import devcluster
 from hpkit.slurm import CliBackend, JobState
 
@@ -38,8 +39,7 @@ def three_nodes(tmp_path_factory):
     """Three nodes on ports and job ids apart from the session's two-node cluster."""
     env = devcluster.client_env(
         tmp_path_factory.mktemp("slurm-3"),
-        int(os.environ.get("HPKIT_TEST_CLUSTER_PORT", "7817")) + 10,
-        int(os.environ.get("HPKIT_TEST_FIRST_JOB_ID", "5000")) + 500,
+        *slot("node-loss"),
         nodes=3,
         slurmd_timeout=SLURMD_TIMEOUT_S,
     )
@@ -63,7 +63,10 @@ def reference_losses(three_nodes, tmp_path_factory) -> dict[int, float]:
     job = submit(training_spec("reference", workdir, STEPS, interval=1000), workdir, three_nodes)
     info = wait_for(lambda: (i := CliBackend().info(job)).state.finished and i, 300, "the reference job")
     assert info.state == JobState.COMPLETED, job_log(info)
-    return losses(workdir / "reference.jsonl")
+    series = losses(workdir / "reference.jsonl")
+    # The comparisons below run over this series: an empty or cut one would compare nothing.
+    assert sorted(series) == list(range(1, STEPS + 1)), sorted(series)
+    return series
 
 
 def job_fields(job: str, env: dict[str, str]) -> dict[str, str]:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from _clusters import slot
 from hpkit import devcluster
 from hpkit.slurm import CliBackend, JobState
 
@@ -146,8 +147,7 @@ def _read_until(stream, pattern: str, lines: list[str], timeout: float = 60) -> 
 
 def test_wait_rides_out_a_controller_restart_and_gives_up_on_a_long_outage(tmp_path_factory):
     """A private cluster, since its controller is stopped: the shared one serves other tests."""
-    port = int(os.environ.get("HPKIT_TEST_CLUSTER_PORT", "7817")) + 20
-    first = int(os.environ.get("HPKIT_TEST_FIRST_JOB_ID", "5000")) + 500
+    port, first = slot("polling")
     state = tmp_path_factory.mktemp("restart-cluster")
     env = devcluster.client_env(state, port, first)
     with devcluster.running(env):

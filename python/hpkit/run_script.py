@@ -1,0 +1,40 @@
+"""`python -m hpkit.run_script SCRIPT [ARGS]` (or `-m MODULE [ARGS]`): the user's program, run as `python
+SCRIPT ARGS` runs it, with hpkit's exit hook installed first.
+
+Jobs launch users' Python programs through this, so that a DDP script on gloo, unchanged, does not abort
+at exit ("terminate called without an active exception": see hpkit.exit_settle). The program sees what it
+would see run directly: `__name__ == "__main__"`, its own `__file__`, `sys.argv` starting with its path,
+its folder first on sys.path; its exit status, SystemExit and uncaught exceptions are its own.
+Standard library only besides exit_settle, so it costs nothing at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from hpkit import exit_settle
+
+USAGE = "usage: python -m hpkit.run_script SCRIPT [ARGS...] | -m MODULE [ARGS...]"
+
+
+def main(argv: list[str]) -> None:
+    if not argv or (argv[0] == "-m" and len(argv) < 2):
+        sys.exit(f"hpkit.run_script: nothing to run\n{USAGE}")
+    exit_settle.install()
+    if argv[0] == "-m":
+        # As `python -m MODULE`: the current directory first on sys.path (it already is: this module
+        # was run with -m), argv[0] becomes the module's file once runpy has found it.
+        sys.argv = argv[1:]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
+    script = argv[0]
+    sys.argv = list(argv)
+    # As `python SCRIPT`: the script's own folder, not ours or the current one, first on sys.path.
+    sys.path[0] = os.path.dirname(os.path.realpath(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
