@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -227,3 +228,42 @@ def test_slurm_options_reach_the_controller_and_the_step(slurm_cluster, tmp_path
     info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=120)
     assert info.state == JobState.COMPLETED and info.nodes == "node1"
     assert "0: hello from the step" in output_of(info)  # srun --label prefixes the task number
+
+
+def test_a_venvs_hpkit_run_by_its_path_gives_the_job_the_venvs_torchrun(slurm_cluster, tmp_path):
+    """As a user hits it: `/path/to/venv/bin/hpkit submit` from a shell that has not activated the venv."""
+    hpkit_bin = Path(sys.executable).parent / "hpkit"
+    env = {**slurm_cluster, "PATH": "/usr/local/bin:/usr/bin:/bin"}
+    assert shutil.which("torchrun", path=env["PATH"]) is None, "the test needs a PATH without torchrun"
+    spec = {
+        "name": "venv-path",
+        "nodes": 2,
+        "launcher": "torchrun",
+        "command": ["python", "-m", "hpkit.examples.allreduce"],
+    }
+    path = tmp_path / "venv-path.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    proc = subprocess.run(
+        [str(hpkit_bin), "submit", str(path)], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+    job_id = re.search(r"submitted job (\d+)", proc.stdout).group(1)
+    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=180)
+    log = output_of(info)
+    assert info.state == JobState.COMPLETED, log
+    assert len(re.findall(r"allreduce \{", log)) == 2, log
+
+
+def test_a_program_missing_from_the_jobs_path_is_refused_before_sbatch(slurm_cluster, tmp_path):
+    spec = {"name": "no-such", "launcher": "srun", "command": ["hpkit-no-such-program", "--x"]}
+    path = tmp_path / "no-such.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    before = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
+    proc = hpkit("submit", str(path), cwd=tmp_path, env=slurm_cluster)
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert "hpkit-no-such-program is not on the job's PATH" in lines[0]
+    assert "submitted job" not in proc.stdout
+    after = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
+    assert after.stdout == before.stdout

@@ -147,6 +147,13 @@ def _submit(args: argparse.Namespace) -> int:
     from hpkit.slurm import get_backend
 
     spec, script_path, out_dir = prepare_submission(args.spec)
+    if spec.container is None and "PATH" not in spec.env:
+        # sbatch exports this process's environment to the job: give it the launcher of the
+        # environment that submits it, and refuse here rather than fail on every node.
+        from hpkit.job_path import check_programs, job_path, required_programs
+
+        os.environ["PATH"] = job_path(os.environ)
+        check_programs(required_programs(spec.launcher, spec.command), os.environ["PATH"], job_workdir(spec))
     if args.dry_run:
         print(f"dry run: wrote {script_path}")
         return 0
