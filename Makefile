@@ -73,7 +73,10 @@ lint: venv
 
 test: setup lint image-test-deps
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
-	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 tests
+	# Three workers, whole files each (a file shares its clusters and fixtures): the suite mostly waits
+	# on Slurm and on torch launches, so side by side it takes about half the wall time (tests/_clusters.py
+	# gives every worker its own clusters).
+	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 3 --dist loadfile tests
 
 # The CUDA half of the suite (tests/gpu), on a machine with an NVIDIA GPU; CI has none and never collects it.
 test-gpu: venv

@@ -3,8 +3,10 @@ torch-native way to get it. Parameters that change nothing that matters here onl
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
+import time
 from typing import NoReturn
 
 # parameter -> the torch-native way to get what it did
@@ -35,6 +37,10 @@ IGNORED_PARAMETERS: dict[str, str] = {
 }
 
 
+# Seconds a rank other than 0 waits before exiting on an SmpExit, so that rank 0's line reaches the log.
+QUIET_RANK_EXIT_DELAY_S = 3.0
+
+
 class SmpExit(SystemExit):
     """Stops the job: rank 0 prints the one line (SystemExit prints its message, no traceback), the other
     ranks exit with status 1 silently, so a job log holds the line once."""
@@ -42,6 +48,11 @@ class SmpExit(SystemExit):
     def __init__(self, line: str) -> None:
         super().__init__(line if _is_rank0() else 1)
         self.line = line
+        if not _is_rank0():
+            # srun --kill-on-bad-exit ends the step at the first rank that exits non-zero: a silent rank
+            # that got here first would kill rank 0 before it printed the line (seen on a loaded machine).
+            # Every rank reaches the same check, so rank 0 is at most moments behind.
+            atexit.register(time.sleep, QUIET_RANK_EXIT_DELAY_S)
 
 
 def _is_rank0() -> bool:
