@@ -71,11 +71,11 @@ lint: venv
 	$(BIN)/deptry python --no-ansi
 	$(BIN)/lint-imports --no-cache
 
+# Three workers, whole files each (a file shares its clusters and fixtures): the suite mostly waits on
+# Slurm and on torch launches, so side by side it takes about half the wall time (tests/_clusters.py gives
+# every worker its own clusters).
 test: setup lint image-test-deps
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
-	# Three workers, whole files each (a file shares its clusters and fixtures): the suite mostly waits
-	# on Slurm and on torch launches, so side by side it takes about half the wall time (tests/_clusters.py
-	# gives every worker its own clusters).
 	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 3 --dist loadfile tests
 
 # The CUDA half of the suite (tests/gpu), on a machine with an NVIDIA GPU; CI has none and never collects it.
