@@ -221,6 +221,26 @@ def user_command(spec: JobSpec) -> list[str]:
     return [*command[:i], "-m", "hpkit.run_script", *command[i:]]
 
 
+def startup_check_step(container: ContainerSpec | None) -> str | None:
+    """Shell that runs the image's start-up check in the first task of each node, or None.
+
+    pyxis does not run an image's entry point, so hpkit's images would skip their start-up check (IMDSv2,
+    the host's /var/log): the first task of each node runs it, where the image has it.
+    """
+    if container is None or container.startup_check == "off":
+        return None
+    warn_only = "export HPKIT_STARTUP_CHECK_WARN_ONLY=1; " if container.startup_check == "warn" else ""
+    return (
+        'if [ "${SLURM_LOCALID:-0}" = 0 ] && command -v hpkit-entrypoint >/dev/null; then '
+        f'{warn_only}set -- hpkit-entrypoint "$@"; fi'
+    )
+
+
+def task_wrapper(steps: list[str]) -> list[str]:
+    """`bash -c 'STEPS; exec "$@"' hpkit-task` before a task's program (quoted words), or nothing."""
+    return ["bash", "-c", shell_quote("; ".join([*steps, 'exec "$@"'])), "hpkit-task"] if steps else []
+
+
 def launch_words(spec: JobSpec) -> list[str]:
     """The program each srun task runs, before the user's command (already shell-quoted words)."""
     steps = []
@@ -228,17 +248,9 @@ def launch_words(spec: JobSpec) -> list[str]:
         steps.append(f"export {' '.join(exports)}")
     if compat := compat_step(spec):
         steps.append(compat)
-    if spec.container is not None and spec.container.startup_check != "off":
-        # pyxis does not run an image's entry point, so hpkit's images would skip their start-up check
-        # (IMDSv2, the host's /var/log): the first task of each node runs it, where the image has it.
-        warn_only = (
-            "export HPKIT_STARTUP_CHECK_WARN_ONLY=1; " if spec.container.startup_check == "warn" else ""
-        )
-        steps.append(
-            'if [ "${SLURM_LOCALID:-0}" = 0 ] && command -v hpkit-entrypoint >/dev/null; then '
-            f'{warn_only}set -- hpkit-entrypoint "$@"; fi'
-        )
-    wrapper = ["bash", "-c", shell_quote("; ".join([*steps, 'exec "$@"'])), "hpkit-task"] if steps else []
+    if startup := startup_check_step(spec.container):
+        steps.append(startup)
+    wrapper = task_wrapper(steps)
     if spec.launcher == "torchrun":
         return [
             *wrapper,

@@ -9,6 +9,16 @@ from __future__ import annotations
 
 import re
 
+# sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]], or no limit.
+SLURM_TIME = re.compile(
+    r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$"
+)
+SLURM_TIME_FORMS = "use minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED"
+
+
+def is_slurm_time(value: str) -> bool:
+    return SLURM_TIME.match(value) is not None
+
 
 def _names(text: str) -> frozenset[str]:
     return frozenset(text.split())

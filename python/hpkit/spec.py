@@ -45,9 +45,6 @@ __all__ = [
 # quoted: they must be plain tokens.
 _SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SLURM_NAME_LIST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(,[A-Za-z0-9][A-Za-z0-9._-]*)*$")
-_SLURM_TIME = re.compile(
-    r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$"
-)
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A SageMaker channel becomes SM_CHANNEL_<NAME>: the name must make a valid variable name.
 _CHANNEL_NAME = re.compile(r"^[A-Za-z0-9_]+$")
@@ -246,8 +243,8 @@ class JobSpec(RunConfig):
     def _time(cls, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             value = str(value)  # YAML reads `time_limit: 30` as minutes
-        if value is not None and not (isinstance(value, str) and _SLURM_TIME.match(value)):
-            raise ValueError(f"{value!r} is not a Slurm time: use minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED")
+        if value is not None and not (isinstance(value, str) and slurm_options.is_slurm_time(value)):
+            raise ValueError(f"{value!r} is not a Slurm time: {slurm_options.SLURM_TIME_FORMS}")
         return value
 
     @field_validator("exclude", "nodelist", "gres", "mail_type", mode="before")

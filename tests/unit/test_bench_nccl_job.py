@@ -76,3 +76,19 @@ def test_bad_arguments_are_one_line():
         NcclTestsArgs(min_bytes=64, max_bytes=8)
     with pytest.raises(SpecError, match=r"launcher: .* use launcher: srun"):
         render_nccl_tests(spec(launcher="torchrun"), NcclTestsArgs())
+
+
+def test_the_specs_srun_options_workdir_and_startup_check_reach_the_step(tmp_path):
+    """The fields a training job honours are honoured here too (the nccl-tests writer used to drop them)."""
+    container = {"image": "/fsx/img.sqsh", "workdir": "/work dir", "startup_check": "fail"}
+    s = spec(container=container, srun_options=["--cpu-bind=cores", "--network=sn_all"])
+    script = render_nccl_tests(s, NcclTestsArgs())
+    check_script(script, tmp_path)
+    assert "srun_args=(--mpi=pmix --kill-on-bad-exit=1 --cpu-bind=cores --network=sn_all)" in script
+    assert "srun_args+=(--container-workdir='/work dir')" in script
+    step = next(line for line in script.splitlines() if '"$bin_dir/$test_name"' in line)
+    assert "hpkit-entrypoint" in step and "HPKIT_STARTUP_CHECK_WARN_ONLY" not in step
+    warn = render_nccl_tests(spec(container={**container, "startup_check": "warn"}), NcclTestsArgs())
+    assert "HPKIT_STARTUP_CHECK_WARN_ONLY=1" in warn
+    off = render_nccl_tests(spec(container={**container, "startup_check": "off"}), NcclTestsArgs())
+    assert "hpkit-entrypoint" not in off

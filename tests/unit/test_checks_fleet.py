@@ -217,6 +217,10 @@ def test_all_nodes_refuses_what_cannot_go_into_sbatch_lines(
     assert len(err) == 1 and "--partition 'a b'" in err[0]
     assert check.main(["check", "--all-nodes", "--output-dir", str(tmp_path / "with space")]) == 1
     assert "--output-dir" in capsys.readouterr().err
+    # A plain token that is no Slurm time would pass as a word and fail in sbatch: refused here instead.
+    assert check.main(["check", "--all-nodes", "--time-limit", "ten", "--output-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--time-limit 'ten' is not a Slurm time" in err[0], err
 
 
 def test_the_job_script_runs_one_check_per_node_and_the_pairs(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """Render the nccl-tests sbatch script (slurm/templates/nccl-tests.sbatch.j2).
 
-Resources, placement, container and environment are a JobSpec, so they are validated exactly as a
-training job's are and reach the script through render.py's directives and quoting; only the
-nccl-tests arguments are decided here.
+Resources, placement, container, srun options and environment are a JobSpec, so they are validated
+exactly as a training job's are and reach the script through render.py's directives, srun options,
+container block (slurm/templates/_container.sbatch.j2, shared with the training template), start-up
+check and quoting; only the nccl-tests arguments are decided here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,15 @@ from dataclasses import dataclass
 
 from hpkit import __version__
 from hpkit.errors import SpecError
-from hpkit.render import container_mounts, sbatch_directives, shell_quote, template_environment
+from hpkit.render import (
+    container_mounts,
+    sbatch_directives,
+    shell_quote,
+    srun_options,
+    startup_check_step,
+    task_wrapper,
+    template_environment,
+)
 from hpkit.sizes import human
 from hpkit.spec import HYPERPOD_LOG_DIR, JobSpec
 
@@ -77,8 +86,11 @@ class NcclTestsContext:
     bin_dir: str
     tests: str
     args: str
+    srun_options: list[str]
+    task_wrapper: str  # before each test's binary: the image's start-up check, once per node
     container_image: str | None
     container_mounts: str | None
+    container_workdir: str | None
     hyperpod_log_mount: str | None
     nodes: int
     ranks_per_node: int
@@ -97,8 +109,14 @@ def build_context(spec: JobSpec, args: NcclTestsArgs, script_name: str) -> NcclT
         bin_dir=shell_quote(args.bin_dir),
         tests=" ".join(shell_quote(t) for t in args.tests),
         args=" ".join(shell_quote(w) for w in args.words()),
+        # The same srun options and container as a training job's: render.py decides both.
+        srun_options=srun_options(spec),
+        task_wrapper="".join(
+            f"{word} " for word in task_wrapper(list(filter(None, [startup_check_step(container)])))
+        ),
         container_image=shell_quote(container.image) if container else None,
         container_mounts=shell_quote(",".join(container_mounts(container))) if container else None,
+        container_workdir=shell_quote(container.workdir) if container and container.workdir else None,
         hyperpod_log_mount=shell_quote(f"{HYPERPOD_LOG_DIR}:{HYPERPOD_LOG_DIR}")
         if container and container.mount_var_log
         else None,

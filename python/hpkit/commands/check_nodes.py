@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpkit import slurm_options
 from hpkit.checks import fleet
 from hpkit.checks.hostlist import compress, natural_key
 from hpkit.checks.probe import run_cmd
@@ -95,6 +96,10 @@ def validate(req: Request) -> None:
         raise HpkitError(
             f"--output-dir {str(req.output_dir)!r}: use a path of letters, digits and / . _ - + only "
             "(it goes into an #SBATCH line, where nothing can be quoted)"
+        )
+    if not slurm_options.is_slurm_time(req.time_limit):
+        raise HpkitError(
+            f"--time-limit {req.time_limit!r} is not a Slurm time: {slurm_options.SLURM_TIME_FORMS}"
         )
     for option, value in (
         ("--time-limit", req.time_limit),
