@@ -13,6 +13,7 @@ from hpkit.errors import SpecError
 from hpkit.render import render
 from hpkit.sagemaker.convert import convert
 from hpkit.sagemaker.estimator import Estimator
+from hpkit.smp_params import SMP_PARAMETERS
 from hpkit.spec import JobSpec
 from hpkit.validation import load_document, parse_document
 
@@ -81,7 +82,9 @@ def test_seed_000_tensor_parallel_only():
         ]
     )
     lines = warned(result)
-    assert "DeviceMesh" in lines["distribution.smdistributed.modelparallel.parameters.placement_strategy"]
+    # The advice is the one table's (hpkit.smp_params), the same that smp.init gives.
+    placement = lines["distribution.smdistributed.modelparallel.parameters.placement_strategy"]
+    assert SMP_PARAMETERS["placement_strategy"].advice in placement
     # No more "port the script's smp calls": the compat layer runs them.
     assert [n.split(":")[0] for n in result.notes] == ["distribution.smdistributed.modelparallel"]
     assert "compat: [smp]" in result.notes[0] and "port" not in result.notes[0]

@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from hpkit.smp_params import DEGREE_ALIASES
 from hpkit.validation import StrictModel, check_no_control_chars
 
 SPEC_ENV = "HPKIT_SPEC"
@@ -49,11 +50,7 @@ class ParallelismSpec(StrictModel):
         if not isinstance(data, dict):
             return data
         data = dict(data)
-        for alias, canonical in (
-            ("tensor_parallel_degree", "tp"),
-            ("pipeline_parallel_degree", "pp"),
-            ("partitions", "pp"),
-        ):
+        for alias, canonical in DEGREE_ALIASES.items():
             if alias in data:
                 value = data.pop(alias)
                 if canonical in data and data[canonical] != value:

@@ -25,6 +25,8 @@ from pydantic import ValidationError
 from hpkit.catalog import SMDDP_TYPES, lookup, smddp_verdict
 from hpkit.errors import SpecError
 from hpkit.sagemaker.estimator import Estimator
+from hpkit.smp_params import SMP_PIPELINES, unknown_advice
+from hpkit.smp_params import lookup as smp_lookup
 from hpkit.spec import JobSpec, ParallelismSpec
 from hpkit.validation import format_validation_error, parse_document
 
@@ -81,27 +83,6 @@ ESTIMATOR_ONLY: dict[str, str] = {
     "container_log_level": "drop it",
     "compiler_config": "drop it: SageMaker Training Compiler does not run on Slurm; try train.compile",
 }
-
-# SMP (v1) parameters hpkit has no direct equivalent for: what to do instead.
-SMP_ONLY: dict[str, str] = {
-    "placement_strategy": "drop it: hpkit's DeviceMesh keeps tp innermost (within a node) and pp outermost",
-    "optimize": "drop it: hpkit has one implementation per parallelism",
-    "auto_partition": "drop it: `hpkit train` splits the model's layers evenly over pp stages",
-    "default_partition": "drop it: `hpkit train` splits the model's layers evenly over pp stages",
-    "active_microbatches": "drop it: the pp_schedule decides how many microbatches are in flight",
-    "memory_weight": "drop it",
-    "shard_optimizer_state": "shard parameters and optimizer state with FSDP: set parallelism.dp_shard",
-    "sharded_data_parallel_degree": "set parallelism.dp_shard (FSDP2) to the degree",
-    "offload_activations": "set train.activation_checkpoint: full (recompute instead of offloading)",
-    "activation_loading_horizon": "drop it: it tunes activation offloading, which hpkit does not do",
-    "fp16": "use train.mixed_precision: bf16 (hpkit has no fp16 loss scaling)",
-    "fp16_params": "use train.mixed_precision: bf16",
-    "delayed_parameter_initialization": "drop it: `hpkit train` builds the model on the meta device",
-    "prescaled_batch": "drop it",
-    "skip_tracing": "drop it: nothing is traced",
-    "horovod": "use the mpi launcher with Horovod in the image, or torch.distributed",
-}
-SMP_PIPELINES = {"simple": "gpipe", "interleaved": "1f1b"}
 
 
 class _Converter:
@@ -348,13 +329,22 @@ def _modelparallel(c: _Converter, block: dict[str, Any]) -> dict[str, Any]:
         extra["parallelism"] = out
     if params.get("bf16") is True:
         extra["train"] = {"mixed_precision": "bf16"}
-    if params:
-        extra["smp_parameters"] = dict(params)
+    # One table (hpkit.smp_params) for the importer and smp.init: what the shim would refuse is an
+    # error here, before anything is submitted; what it ignores is a warning and stays in the spec.
+    kept: dict[str, Any] = {}
     for key, value in params.items():
-        if key in carried or key in ("pipeline", "bf16"):
-            continue
-        fix = SMP_ONLY.get(key, "drop it: hpkit has no such SMP parameter")
-        c.warn(f"{field}.parameters.{key}", f"SMP parameter {key}={value!r} is not carried over", fix)
+        known = smp_lookup(key)
+        where = f"{field}.parameters.{key}"
+        if known is None:
+            c.error(where, unknown_advice(key))
+        elif known.refuses(value):
+            c.error(where, f"SMP parameter {key}={value!r} is not supported by hpkit: {known.advice}")
+        else:
+            kept[key] = value
+            if known.status == "ignored":
+                c.warn(where, f"SMP parameter {key}={value!r} changes nothing here", known.advice)
+    if kept:
+        extra["smp_parameters"] = kept
     c.notes.append(
         f"{field}: compat: [smp] runs the script's smdistributed.modelparallel.torch calls on hpkit's runtime "
         "(degrees from parallelism, the rest from smp_parameters); a real SMP install in the image still wins"

@@ -8,6 +8,7 @@ degree 1 when TP or PP is on, since DDP cannot hold DTensors; DDP otherwise).
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 from collections.abc import Iterator
 from typing import Any
@@ -111,6 +112,20 @@ def gather_stages(local: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _forward_in_bf16(module: nn.Module, device: torch.device) -> None:
+    """SMP's bf16: the model computes in bfloat16. Under autocast the parameters stay fp32 (the optimizer's
+    master weights) and matmuls run in bf16; every path through the model (forward, the DDP/FSDP wrapper,
+    the pipeline schedule) calls this module, so all of them get it."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return inner(*args, **kwargs)
+
+    module.forward = forward  # type: ignore[method-assign]
+
+
 class DistributedModel(nn.Module):
     """Holds this rank's part of the model as `module` (DDP- or FSDP-wrapped where replicated)."""
 
@@ -144,6 +159,8 @@ class DistributedModel(nn.Module):
             parallelize_module(local, coords.tp_mesh, plan)
         # What each marked layer became, for logs and tests.
         self.tp_plan = {name: type(style).__name__ for name, style in plan.items()}
+        if cfg.bf16:
+            _forward_in_bf16(local, self.device)
         self._replicate_init(local)
         self._fsdp = coords.fsdp_mesh is not None
         self._ddp = coords.ddp_mesh is not None

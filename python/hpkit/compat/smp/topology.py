@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from hpkit.compat.smp.unsupported import (
     IGNORED_PARAMETERS,
-    UNSUPPORTED_PARAMETERS,
     bad_setting,
     stop,
     warn_ignored,
 )
+from hpkit.smp_params import SMP_PIPELINES, SUPPORTED, lookup, unknown_advice
 
 if TYPE_CHECKING:
     import torch
@@ -31,16 +31,8 @@ if TYPE_CHECKING:
 
     from hpkit.runtime.parallel_dims import MeshCoords
 
-SUPPORTED_PARAMETERS = {
-    "pipeline_parallel_degree",
-    "partitions",
-    "tensor_parallel_degree",
-    "microbatches",
-    "ddp",
-    "pipeline",
-    "bf16",
-}
-PIPELINES = {"simple": "gpipe", "interleaved": "1f1b"}
+SUPPORTED_PARAMETERS = SUPPORTED
+PIPELINES = SMP_PIPELINES
 
 
 @dataclass(frozen=True)
@@ -58,15 +50,15 @@ class SmpConfig:
     @classmethod
     def from_parameters(cls, params: dict[str, Any]) -> SmpConfig:
         for name, value in params.items():
-            if name in UNSUPPORTED_PARAMETERS and value not in (False, None, 0):
-                stop(f"the SMP parameter {name}={value!r}", UNSUPPORTED_PARAMETERS[name])
-        unknown = sorted(
-            set(params) - SUPPORTED_PARAMETERS - set(UNSUPPORTED_PARAMETERS) - set(IGNORED_PARAMETERS)
-        )
+            known = lookup(name)
+            if known is not None and known.refuses(value):
+                stop(f"the SMP parameter {name}={value!r}", known.advice)
+        unknown = sorted(name for name in params if lookup(name) is None)
         if unknown:
-            bad_setting(
-                f"unknown SMP parameter {unknown[0]}: remove it (supported: {', '.join(sorted(SUPPORTED_PARAMETERS))})"
-            )
+            bad_setting(unknown_advice(unknown[0]))
+        bf16 = params.get("bf16", False)
+        if not isinstance(bf16, bool):
+            bad_setting(f"bf16={bf16!r} must be true or false")
         if params.get("partitions", params.get("pipeline_parallel_degree")) != params.get(
             "pipeline_parallel_degree", params.get("partitions")
         ):
@@ -81,7 +73,7 @@ class SmpConfig:
         if pipeline not in PIPELINES:
             bad_setting(f"pipeline={pipeline!r} must be one of {', '.join(PIPELINES)}")
         ignored = {k: v for k, v in params.items() if k in IGNORED_PARAMETERS}
-        return cls(tp, pp, microbatches, ddp, PIPELINES[pipeline], bool(params.get("bf16", False)), ignored)
+        return cls(tp, pp, microbatches, ddp, PIPELINES[pipeline], bf16, ignored)
 
     @classmethod
     def from_parallelism(cls, parallelism: Any, smp_parameters: dict[str, Any]) -> SmpConfig:

@@ -9,31 +9,16 @@ import sys
 import time
 from typing import NoReturn
 
+from hpkit.smp_params import SMP_PARAMETERS
+
+# The table (hpkit.smp_params) is the one source; these views are what smp.init reads.
 # parameter -> the torch-native way to get what it did
 UNSUPPORTED_PARAMETERS: dict[str, str] = {
-    "fp16": "drop fp16 (loss-scaled fp16) and use bf16: torch.autocast('cuda', dtype=torch.bfloat16) needs no loss scaling",
-    "fp16_params": "drop it and use bf16 through torch.autocast",
-    "shard_optimizer_state": "use FSDP2 (torch.distributed.fsdp.fully_shard), which shards optimizer state; hpkit train does with dp_shard",
-    "sharded_data_parallel_degree": "use FSDP2 (torch.distributed.fsdp.fully_shard) or hpkit train with parallelism.dp_shard",
-    "active_microbatches": "drop it: torch.distributed.pipelining's Schedule1F1B bounds the microbatches in flight itself",
-    "optimize": "drop it: the partition here balances parameter counts; choose speed or memory with the pipeline schedule",
-    "offload_activations": "use torch.autograd.graph.save_on_cpu() around the forward",
-    "activation_loading_horizon": "use torch.autograd.graph.save_on_cpu() around the forward",
-    "delayed_parameter_initialization": "build the model on the meta device and call to_empty() + init after parallelising",
-    "horovod": "drop it: data parallel here is torch.distributed (ddp: true)",
-    "auto_partition": "drop it: the model is always split automatically, balanced by parameter count",
-    "default_partition": "drop it: the model is always split automatically, balanced by parameter count",
-    "prescaled_batch": "drop it: tensor-parallel ranks here always read the same batch (prescaled_batch true)",
+    p.name: p.advice for p in SMP_PARAMETERS.values() if p.status == "refused"
 }
 # parameter -> why it changes nothing that matters here
 IGNORED_PARAMETERS: dict[str, str] = {
-    "placement_strategy": "the mesh is always (pp, dp, tp) with tp innermost, so tensor-parallel ranks are neighbours",
-    "contiguous": "stages are always contiguous runs of modules",
-    "memory_weight": "the partition balances parameter counts",
-    "ddp_port": "the process group uses the job's rendezvous",
-    "ddp_dist_backend": "the backend is nccl on CUDA and gloo on CPU",
-    "tensor_parallel_seed": "every rank builds the model from the same seed; shards are cut from that",
-    "skip_tracing": "the model is traced with torch.fx without running it",
+    p.name: p.advice for p in SMP_PARAMETERS.values() if p.status == "ignored"
 }
 
 
