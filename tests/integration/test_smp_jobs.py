@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -65,12 +66,17 @@ def _imported_spec(tmp_path: Path, env: dict[str, str], script: str, parameters:
     return spec
 
 
-def _losses(log: str) -> dict[int, list[float]]:
-    by_rank: dict[int, dict[int, float]] = {}
+def _losses(log: str) -> dict[int, dict[int, list[float]]]:
+    """dp rank -> step -> the losses its ranks printed (every rank of a replica prints its loss)."""
+    by_replica: dict[int, dict[int, list[float]]] = {}
     for m in re.finditer(r"smp-loss (\{[^{}]*\})", log):
         r = json.loads(m.group(1))
-        by_rank.setdefault(r["rank"], {})[r["step"]] = r["loss"]
-    return {rank: [steps[s] for s in sorted(steps)] for rank, steps in by_rank.items()}
+        by_replica.setdefault(r["dp_rank"], {}).setdefault(r["step"], []).append(r["loss"])
+    return by_replica
+
+
+def _layouts(log: str) -> dict[int, dict]:
+    return {(d := json.loads(m.group(1)))["rank"]: d for m in re.finditer(r"smp-layout (\{.*\})", log)}
 
 
 def _digest(log: str) -> dict[str, list[float]]:
@@ -79,8 +85,8 @@ def _digest(log: str) -> dict[str, list[float]]:
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory) -> dict[str, str]:
-    """Each script's output on one plain process (degrees 1), as the reference."""
+def one_process(tmp_path_factory) -> dict[tuple[str, int], str]:
+    """Each script's output on one plain process (degrees 1) reading what `replicas` replicas read together."""
     tmp = tmp_path_factory.mktemp("smp-one")
     env = {
         k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "HPKIT_SPEC", "SLURM_PROCID")
@@ -92,12 +98,16 @@ def one_process(tmp_path_factory) -> dict[str, str]:
         TMPDIR=str(tmp),
     )
     logs = {}
-    for script in ("tp_only.py", "tp_pp.py"):
+    for script, replicas in sorted({(script, replicas) for script, _, replicas in LAYOUTS}):
         done = subprocess.run(
-            [sys.executable, str(SCRIPTS / script)], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, str(SCRIPTS / script)],
+            env={**env, "SMP_SEED_REPLICAS": str(replicas)},
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert done.returncode == 0, done.stderr[-4000:]
-        logs[script] = done.stdout
+        logs[(script, replicas)] = done.stdout
     return logs
 
 
@@ -110,6 +120,7 @@ LAYOUTS = [
             "tensor_parallel_degree": 2,
             "ddp": True,
         },
+        2,
     ),
     (
         "tp_pp.py",
@@ -120,13 +131,16 @@ LAYOUTS = [
             "tensor_parallel_degree": 2,
             "ddp": True,
         },
+        1,
     ),
-    ("tp_pp.py", {"microbatches": 4, "pipeline_parallel_degree": 2, "ddp": True}),
+    ("tp_pp.py", {"microbatches": 4, "pipeline_parallel_degree": 2, "ddp": True}, 2),
 ]
 
 
-@pytest.mark.parametrize(("script", "parameters"), LAYOUTS, ids=["tp2xdp2", "tp2xpp2", "pp2xdp2"])
-def test_seed_000_layout_matches_one_process(slurm_cluster, tmp_path, one_process, script, parameters):
+@pytest.mark.parametrize(("script", "parameters", "replicas"), LAYOUTS, ids=["tp2xdp2", "tp2xpp2", "pp2xdp2"])
+def test_seed_000_layout_matches_one_process(
+    slurm_cluster, tmp_path, one_process, script, parameters, replicas
+):
     name = "smp-" + "-".join(
         f"{k[:2]}{v}" for k, v in parameters.items() if isinstance(v, int) and v is not True
     )
@@ -135,14 +149,60 @@ def test_seed_000_layout_matches_one_process(slurm_cluster, tmp_path, one_proces
     info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=400)
     log = output_of(info)
     assert info.state == JobState.COMPLETED, log
-    reference = _losses(one_process[script])[0]
-    assert len(reference) == STEPS
-    losses = _losses(log)
-    assert sorted(losses) == [0, 1, 2, 3], log
-    for rank, got in losses.items():
-        assert got == pytest.approx(reference, abs=1e-5), f"rank {rank}: {got} != {reference}"
+    tp = parameters.get("tensor_parallel_degree", 1)
+    pp = parameters.get("pipeline_parallel_degree", 1)
+    assert replicas == 4 // (tp * pp)
+    reference_log = one_process[(script, replicas)]
+
+    # The layout is the one asked for, seen on every rank.
+    (full,) = _layouts(reference_log).values()
+    layouts = _layouts(log)
+    assert sorted(layouts) == [0, 1, 2, 3], log
+    planned = {module for layout in layouts.values() for module in layout["tp_plan"]}
+    assert bool(planned) == (tp > 1), planned
+    for rank, layout in layouts.items():
+        if tp > 1:
+            for module in planned:
+                if f"{module}.weight" not in layout["shards"]:
+                    continue  # on another pipeline stage
+                assert module in layout["tp_plan"], f"rank {rank} holds {module} outside the plan"
+                shard, whole = layout["shards"][f"{module}.weight"], full["shards"][f"{module}.weight"]
+                # Colwise cuts the output dim, rowwise the input dim: one of them is halved, never neither.
+                assert sorted([shard[0] * tp == whole[0], shard[1] * tp == whole[1]]) == [False, True], (
+                    f"rank {rank}: {module}.weight is {shard} of {whole}"
+                )
+        else:
+            assert layout["tp_plan"] == {} and all(
+                layout["shards"][n] == full["shards"][n] for n in layout["shards"]
+            )
+    if pp > 1:
+        stages = {}
+        for layout in layouts.values():
+            stages.setdefault(layout["pp_rank"], set()).update(layout["shards"])
+        assert len(stages) == pp and all(stages.values())
+        assert set.union(*stages.values()) == set(full["shards"]), stages
+        assert sum(len(names) for names in stages.values()) == len(full["shards"]), "stages overlap"
+
+    # Every replica trained on its own data; their mean is the reference's loss, step by step.
+    (reference,) = _losses(reference_log).values()
+    reference = [statistics.fmean(reference[step]) for step in sorted(reference)]
+    assert len(reference) == STEPS and len(set(reference)) == STEPS, f"the losses must move: {reference}"
+    by_replica = _losses(log)
+    assert sorted(by_replica) == list(range(replicas)), log
+    means = []
+    for step in range(STEPS):
+        per_replica = []
+        for dp_rank, steps in by_replica.items():
+            assert len(steps[step]) == 4 // replicas, f"step {step}, replica {dp_rank}: {steps[step]}"
+            assert max(steps[step]) - min(steps[step]) < 1e-5, f"one replica, one loss: {steps[step]}"
+            per_replica.append(steps[step][0])
+        if replicas > 1:
+            assert max(per_replica) - min(per_replica) > 1e-3, f"step {step}: replicas read the same data"
+        means.append(statistics.fmean(per_replica))
+    assert means == pytest.approx(reference, abs=1e-5), f"{means} != {reference}"
+
     # The gathered state_dict (every stage, whole tensors) ends where the single process ends.
-    ref_digest, digest = _digest(one_process[script]), _digest(log)
+    ref_digest, digest = _digest(reference_log), _digest(log)
     assert sorted(digest) == sorted(ref_digest)
     for key, (total, norm) in digest.items():
         assert total == pytest.approx(ref_digest[key][0], rel=1e-5, abs=1e-4), key
