@@ -18,15 +18,25 @@ class InstanceSpec:
     efa_devices: int
     smddp: bool = False  # SageMaker's data-parallel library supports only these
     gpu_memory_gib: int = 0  # per GPU
+    vcpus: int = 0  # vCPUs of the whole instance (AWS's figure)
 
     @property
     def is_gpu(self) -> bool:
         return self.gpus > 0
 
 
+def _size_vcpus(name: str) -> int:
+    """vCPUs of a G5/G6/G6e size: 4 per "xlarge" (xlarge 4, 2xlarge 8, ..., 48xlarge 192), as AWS lists them."""
+    multiple = name.split(".")[1].removesuffix("xlarge")
+    return 4 * (int(multiple) if multiple else 1)
+
+
 def _sizes(gpu: str, memory: int, rows: dict[str, tuple[int, int]]) -> dict[str, InstanceSpec]:
     """One family's sizes: name -> (GPUs, EFA interfaces)."""
-    return {name: InstanceSpec(gpus, gpu, efa, gpu_memory_gib=memory) for name, (gpus, efa) in rows.items()}
+    return {
+        name: InstanceSpec(gpus, gpu, efa, gpu_memory_gib=memory, vcpus=_size_vcpus(name))
+        for name, (gpus, efa) in rows.items()
+    }
 
 
 # EC2 names; HyperPod and SageMaker spell the same types with an "ml." prefix (see normalise()).
@@ -34,19 +44,19 @@ INSTANCE_TYPES: dict[str, InstanceSpec] = {
     # P3: https://aws.amazon.com/ec2/instance-types/p3/ (8 × V100 16 GB, NVLink; EFA only on p3dn)
     # SMDDP: https://docs.aws.amazon.com/sagemaker/latest/dg/distributed-data-parallel-support.html and
     # .../model-parallel-core-features-v2-smddp-allgather.html ("The SMDDP library supports P4 and P4de").
-    "p3.16xlarge": InstanceSpec(8, "V100", 0, gpu_memory_gib=16),
+    "p3.16xlarge": InstanceSpec(8, "V100", 0, gpu_memory_gib=16, vcpus=64),
     # P4: https://aws.amazon.com/ec2/instance-types/p4/ (A100 40 GB / 80 GB, 400 Gbps EFA = 4 cards)
-    "p4d.24xlarge": InstanceSpec(8, "A100", 4, smddp=True, gpu_memory_gib=40),
-    "p4de.24xlarge": InstanceSpec(8, "A100", 4, smddp=True, gpu_memory_gib=80),
+    "p4d.24xlarge": InstanceSpec(8, "A100", 4, smddp=True, gpu_memory_gib=40, vcpus=96),
+    "p4de.24xlarge": InstanceSpec(8, "A100", 4, smddp=True, gpu_memory_gib=80, vcpus=96),
     # P5, P5e, P5en: https://aws.amazon.com/ec2/instance-types/p5/ and
     # https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa-acc-inst-types.html (P5/P5e: 32 network
     # cards, 3200 Gbps; P5en: 16 × 200 Gbps EFAv3)
-    "p5.48xlarge": InstanceSpec(8, "H100", 32, gpu_memory_gib=80),
-    "p5e.48xlarge": InstanceSpec(8, "H200", 32, gpu_memory_gib=141),
-    "p5en.48xlarge": InstanceSpec(8, "H200", 16, gpu_memory_gib=141),
+    "p5.48xlarge": InstanceSpec(8, "H100", 32, gpu_memory_gib=80, vcpus=192),
+    "p5e.48xlarge": InstanceSpec(8, "H200", 32, gpu_memory_gib=141, vcpus=192),
+    "p5en.48xlarge": InstanceSpec(8, "H200", 16, gpu_memory_gib=141, vcpus=192),
     # P6-B200: https://aws.amazon.com/ec2/instance-types/p6/ (8 × B200 179 GB, 8 × 400 Gbps EFAv4).
     # Not confirmed through the search tool's stored pages (nor P5en's 16 cards): re-check on AWS's page.
-    "p6-b200.48xlarge": InstanceSpec(8, "B200", 8, gpu_memory_gib=179),
+    "p6-b200.48xlarge": InstanceSpec(8, "B200", 8, gpu_memory_gib=179, vcpus=192),
     # G5 (A10G 24 GB), G6 (L4 24 GB), G6e (L40S 48 GB): https://aws.amazon.com/ec2/instance-types/g5/,
     # .../g6/, .../g6e/ and https://docs.aws.amazon.com/batch/latest/userguide/gpu-jobs.html (GPUs per size);
     # EFA from 8xlarge up (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/efa.html#efa-instance-types);
@@ -93,8 +103,9 @@ INSTANCE_TYPES: dict[str, InstanceSpec] = {
             "g6e.48xlarge": (8, 4),
         },
     ),
+    # vCPUs: P3 64, P4d/P4de 96, P5/P5e/P5en/P6-B200 192 (the same pages); C5.2xlarge 8.
     # CPU types the SageMaker examples use: https://aws.amazon.com/ec2/instance-types/c5/
-    "c5.2xlarge": InstanceSpec(0, "", 0),
+    "c5.2xlarge": InstanceSpec(0, "", 0, vcpus=8),
 }
 
 SMDDP_TYPES = tuple(f"ml.{name}" for name, spec in INSTANCE_TYPES.items() if spec.smddp)

@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath
 import jinja2
 
 from hpkit import __version__
+from hpkit.catalog import lookup
 from hpkit.rendezvous import port_shell_expression
 from hpkit.spec import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, JobSpec
 
@@ -54,13 +55,25 @@ def _quote_words(words: list[str]) -> str:
 class Directive:
     option: str
     value: str | None = None
+    why: str | None = None  # a comment line above the directive
 
     def line(self) -> str:
-        return f"#SBATCH --{self.option}" if self.value is None else f"#SBATCH --{self.option}={self.value}"
+        line = f"#SBATCH --{self.option}" if self.value is None else f"#SBATCH --{self.option}={self.value}"
+        return f"# {self.why}\n{line}" if self.why else line
+
+
+def whole_node_cpus(spec: JobSpec) -> int | None:
+    """vCPUs per rank when the job takes every GPU of its instance type (spec `whole_node`), else None."""
+    row = lookup(spec.instance_type)
+    if not spec.whole_node or row is None or not row.gpus or spec.gpus_per_node != row.gpus or not row.vcpus:
+        return None
+    return max(row.vcpus // spec.ranks_per_node, 1)
 
 
 def sbatch_directives(spec: JobSpec) -> list[Directive]:
     out = Path(spec.output_dir)
+    whole = whole_node_cpus(spec) if spec.cpus_per_task is None else None
+    cpus_per_rank = spec.cpus_per_task or whole
     directives = [
         Directive("job-name", spec.name),
         Directive("nodes", str(spec.nodes)),
@@ -69,9 +82,9 @@ def sbatch_directives(spec: JobSpec) -> list[Directive]:
         Directive("output", str(out / "%x-%j.out")),
     ]
     if spec.launcher == "torchrun":
-        directives.append(Directive("cpus-per-task", str((spec.cpus_per_task or 1) * spec.ranks_per_node)))
-    elif spec.cpus_per_task:
-        directives.append(Directive("cpus-per-task", str(spec.cpus_per_task)))
+        directives.append(Directive("cpus-per-task", str((cpus_per_rank or 1) * spec.ranks_per_node)))
+    elif cpus_per_rank:
+        directives.append(Directive("cpus-per-task", str(cpus_per_rank)))
     if spec.gpus_per_node:
         directives.append(Directive("gpus-per-node", str(spec.gpus_per_node)))
     for option, value in (
@@ -92,11 +105,23 @@ def sbatch_directives(spec: JobSpec) -> list[Directive]:
     ):
         if value is not None:
             directives.append(Directive(option, value))
-    if spec.exclusive:
+    if whole is not None:
+        directives.append(Directive("exclusive", why=_whole_node_note(spec, whole)))
+    elif spec.exclusive:
         directives.append(Directive("exclusive"))
     # The escape hatch last, as written: spec.py checked each is a known option and one token.
     directives += [Directive(*entry[2:].split("=", 1)) for entry in spec.sbatch_options]
     return directives
+
+
+def _whole_node_note(spec: JobSpec, cpus_per_rank: int) -> str:
+    """Why the job takes the whole node, for a comment above `--exclusive`."""
+    row = lookup(spec.instance_type)
+    assert row is not None
+    return (
+        f"whole node: the job uses all {row.gpus} GPUs of a {spec.instance_type}, so it takes the node and "
+        f"its {row.vcpus} vCPUs, {cpus_per_rank} per rank (whole_node: false to share it)"
+    )
 
 
 def task_exports(spec: JobSpec) -> list[str]:

@@ -164,6 +164,13 @@ class JobSpec(RunConfig):
     qos: str | None = None
     time_limit: str | None = Field(default=None, description="Slurm time: MM, HH:MM:SS, D-HH:MM ...")
     exclusive: bool = False
+    whole_node: bool = Field(
+        default=True,
+        description=(
+            "a job that asks for all of its instance_type's GPUs gets the whole node (--exclusive) and "
+            "shares the type's vCPUs among its ranks; false: only what cpus_per_task asks for"
+        ),
+    )
     # Slurm placement and notification options (sbatch's names with '_' for '-'); lists are joined with ','.
     exclude: str | None = Field(default=None, description="nodes to avoid: a host list, node[3,7]")
     nodelist: str | None = Field(default=None, description="nodes to run on: a host list")
