@@ -293,9 +293,19 @@ def launch_words(spec: JobSpec) -> list[str]:
     return wrapper
 
 
+def line_label_env(spec: JobSpec) -> list[tuple[str, str]]:
+    """torchrun's ranks share their node's output pipe: hpkit.run_script keeps their lines whole and labelled."""
+    if spec.launcher == "torchrun" and user_command(spec) != list(spec.command):
+        return [("HPKIT_LINE_LABEL", "1")]
+    return []
+
+
 def srun_options(spec: JobSpec) -> list[str]:
     """Options of the step's srun, before the container's."""
     options = ["--kill-on-bad-exit=1"]
+    if spec.launcher in ("srun", "mpi") and not {"--label", "-l"} & set(spec.srun_options):
+        # One task per rank: srun writes each task's lines whole, prefixed with its rank.
+        options.append("--label")
     if spec.launcher == "mpi":
         # Open MPI (and mpi4py on it) wires up through Slurm's PMIx server: no mpirun, no hostfile.
         options.append("--mpi=pmix")
@@ -387,7 +397,7 @@ def build_context(
         script_name=shell_quote(script_name),
         spec_path=shell_quote(spec_path) if spec_path else None,
         directives=[d.line() for d in (*sbatch_directives(spec), *resilience_directives(spec))],
-        env=[(key, shell_quote(value)) for key, value in sorted(spec.env.items())],
+        env=[(key, shell_quote(value)) for key, value in sorted(spec.env.items())] + line_label_env(spec),
         launcher=spec.launcher,
         srun_options=srun_options(spec),
         launch=" ".join(launch_words(spec)),

@@ -5,7 +5,9 @@ Jobs launch users' Python programs through this, so that a DDP script on gloo, u
 at exit ("terminate called without an active exception": see hpkit.exit_settle). The program sees what it
 would see run directly: `__name__ == "__main__"`, its own `__file__`, `sys.argv` starting with its path,
 its folder first on sys.path; its exit status, SystemExit and uncaught exceptions are its own.
-Standard library only besides exit_settle, so it costs nothing at start-up.
+With HPKIT_LINE_LABEL=1 (torchrun jobs, whose ranks share their node's output pipe) each line the rank
+writes reaches the log whole and prefixed with its rank, as `srun --label` does (hpkit.line_label).
+Standard library only besides those two, so it costs nothing at start-up.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import runpy
 import sys
 
-from hpkit import exit_settle
+from hpkit import exit_settle, line_label
 
 USAGE = "usage: python -m hpkit.run_script SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 
@@ -22,6 +24,9 @@ USAGE = "usage: python -m hpkit.run_script SCRIPT [ARGS...] | -m MODULE [ARGS...
 def main(argv: list[str]) -> None:
     if not argv or (argv[0] == "-m" and len(argv) < 2):
         sys.exit(f"hpkit.run_script: nothing to run\n{USAGE}")
+    if os.environ.get(line_label.ENV) == "1":
+        # Before anything else starts a thread: this forks the reader that labels the rank's lines.
+        line_label.route_std_streams(line_label.rank_label(os.environ))
     exit_settle.install()
     if argv[0] == "-m":
         # As `python -m MODULE`: the current directory first on sys.path (it already is: this module

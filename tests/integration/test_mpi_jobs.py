@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from test_slurm_jobs import output_of, submit
+from test_slurm_jobs import output_of, submit, unlabelled
 
 from hpkit.slurm import CliBackend, JobState, wait
 
@@ -25,7 +25,8 @@ def test_mpi4py_point_to_point_broadcast_gather_across_two_nodes(slurm_cluster, 
     log = output_of(info)
     assert info.state == JobState.COMPLETED, log
     records = {
-        r["rank"]: r for r in (json.loads(line[4:]) for line in log.splitlines() if line.startswith("mpi {"))
+        r["rank"]: r
+        for r in (json.loads(line[4:]) for line in unlabelled(log).splitlines() if line.startswith("mpi {"))
     }
     assert sorted(records) == [0, 1, 2, 3], log
     assert {r["size"] for r in records.values()} == {4}

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import yaml
-from test_slurm_jobs import output_of, submit
+from test_slurm_jobs import output_of, submit, unlabelled
 
 from hpkit.slurm import CliBackend, JobState, wait
 
@@ -17,7 +17,9 @@ pytestmark = pytest.mark.cluster
 
 def _records(log: str, prefix: str) -> list[dict]:
     return [
-        json.loads(line[len(prefix) + 1 :]) for line in log.splitlines() if line.startswith(prefix + " {")
+        json.loads(line[len(prefix) + 1 :])
+        for line in unlabelled(log).splitlines()
+        if line.startswith(prefix + " {")
     ]
 
 

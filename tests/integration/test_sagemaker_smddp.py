@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_slurm_jobs import hpkit, output_of, submit
+from test_slurm_jobs import hpkit, output_of, submit, unlabelled
 
 from hpkit.slurm import CliBackend, JobState, wait
 
@@ -107,7 +107,7 @@ def test_a_spec_that_insists_on_real_smddp_stops_every_rank(slurm_cluster, tmp_p
     spec["collectives"]["smddp_fallback"] = False
     info, log = run(spec, tmp_path, slurm_cluster, timeout_s=120)
     assert info.state == JobState.FAILED, log
-    lines = [line for line in log.splitlines() if line.startswith("smdistributed.dataparallel:")]
+    lines = [line for line in unlabelled(log).splitlines() if line.startswith("smdistributed.dataparallel:")]
     assert lines == [
         "smdistributed.dataparallel: collectives.smddp_fallback is false, so this job needs SageMaker's SMDDP "
         "library, but SMDDP is not installed here, and SMDDP supports only ml.p4d.24xlarge, ml.p4de.24xlarge, "

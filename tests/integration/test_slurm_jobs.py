@@ -40,6 +40,11 @@ def submit(spec: dict, workdir: Path, env: dict[str, str]) -> str:
     return match.group(1)
 
 
+def unlabelled(log: str) -> str:
+    """A job log without the rank labels (`3: `) that srun --label and hpkit.run_script put on each line."""
+    return re.sub(r"(?m)^ *\d+: ", "", log)
+
+
 def output_of(info, timeout: float = 10) -> str:
     # slurmd can flip the state a moment before the last bytes reach the file system.
     deadline = time.monotonic() + timeout
@@ -168,7 +173,7 @@ def test_hostile_strings_reach_the_program_literally(slurm_cluster, tmp_path):
     info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=120)
     log = output_of(info)
     assert info.state == JobState.COMPLETED, log
-    line = next(line for line in log.splitlines() if line.startswith("ARGS "))
+    line = next(line for line in unlabelled(log).splitlines() if line.startswith("ARGS "))
     assert json.loads(line[5:]) == [payloads, payloads[0] + payloads[2]]
     assert not canary.exists()
 

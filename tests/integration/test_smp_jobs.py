@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_slurm_jobs import hpkit, output_of, submit
+from test_slurm_jobs import hpkit, output_of, submit, unlabelled
 
 from hpkit.compat import SHIM_DIR
 from hpkit.slurm import CliBackend, JobState, wait
@@ -222,7 +222,7 @@ def test_bad_degree_stops_every_rank_with_one_line(slurm_cluster, tmp_path):
     info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=120)
     log = output_of(info)
     assert info.state == JobState.FAILED, log
-    lines = [line for line in log.splitlines() if line.startswith("smp: ")]
+    lines = [line for line in unlabelled(log).splitlines() if line.startswith("smp: ")]
     assert lines == [
         "smp: tensor_parallel_degree: tensor_parallel_degree=3 x pipeline_parallel_degree=1 = 3 does not "
         "divide the 4 processes; choose degrees whose product divides 4"
