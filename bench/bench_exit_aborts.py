@@ -68,18 +68,21 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=50, help="launches per side (default 50)")
     args = parser.parse_args()
     aborts = {"as written": 0, "hpkit.run_script": 0}
+    done_trials = {"as written": 0, "hpkit.run_script": 0}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         script = plain_ddp_script(folder)
         for i in range(args.trials):
             for name, wrapped in (("as written", False), ("hpkit.run_script", True))[:: 1 if i % 2 else -1]:
                 aborted, text = trial(script, wrapped, folder / "out")
+                done_trials[name] += 1
                 if aborted:
                     aborts[name] += 1
                     last = [line for line in text.splitlines() if line.strip()][-1:]
                     print(f"trial {i + 1} {name}: aborted: {last}", flush=True)
+            print(f"round {i + 1}/{args.trials}: aborts {aborts}", flush=True)
     for name, count in aborts.items():
-        print(f"{name:>17}: {count} of {args.trials} launches aborted at exit")
+        print(f"{name:>17}: {count} of {done_trials[name]} launches aborted at exit")
     return 0
 
 
