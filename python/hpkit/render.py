@@ -300,10 +300,10 @@ def line_label_env(spec: JobSpec) -> list[tuple[str, str]]:
     return []
 
 
-def srun_options(spec: JobSpec) -> list[str]:
-    """Options of the step's srun, before the container's."""
+def srun_options(spec: JobSpec, label: bool = True) -> list[str]:
+    """Options of the step's srun, before the container's. `label`: prefix each task's lines with its rank."""
     options = ["--kill-on-bad-exit=1"]
-    if spec.launcher in ("srun", "mpi") and not {"--label", "-l"} & set(spec.srun_options):
+    if label and spec.launcher in ("srun", "mpi") and not {"--label", "-l"} & set(spec.srun_options):
         # One task per rank: srun writes each task's lines whole, prefixed with its rank.
         options.append("--label")
     if spec.launcher == "mpi":

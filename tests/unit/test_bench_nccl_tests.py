@@ -47,6 +47,13 @@ def test_all_reduce_two_nodes():
     assert all(r.source == "nccl-tests" and r.backend == "nccl" for r in run.rows)
 
 
+def test_srun_labelled_output_parses_the_same():
+    """A log from srun --label (or the user's own -l): every line starts `RANK: `."""
+    text = read("all_reduce_perf-2x8-h100.txt")
+    labelled = "\n".join(f"{i % 16:>2}: {line}" for i, line in enumerate(text.splitlines()))
+    assert labelled != text and parse(labelled) == parse(text)
+
+
 def test_printed_bandwidths_follow_the_formulas():
     """Our formulas reproduce nccl-tests' own columns (up to its 2-decimal rounding)."""
     rows = rows_of(parse(read("all_reduce_perf-2x8-h100.txt")) + parse(read("collectives-job-2x8-h100.txt")))

@@ -256,7 +256,12 @@ def run_rendered(spec: JobSpec, data: dict, run_dir: Path, stand_ins: Path, tall
     srun_options = record.with_suffix(".srun").read_bytes().split(b"\0")[:-1]
     options = [o.decode() for o in srun_options]
     # The spec's own srun options reach srun literally, in order, right after hpkit's.
-    own = options[options.index("--kill-on-bad-exit=1") + (2 if spec.launcher == "mpi" else 1) :]
+    # hpkit's: --kill-on-bad-exit=1, then --label for one task per rank (unless the spec labels already),
+    # then --mpi=pmix for mpi.
+    labelled = spec.launcher in ("srun", "mpi") and not {"--label", "-l"} & set(spec.srun_options)
+    ours = 1 + labelled + (spec.launcher == "mpi")
+    assert options[0] == "--kill-on-bad-exit=1" and ("--label" in options[:ours]) == labelled, options
+    own = options[ours:]
     assert own[: len(spec.srun_options)] == spec.srun_options, options
     # and its sbatch options are directives as written (bash sees comments; sbatch reads them).
     directives = [line for line in script.splitlines() if line.startswith("#SBATCH ")]

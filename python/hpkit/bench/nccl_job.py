@@ -110,7 +110,8 @@ def build_context(spec: JobSpec, args: NcclTestsArgs, script_name: str) -> NcclT
         tests=" ".join(shell_quote(t) for t in args.tests),
         args=" ".join(shell_quote(w) for w in args.words()),
         # The same srun options and container as a training job's: render.py decides both.
-        srun_options=srun_options(spec),
+        # No --label: only rank 0 prints, each line whole, and `hpkit bench nccl --parse` reads it as is.
+        srun_options=srun_options(spec, label=False),
         task_wrapper="".join(
             f"{word} " for word in task_wrapper(list(filter(None, [startup_check_step(container)])))
         ),

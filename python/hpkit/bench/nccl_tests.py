@@ -29,6 +29,7 @@ _BINARY_OPS = {
     "scatter": "scatter",
     "hypercube": "hypercube",
 }
+_SRUN_LABEL = re.compile(r"^\s*\d+: ")
 _START = re.compile(r"^#\s*Collective test starting:\s*(\S+)")
 _RANK = re.compile(r"^#\s+Rank\s+(\d+)\s")
 _AVG = re.compile(r"^#\s*Avg bus bandwidth\s*:\s*([0-9.eE+-]+)")
@@ -117,7 +118,8 @@ def parse(text: str, op: str | None = None, source: str = "input") -> list[NcclT
     columns: _Columns | None = None
     max_rank = -1
     for raw in text.splitlines():
-        line = raw.rstrip()
+        # srun --label (or -l in the user's own srun) puts `RANK: ` before each line.
+        line = _SRUN_LABEL.sub("", raw.rstrip(), count=1)
         start = _START.match(line)
         if start:
             current, columns, max_rank = NcclTestsRun(op_from_binary(start.group(1)), 0), None, -1
