@@ -1,6 +1,6 @@
 """Render and submit preparation of a 2,048-node spec next to a 2-node one: the cost must not grow with nodes.
 
-Each side runs what `hpkit submit` does before sbatch (commands.jobs.prepare_submission: read and check
+Each side runs what `hpkit submit` does before sbatch (hpkit.jobs.submission.prepare: read and check
 the spec, write its snapshot and the rendered script), in one process, alternating in batches so that
 both see the same machine load; the ratio of the medians is printed. The script reads the node list
 at run time (scontrol in the batch shell), so nothing in it is per node.
@@ -21,7 +21,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from hpkit.commands.jobs import prepare_submission  # this checkout's hpkit
+from hpkit.jobs.submission import prepare  # this checkout's hpkit
 
 LIMIT = 1.1
 
@@ -59,14 +59,14 @@ def main() -> int:
             path = root / f"scale-{nodes}.yaml"
             path.write_text(yaml.safe_dump(spec(nodes, root / f"out-{nodes}")))
             files[nodes] = path
-        scripts = {n: prepare_submission(f)[1].read_text() for n, f in files.items()}  # warm-up
+        scripts = {n: prepare(f).script.read_text() for n, f in files.items()}  # warm-up
         assert "--nodes=2048" in scripts[2048] and "--nnodes=2048" in scripts[2048]
         times: dict[int, list[float]] = {2: [], 2048: []}
         for _ in range(args.batches):
             for nodes, path in files.items():  # interleaved: both sides see the same load
                 start = time.perf_counter()
                 for _ in range(args.per_batch):
-                    prepare_submission(path)
+                    prepare(path)
                 times[nodes].append((time.perf_counter() - start) / args.per_batch)
     small, large = statistics.median(times[2]), statistics.median(times[2048])
     ratio = large / small

@@ -189,6 +189,15 @@ def parse_scontrol_record(line: str) -> dict[str, str]:
     return fields
 
 
+def job_record(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str] | None:
+    """The controller's record of a job (`scontrol show job -o`), or None once it has forgotten the job."""
+    proc = _run(["scontrol", "show", "job", "-o", job_id], env=env, check=False)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        return None
+    return parse_scontrol_record(lines[0])
+
+
 class CliBackend:
     """The Slurm command-line tools, with their JSON output where this Slurm has it."""
 

@@ -19,7 +19,7 @@ import pytest
 from test_resilience import TINY_MODEL
 from test_slurm_jobs import hpkit, submit
 
-from hpkit.commands.watch import JobWatcher
+from hpkit.jobs.watch import JobWatcher
 from hpkit.slurm import CliBackend, JobState, wait
 
 pytestmark = [pytest.mark.cluster, pytest.mark.dist]

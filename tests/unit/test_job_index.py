@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpkit.job_index import JobNote, index_dir, recall, remember
+from hpkit.jobs.index import JobNote, index_dir, recall, remember
 
 
 @pytest.fixture

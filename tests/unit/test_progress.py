@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpkit.errors import HpkitError
-from hpkit.job_files import files_for, spec_of_script
+from hpkit.jobs.files import files_for, spec_of_script
 from hpkit.metrics_file import MetricsReader, read_metrics
 from hpkit.progress import progress
 from hpkit.render import render

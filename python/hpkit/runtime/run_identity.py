@@ -1,5 +1,5 @@
 """Who a training run is and where its files go: one answer for `hpkit train` inside the job and for
-`hpkit status|plot|watch` outside it (hpkit.job_files), so the two cannot drift apart.
+`hpkit status|plot|watch` outside it (hpkit.jobs.files), so the two cannot drift apart.
 
 The job id is Slurm's (a requeued job keeps it, and so resumes its own checkpoints), else torchrun's
 rendezvous id (`--standalone` draws a fresh one per launch). Plain `torchrun` without `--rdzv-id` sets

@@ -8,7 +8,7 @@ Paths with spaces survive: `scontrol show job -o` values are split on the next `
 script's export is one shell word, read back with shlex.
 
 The controller forgets a job MinJobAge seconds after it ends; after that the note `hpkit submit` left
-(hpkit.job_index) says where the script and working directory were.
+(hpkit.jobs.index) says where the script and working directory were.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpkit.errors import HpkitError
-from hpkit.job_index import recall
+from hpkit.jobs.index import recall
 from hpkit.runtime.run_identity import RunIdentity, run_paths
-from hpkit.slurm import _run, parse_scontrol_record
+from hpkit.slurm import job_record
 
 SPEC_EXPORT = "export HPKIT_SPEC="
 
@@ -44,11 +44,9 @@ class ControllerRecord:
 
 
 def controller_record(job_id: str, env: Mapping[str, str] | None = None) -> ControllerRecord | None:
-    proc = _run(["scontrol", "show", "job", "-o", job_id], env=env, check=False)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
+    fields = job_record(job_id, env)
+    if fields is None:
         return None
-    fields = parse_scontrol_record(lines[0])
     restarts = fields.get("Restarts", "0")
     command = fields.get("Command", "")
     workdir = fields.get("WorkDir", "")

@@ -1,16 +1,20 @@
-"""`hpkit status JOB` and `hpkit wait JOB --follow` for training jobs: Slurm's state plus the run's progress."""
+"""Watch jobs from Python: Slurm's state plus, for a training job, the run's progress; a job's log as it grows.
+
+`hpkit status`, `hpkit wait [--follow]` and `hpkit logs -f` are these plus argument parsing.
+"""
 
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import asdict
 from typing import Any, TextIO
 
 from hpkit.errors import SlurmError
-from hpkit.job_files import JobFiles, locate
+from hpkit.jobs.files import JobFiles, locate
 from hpkit.metrics_file import MetricsReader
 from hpkit.progress import Progress, progress
-from hpkit.slurm import OUTAGE_LIMIT_S, Backend, JobInfo, wait
+from hpkit.slurm import OUTAGE_LIMIT_S, Backend, JobInfo, JobState, print_progress, wait, wait_all
 
 
 class JobWatcher:
@@ -126,3 +130,70 @@ class _StatusLine:
         if self.tty and self.shown is not None:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class LogFollower:
+    """Prints what a job's output file gained since the last call."""
+
+    def __init__(self, stream: TextIO = sys.stdout) -> None:
+        self.stream = stream
+        self.offset = 0
+        self.last: JobInfo | None = None
+
+    def remember(self, info: JobInfo) -> None:
+        self.last = info
+        self.pump(info)
+
+    def pump_last(self) -> None:
+        """Between polls: the file grows without asking Slurm anything."""
+        if self.last is not None:
+            self.pump(self.last)
+
+    def pump(self, info: JobInfo) -> None:
+        if not info.stdout:
+            return
+        try:
+            with open(info.stdout, "rb") as fh:
+                fh.seek(self.offset)
+                chunk = fh.read()
+        except FileNotFoundError:
+            return
+        if chunk:
+            self.offset += len(chunk)
+            self.stream.write(chunk.decode("utf-8", errors="replace"))
+            self.stream.flush()
+
+
+def wait_for(
+    backend: Backend,
+    job_ids: list[str],
+    *,
+    poll_s: float = 1.0,
+    timeout_s: float | None = None,
+    outage_limit_s: float = OUTAGE_LIMIT_S,
+    show_log: bool = False,
+) -> dict[str, JobInfo]:
+    """Wait for every job to end, printing state changes; `show_log` streams a single job's output too."""
+    # Output of one job at a time: following several would interleave their logs.
+    follower = LogFollower() if show_log and len(job_ids) == 1 else None
+    infos = wait_all(
+        backend,
+        job_ids,
+        poll_s=poll_s,
+        timeout_s=timeout_s,
+        on_change=print_progress,
+        on_poll=follower.remember if follower else None,
+        on_tick=follower.pump_last if follower else None,
+        outage_limit_s=outage_limit_s,
+    )
+    if follower:
+        # The last lines can land just after the state flips.
+        time.sleep(0.3)
+        follower.pump(infos[job_ids[0]])
+    return infos
+
+
+def exit_status(infos: dict[str, JobInfo]) -> int:
+    """0 when every job completed, else the first failed job's exit code (1 when it has none)."""
+    failed = [i for i in infos.values() if i.state != JobState.COMPLETED]
+    return failed[0].exit_code or 1 if failed else 0

@@ -1,0 +1,106 @@
+"""Submit a job spec from Python: check it, write its snapshot and script, hand them to sbatch.
+
+`hpkit submit` is this plus printing; a user's own Python (a sweep, a notebook) calls `submit` the same way.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from hpkit.errors import HpkitError
+from hpkit.jobs.index import JobNote, remember
+from hpkit.render import render
+from hpkit.slurm import Backend, get_backend
+from hpkit.spec import JobSpec
+from hpkit.validation import load_document
+
+
+@dataclass(frozen=True)
+class Submission:
+    """What `prepare` wrote: the validated spec, its snapshot, the sbatch script and the job's log folder."""
+
+    spec: JobSpec
+    spec_copy: Path
+    script: Path
+    out_dir: Path
+
+    def log_file(self, job_id: str) -> Path:
+        return self.out_dir / f"{self.spec.name}-{job_id}.out"
+
+
+@dataclass(frozen=True)
+class SubmittedJob:
+    job_id: str
+    submission: Submission
+    # Why the job could not be noted for `hpkit status` once Slurm forgets it; None when it was.
+    note_problem: str | None = None
+
+
+def write_new(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write through a temporary file and rename, so a reader never sees half a script."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text, encoding="utf-8")
+        tmp.chmod(mode)
+        tmp.replace(path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        reason = exc.strerror or str(exc)
+        raise HpkitError(
+            f"cannot write {path}: {reason}: choose a writable place (-o, or output_dir in the spec)"
+        ) from None
+
+
+def job_workdir(spec: JobSpec) -> Path:
+    """Where the job will run (sbatch's --chdir, else the directory it is submitted from)."""
+    return (Path(spec.workdir) if spec.workdir else Path.cwd()).resolve()
+
+
+def prepare(spec_file: str | Path) -> Submission:
+    """Everything `hpkit submit` does before sbatch: check the spec, write its snapshot and the script.
+
+    Nothing here depends on the node count (bench/bench_render_scale.py compares 2,048 nodes with 2).
+    """
+    import yaml
+
+    spec = load_document(JobSpec, spec_file)
+    out_dir = (job_workdir(spec) / spec.output_dir).resolve()
+    # A snapshot of the spec travels with the job: editing the YAML after submitting must not
+    # change a job that is still pending.
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    spec_copy = out_dir / f"{spec.name}-{stamp}.yaml"
+    script = out_dir / f"{spec.name}-{stamp}.sbatch"
+    write_new(spec_copy, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    write_new(script, render(spec, script_name=str(script), spec_path=str(spec_copy)), mode=0o755)
+    return Submission(spec, spec_copy, script, out_dir)
+
+
+def give_job_path(submission: Submission) -> None:
+    """sbatch exports this process's environment to the job: give it the launcher of the environment that
+    submits it, and refuse here (HpkitError) rather than fail on every node. Container jobs and specs that
+    set env.PATH are left as they are."""
+    spec = submission.spec
+    if spec.container is not None or "PATH" in spec.env:
+        return
+    from hpkit.jobs.path import check_programs, job_path, required_programs
+
+    os.environ["PATH"] = job_path(os.environ)
+    check_programs(required_programs(spec.launcher, spec.command), os.environ["PATH"], job_workdir(spec))
+
+
+def submit(submission: Submission, backend: Backend | str = "auto") -> SubmittedJob:
+    """sbatch the prepared script; note where its files are for `hpkit status` after Slurm forgets it."""
+    give_job_path(submission)
+    backend = get_backend(backend) if isinstance(backend, str) else backend
+    job_id = backend.submit(submission.script)
+    problem = remember(
+        JobNote(job_id, submission.spec.name, str(submission.script), str(job_workdir(submission.spec)))
+    )
+    return SubmittedJob(job_id, submission, problem)
