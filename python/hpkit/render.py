@@ -1,4 +1,4 @@
-"""Job spec → sbatch script.
+"""Job spec → sbatch script, for every job kind (training, nccl-tests, the all-nodes check).
 
 All decisions (which directives, which launcher arguments, which mounts) are made here in Python;
 the template only lays them out. Every value that reaches the shell passes through `shell_quote`,
@@ -20,7 +20,8 @@ import jinja2
 from hpkit import __version__
 from hpkit.catalog import lookup
 from hpkit.rendezvous import port_shell_expression
-from hpkit.spec import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, JobSpec
+from hpkit.slurm_job import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, SlurmJob
+from hpkit.spec import JobSpec
 
 
 def _template_dir() -> Path:
@@ -62,7 +63,7 @@ class Directive:
         return f"# {self.why}\n{line}" if self.why else line
 
 
-def whole_node_cpus(spec: JobSpec) -> int | None:
+def whole_node_cpus(spec: SlurmJob) -> int | None:
     """vCPUs per rank when the job takes every GPU of its instance type (spec `whole_node`), else None."""
     row = lookup(spec.instance_type)
     if not spec.whole_node or row is None or not row.gpus or spec.gpus_per_node != row.gpus or not row.vcpus:
@@ -70,7 +71,7 @@ def whole_node_cpus(spec: JobSpec) -> int | None:
     return max(row.vcpus // spec.ranks_per_node, 1)
 
 
-def sbatch_directives(spec: JobSpec) -> list[Directive]:
+def sbatch_directives(spec: SlurmJob) -> list[Directive]:
     out = Path(spec.output_dir)
     whole = whole_node_cpus(spec) if spec.cpus_per_task is None else None
     cpus_per_rank = spec.cpus_per_task or whole
@@ -114,7 +115,7 @@ def sbatch_directives(spec: JobSpec) -> list[Directive]:
     return directives
 
 
-def _whole_node_note(spec: JobSpec, cpus_per_rank: int) -> str:
+def _whole_node_note(spec: SlurmJob, cpus_per_rank: int) -> str:
     """Why the job takes the whole node, for a comment above `--exclusive`."""
     row = lookup(spec.instance_type)
     assert row is not None
@@ -124,7 +125,7 @@ def _whole_node_note(spec: JobSpec, cpus_per_rank: int) -> str:
     )
 
 
-def task_exports(spec: JobSpec) -> list[str]:
+def task_exports(spec: SlurmJob) -> list[str]:
     """Variables each task sets from its own Slurm variables (they differ per task, so not in the batch shell)."""
     exports = []
     if spec.launcher in ("srun", "mpi"):
@@ -155,7 +156,7 @@ def resilience_directives(spec: JobSpec) -> list[Directive]:
 LOST_NODE_STATES = r"^(down|fail)|[*]$"
 
 
-def runs_file(spec: JobSpec) -> str:
+def runs_file(spec: SlurmJob) -> str:
     """A shell word: where each run of the job records its nodes and whether hpkit requeued it.
 
     Next to the job's log, which a requeued run appends to, so any batch host of a later run reads it.
@@ -193,7 +194,7 @@ def node_failure_outcomes(spec: JobSpec) -> tuple[str, str]:
 _PYTHON = re.compile(r"^python[0-9.]*$")
 
 
-def compat_python(spec: JobSpec) -> str:
+def compat_python(spec: SlurmJob) -> str:
     """The interpreter that tells a task where hpkit's shim folder is.
 
     Asked in the task, not at render time: in a pyxis container hpkit may live at another path than on
@@ -204,7 +205,7 @@ def compat_python(spec: JobSpec) -> str:
     return program if _PYTHON.match(PurePosixPath(program).name) else "python3"
 
 
-def compat_step(spec: JobSpec) -> str | None:
+def compat_step(spec: SlurmJob) -> str | None:
     """Shell that puts the shim first on the task's PYTHONPATH (spec `compat`), or None."""
     if not spec.compat:
         return None
@@ -223,7 +224,7 @@ def compat_step(spec: JobSpec) -> str | None:
 _PYTHON_OPTIONS_WITH_VALUE = frozenset({"-W", "-X", "-Q"})
 
 
-def user_command(spec: JobSpec) -> list[str]:
+def user_command(spec: SlurmJob) -> list[str]:
     """The spec's command as each rank runs it: a Python program goes through `hpkit.run_script`.
 
     The wrapper installs the exit hook that keeps an unchanged DDP script on gloo from aborting at exit
@@ -266,7 +267,7 @@ def task_wrapper(steps: list[str]) -> list[str]:
     return ["bash", "-c", shell_quote("; ".join([*steps, 'exec "$@"'])), "hpkit-task"] if steps else []
 
 
-def launch_words(spec: JobSpec) -> list[str]:
+def launch_words(spec: SlurmJob) -> list[str]:
     """The program each srun task runs, before the user's command (already shell-quoted words)."""
     steps = []
     if exports := task_exports(spec):
@@ -293,14 +294,14 @@ def launch_words(spec: JobSpec) -> list[str]:
     return wrapper
 
 
-def line_label_env(spec: JobSpec) -> list[tuple[str, str]]:
+def line_label_env(spec: SlurmJob) -> list[tuple[str, str]]:
     """torchrun's ranks share their node's output pipe: hpkit.run_script keeps their lines whole and labelled."""
     if spec.launcher == "torchrun" and user_command(spec) != list(spec.command):
         return [("HPKIT_LINE_LABEL", "1")]
     return []
 
 
-def srun_options(spec: JobSpec, label: bool = True) -> list[str]:
+def srun_options(spec: SlurmJob, label: bool = True) -> list[str]:
     """Options of the step's srun, before the container's. `label`: prefix each task's lines with its rank."""
     options = ["--kill-on-bad-exit=1"]
     if label and spec.launcher in ("srun", "mpi") and not {"--label", "-l"} & set(spec.srun_options):
@@ -319,7 +320,7 @@ def _job_path(path: str) -> str:
     return shell_quote(path) if PurePosixPath(path).is_absolute() else f'"$PWD"/{shell_quote(path)}'
 
 
-def sagemaker_exports(spec: JobSpec) -> list[tuple[str, str]]:
+def sagemaker_exports(spec: SlurmJob) -> list[tuple[str, str]]:
     """SM_* variables that are the same for every task (name, shell word)."""
     sm = spec.sagemaker_env
     if sm is None:
@@ -342,7 +343,7 @@ def container_mounts(container: ContainerSpec) -> list[str]:
     return mounts
 
 
-def threads_expression(spec: JobSpec) -> str:
+def threads_expression(spec: SlurmJob) -> str:
     """Shell arithmetic for OMP_NUM_THREADS: the node's CPUs shared among its ranks.
 
     srun does not set it, and torchrun's default of 1 starves CPU-side work.

@@ -170,3 +170,24 @@ def test_example_job_specs_are_valid(repo):
     assert specs, "slurm/jobs holds the example specs users copy"
     for path in specs:
         load_document(JobSpec, path)
+
+
+def test_a_job_spec_is_a_slurm_job_plus_the_training_blocks():
+    """Every job kind shares SlurmJob's fields and checks; only training jobs carry RunConfig's blocks."""
+    from hpkit.runtime.config import RunConfig
+    from hpkit.slurm_job import SlurmJob
+
+    assert set(JobSpec.model_fields) == set(SlurmJob.model_fields) | set(RunConfig.model_fields)
+    # Resources without a training block: what nccl-tests and the all-nodes check submit.
+    job = parse_document(SlurmJob, {"name": "probe", "nodes": 2, "launcher": "srun", "command": ["hostname"]})
+    assert job.world_size == 2
+    with pytest.raises(SpecError) as refused:
+        parse_document(SlurmJob, {"name": "probe", "parallelism": {"tp": 2}})
+    assert "parallelism" in str(refused.value)
+    # The same Slurm check refuses in both.
+    for model in (SlurmJob, JobSpec):
+        with pytest.raises(SpecError, match="time_limit"):
+            parse_document(model, {"name": "x", "time_limit": "ten"})
+    # A check that needs both halves: the parallel degrees must divide the job's world size.
+    with pytest.raises(SpecError, match="parallelism"):
+        parse_document(JobSpec, {"name": "x", "nodes": 2, "parallelism": {"tp": 3}})

@@ -1,6 +1,6 @@
 """Render the nccl-tests sbatch script (slurm/templates/nccl-tests.sbatch.j2).
 
-Resources, placement, container, srun options and environment are a JobSpec, so they are validated
+Resources, placement, container, srun options and environment are a SlurmJob, so they are validated
 exactly as a training job's are and reach the script through render.py's directives, srun options,
 container block (slurm/templates/_container.sbatch.j2, shared with the training template), start-up
 check and quoting; only the nccl-tests arguments are decided here.
@@ -22,7 +22,7 @@ from hpkit.render import (
     template_environment,
 )
 from hpkit.sizes import human
-from hpkit.spec import HYPERPOD_LOG_DIR, JobSpec
+from hpkit.slurm_job import HYPERPOD_LOG_DIR, SlurmJob
 
 TESTS = (
     "all_reduce_perf",
@@ -96,7 +96,7 @@ class NcclTestsContext:
     ranks_per_node: int
 
 
-def build_context(spec: JobSpec, args: NcclTestsArgs, script_name: str) -> NcclTestsContext:
+def build_context(spec: SlurmJob, args: NcclTestsArgs, script_name: str) -> NcclTestsContext:
     if spec.launcher != "srun":
         # nccl-tests ranks are MPI processes: one Slurm task per GPU, which is the srun launcher's layout.
         raise SpecError("launcher: nccl-tests runs one MPI rank per task: use launcher: srun")
@@ -126,6 +126,6 @@ def build_context(spec: JobSpec, args: NcclTestsArgs, script_name: str) -> NcclT
     )
 
 
-def render_nccl_tests(spec: JobSpec, args: NcclTestsArgs, script_name: str = "nccl-tests.sbatch") -> str:
+def render_nccl_tests(spec: SlurmJob, args: NcclTestsArgs, script_name: str = "nccl-tests.sbatch") -> str:
     context = build_context(spec, args, script_name)
     return template_environment().get_template("nccl-tests.sbatch.j2").render(ctx=context)

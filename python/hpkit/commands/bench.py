@@ -129,7 +129,7 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 def _render(argv: list[str], prog: str) -> int:
     from hpkit.bench.nccl_job import DEFAULT_TESTS, NcclTestsArgs, render_nccl_tests
-    from hpkit.spec import JobSpec
+    from hpkit.slurm_job import SlurmJob
     from hpkit.validation import parse_document
 
     parser = argparse.ArgumentParser(prog=prog, description="Render an sbatch script that runs nccl-tests.")
@@ -165,16 +165,15 @@ def _render(argv: list[str], prog: str) -> int:
         "exclusive": not args.no_exclusive,
         "output_dir": args.output_dir,
         "env": dict(args.env),
+        # What each task runs first; the template loops over --tests.
         "command": ["all_reduce_perf"],
-        "parallelism": {"dp_shard": -1},
-        "resilience": {"max_restarts": 0},  # a benchmark is rerun by hand, not requeued
     }
     for key, value in (("partition", args.partition), ("account", args.account)):
         if value:
             data[key] = value
     if args.container_image:
         data["container"] = {"image": args.container_image, "mounts": args.mount}
-    spec = parse_document(JobSpec, data, source="options")
+    spec = parse_document(SlurmJob, data, source="options")
     tests = tuple(t.strip() for t in args.tests.split(",") if t.strip())
     nccl_args = NcclTestsArgs(
         tests, args.min_bytes, args.max_bytes, args.factor, args.iters, args.warmup, bin_dir=args.bin_dir

@@ -10,24 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shlex
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpkit import slurm_options
 from hpkit.checks import fleet
 from hpkit.checks.hostlist import compress, natural_key
 from hpkit.checks.probe import run_cmd
-from hpkit.errors import HpkitError, SlurmError
+from hpkit.errors import HpkitError, SlurmError, SpecError
+from hpkit.slurm_job import SlurmJob
 
 # Node states in which a node can run the check job (sinfo's short forms, without the *~#... suffix).
 _USABLE = {"idle", "mix", "alloc", "comp", "resv", "plnd", "mixed", "allocated", "completing", "planned"}
-# What may stand in a #SBATCH line, where no shell quoting applies.
-_TOKEN = re.compile(r"^[A-Za-z0-9_.,:\[\]-]+$")
-_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")
 SLURM_TIMEOUT_S = 30.0
 
 
@@ -65,14 +61,6 @@ def _slurm(*args: str) -> str:
     return ran.out
 
 
-def _token(option: str, value: str) -> str:
-    if not _TOKEN.match(value):
-        raise HpkitError(
-            f"{option} {value!r}: use a plain Slurm name or host list (letters, digits, . _ - , [ ])"
-        )
-    return value
-
-
 def node_count(req: Request) -> tuple[int, dict[str, str]]:
     """How many nodes the job asks for (--nodes, the --nodelist's length, else every node that is up),
     and the nodes left out because Slurm has them down, drained or failed (name -> state)."""
@@ -90,51 +78,57 @@ def node_count(req: Request) -> tuple[int, dict[str, str]]:
     return len(usable), {name: left_out[name] for name in sorted(left_out, key=natural_key)}
 
 
+# The job's fields and the flags they come from, for error messages.
+_FLAGS = {
+    "partition": "--partition",
+    "nodelist": "--nodelist",
+    "time_limit": "--time-limit",
+    "output_dir": "--output-dir",
+}
+
+
+def slurm_job(req: Request, nodes: int = 1) -> SlurmJob:
+    """The check job as a SlurmJob: validated as every job's fields are, errors naming the flags."""
+    from hpkit.validation import parse_document
+
+    data = {
+        "name": "hpkit-check-nodes",
+        "nodes": nodes,
+        "tasks_per_node": 1,
+        "launcher": "srun",
+        "time_limit": req.time_limit,
+        "output_dir": str(req.output_dir),
+        "command": [req.python, "-m", "hpkit", "check"],
+        **{key: value for key in ("partition", "nodelist") if (value := getattr(req, key)) is not None},
+    }
+    try:
+        return parse_document(SlurmJob, data, source="options")
+    except SpecError as exc:
+        lines = []
+        for line in str(exc).splitlines():
+            field, _, why = line.removeprefix("options: ").partition(": ")
+            flag, value = _FLAGS.get(field), repr(data.get(field))
+            if flag is None:
+                lines.append(line)
+            else:  # "--time-limit 'ten' is not a Slurm time: ...", the value said once
+                lines.append(f"{flag} {why}" if why.startswith(value) else f"{flag} {value}: {why}")
+        raise HpkitError("\n".join(lines)) from None
+
+
 def validate(req: Request) -> None:
-    """Refuse, before asking Slurm anything, what cannot go into an #SBATCH line (nothing is quoted there)."""
-    if not _PATH.match(str(req.output_dir)):
-        raise HpkitError(
-            f"--output-dir {str(req.output_dir)!r}: use a path of letters, digits and / . _ - + only "
-            "(it goes into an #SBATCH line, where nothing can be quoted)"
-        )
-    if not slurm_options.is_slurm_time(req.time_limit):
-        raise HpkitError(
-            f"--time-limit {req.time_limit!r} is not a Slurm time: {slurm_options.SLURM_TIME_FORMS}"
-        )
-    for option, value in (
-        ("--time-limit", req.time_limit),
-        ("--partition", req.partition),
-        ("--nodelist", req.nodelist),
-    ):
-        if value is not None:
-            _token(option, value)
+    """Refuse, before asking Slurm anything, what the job's #SBATCH lines cannot carry."""
+    slurm_job(req)
 
 
 def render_script(req: Request, nodes: int) -> str:
-    validate(req)
+    """The check job's script: render.py's directives, then one srun step per check, each task into its own file."""
+    from hpkit.render import sbatch_directives, template_environment
+
+    job = slurm_job(req, nodes)
     out = req.output_dir
-    lines = [
-        "#!/bin/bash",
-        "#SBATCH --job-name=hpkit-check-nodes",
-        f"#SBATCH --nodes={nodes}",
-        "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --time={_token('--time-limit', req.time_limit)}",
-        f"#SBATCH --output={out / 'job-%j.out'}",
-    ]
-    if req.partition:
-        lines.append(f"#SBATCH --partition={_token('--partition', req.partition)}")
-    if req.nodelist:
-        lines.append(f"#SBATCH --nodelist={_token('--nodelist', req.nodelist)}")
-    lines += [
-        "# Written by `hpkit check --all-nodes`: one check per node, each into its own file.",
-        "# No `set -e`: a node whose checks fail exits 1, and the other steps must still run.",
-        "set -u",
-    ]
     step = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=0"]
     check = [req.python, "-m", "hpkit", "check", "--profile", "compute", "--json", *req.check_args]
-    lines.append(
-        shlex.join([*step, f"--output={out}/check-%j-%t.json", f"--error={out}/check-%j-%t.err", *check])
-    )
+    steps = [[*step, f"--output={out}/check-%j-%t.json", f"--error={out}/check-%j-%t.err", *check]]
     if req.bandwidth:
         pairs = [
             req.python,
@@ -145,11 +139,12 @@ def render_script(req: Request, nodes: int) -> str:
             "--size",
             str(req.size_bytes),
         ]
-        lines.append(
-            shlex.join([*step, f"--output={out}/pairs-%j.json", f"--error={out}/pairs-%j.err", *pairs])
-        )
-    lines.append("exit 0")
-    return "\n".join(lines) + "\n"
+        steps.append([*step, f"--output={out}/pairs-%j.json", f"--error={out}/pairs-%j.err", *pairs])
+    return (
+        template_environment()
+        .get_template("check-nodes.sbatch.j2")
+        .render(directives=[d.line() for d in sbatch_directives(job)], steps=[shlex.join(s) for s in steps])
+    )
 
 
 def _job_nodes(nodes: str) -> list[str]:
