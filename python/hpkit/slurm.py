@@ -198,6 +198,18 @@ def job_record(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, s
     return parse_scontrol_record(lines[0])
 
 
+def hostnames(hostlist: str, env: Mapping[str, str] | None = None) -> list[str]:
+    """A Slurm host list (node[1-3,7]) expanded by Slurm itself, in its order."""
+    return _run(["scontrol", "show", "hostnames", hostlist], env=env).stdout.split() if hostlist else []
+
+
+def node_states(partition: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """Each node's short state as sinfo prints it (idle, mix, down*, drain, ...), in one partition or the default."""
+    args = ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
+    rows = (line.split() for line in _run(args, env=env).stdout.splitlines())
+    return {row[0]: row[1] for row in rows if len(row) >= 2}
+
+
 class CliBackend:
     """The Slurm command-line tools, with their JSON output where this Slurm has it."""
 

@@ -16,15 +16,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpkit import slurm
 from hpkit.checks import fleet
 from hpkit.checks.hostlist import compress, natural_key
-from hpkit.checks.probe import run_cmd
 from hpkit.errors import HpkitError, SlurmError, SpecError
 from hpkit.slurm_job import SlurmJob
 
 # Node states in which a node can run the check job (sinfo's short forms, without the *~#... suffix).
 _USABLE = {"idle", "mix", "alloc", "comp", "resv", "plnd", "mixed", "allocated", "completing", "planned"}
-SLURM_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -54,22 +53,14 @@ class Gathered:
     not_checked: dict[str, str] = field(default_factory=dict)
 
 
-def _slurm(*args: str) -> str:
-    ran = run_cmd(list(args), SLURM_TIMEOUT_S)
-    if not ran.ok:
-        raise SlurmError(f"{' '.join(args[:2])} failed: {ran.why()}")
-    return ran.out
-
-
 def node_count(req: Request) -> tuple[int, dict[str, str]]:
     """How many nodes the job asks for (--nodes, the --nodelist's length, else every node that is up),
     and the nodes left out because Slurm has them down, drained or failed (name -> state)."""
     if req.nodes is not None:
         return req.nodes, {}
     if req.nodelist:
-        return len(_slurm("scontrol", "show", "hostnames", req.nodelist).split()), {}
-    args = ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", req.partition] if req.partition else [])
-    states = dict(line.split()[:2] for line in _slurm(*args).splitlines() if len(line.split()) >= 2)
+        return len(slurm.hostnames(req.nodelist)), {}
+    states = slurm.node_states(req.partition)
     usable = [name for name, state in states.items() if state.rstrip("*~#!%$@^-+") in _USABLE]
     if not usable:
         where = f"partition {req.partition}" if req.partition else "the default partition"
@@ -148,7 +139,7 @@ def render_script(req: Request, nodes: int) -> str:
 
 
 def _job_nodes(nodes: str) -> list[str]:
-    return _slurm("scontrol", "show", "hostnames", nodes).split() if nodes else []
+    return slurm.hostnames(nodes)
 
 
 def gather(req: Request, job_id: str, nodes: list[str]) -> tuple[list[fleet.NodeReport], dict | None]:
@@ -177,7 +168,6 @@ def gather(req: Request, job_id: str, nodes: list[str]) -> tuple[list[fleet.Node
 
 
 def run(req: Request, backend=None) -> Gathered:
-    from hpkit import slurm
     from hpkit.bench.pairs import best_per_node
 
     validate(req)
