@@ -272,3 +272,36 @@ def test_a_program_missing_from_the_jobs_path_is_refused_before_sbatch(slurm_clu
     assert "submitted job" not in proc.stdout
     after = subprocess.run(["squeue", "-h", "-o", "%i"], env=slurm_cluster, capture_output=True, text=True)
     assert after.stdout == before.stdout
+
+
+def test_the_python_job_api_submits_waits_and_reads_the_log(slurm_cluster, tmp_path, monkeypatch):
+    """What README's "From Python" shows, in this process: prepare, submit, wait_for, exit_status."""
+    from hpkit.jobs.submission import prepare, submit
+    from hpkit.jobs.watch import exit_status, wait_for
+
+    monkeypatch.setenv("PATH", os.environ["PATH"])  # submit gives the job this environment's PATH
+    spec = {
+        "name": "from-python",
+        "nodes": 2,
+        "launcher": "srun",
+        "workdir": str(tmp_path),
+        "command": [sys.executable, "-c", "import os; print('api rank', os.environ['RANK'])"],
+    }
+    path = tmp_path / "from-python.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    backend = CliBackend(slurm_cluster)
+    job = submit(prepare(path), backend)
+    infos = wait_for(backend, [job.job_id], poll_s=0.5, timeout_s=120)
+    assert exit_status(infos) == 0 and infos[job.job_id].state == JobState.COMPLETED
+    log = output_of(infos[job.job_id])
+    assert Path(infos[job.job_id].stdout) == job.submission.log_file(job.job_id)
+    assert sorted(line for line in unlabelled(log).splitlines() if line.startswith("api rank")) == [
+        "api rank 0",
+        "api rank 1",
+    ]
+    # A failing job's status is its exit code, as `hpkit wait` returns it. One node: with two, srun's
+    # kill-on-bad-exit may end the other rank first and the job's code is then 143 (SIGTERM).
+    spec.update(name="from-python-fails", nodes=1, command=[sys.executable, "-c", "raise SystemExit(3)"])
+    path.write_text(yaml.safe_dump(spec))
+    failed = submit(prepare(path), backend)
+    assert exit_status(wait_for(backend, [failed.job_id], poll_s=0.5, timeout_s=120)) == 3
