@@ -97,30 +97,65 @@ class Run:
         return [proc.wait(timeout=timeout) for proc in self.procs]
 
 
+def _listens(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a listening TCP socket on `port` (its fds' socket inodes in /proc/net/tcp*)."""
+    try:
+        inodes = {
+            os.readlink(f"/proc/{pid}/fd/{fd}")[8:-1]
+            for fd in os.listdir(f"/proc/{pid}/fd")
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")
+        }
+        # The store may listen on an IPv6 socket that also takes IPv4 (libuv): both tables.
+        rows = [
+            line.split()
+            for table in ("/proc/net/tcp", "/proc/net/tcp6")
+            for line in Path(table).read_text().splitlines()[1:]
+        ]
+    except OSError:  # the process is gone, or an fd closed between listing and reading
+        return False
+    # local_address is ADDR:PORT in hex, st 0A is LISTEN, the inode is the tenth column.
+    return any(int(r[1].split(":")[1], 16) == port and r[3] == "0A" and r[9] in inodes for r in rows)
+
+
 def launch_2_ranks(cfg: Path, log: Path) -> Run:
-    port, procs = free_port(), []
-    for rank in range(2):
-        env = clean_env()
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-        )
-        group = procs[0].pid if procs else 0  # rank 0 leads a new group, rank 1 joins it
-        with log.with_suffix(f".rank{rank}").open("w") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "hpkit", "train", "--config", str(cfg)],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    process_group=group,
-                )
+    """Rank 0 first, on a free port; rank 1 once rank 0's store listens there. Another test on this host
+    may take the port between choosing and binding it: then rank 0 stops with EADDRINUSE and a new port
+    is tried (it is not the fault under test)."""
+    for _ in range(5):
+        port, procs = free_port(), []
+        for rank in range(2):
+            env = clean_env()
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE="2",
+                LOCAL_WORLD_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
             )
-    return Run(procs, log.with_suffix(".rank0"))
+            group = procs[0].pid if procs else 0  # rank 0 leads a new group, rank 1 joins it
+            with log.with_suffix(f".rank{rank}").open("w") as out:
+                procs.append(
+                    subprocess.Popen(
+                        [sys.executable, "-m", "hpkit", "train", "--config", str(cfg)],
+                        env=env,
+                        stdout=out,
+                        stderr=subprocess.STDOUT,
+                        process_group=group,
+                    )
+                )
+            if rank == 0:
+                deadline = time.monotonic() + 120
+                while procs[0].poll() is None and not _listens(procs[0].pid, port):
+                    assert time.monotonic() < deadline, "rank 0 never listened on its port"
+                    time.sleep(0.05)
+                if procs[0].poll() is not None:
+                    break
+        if len(procs) == 2:
+            return Run(procs, log.with_suffix(".rank0"))
+        output = log.with_suffix(".rank0").read_text()
+        assert "EADDRINUSE" in output or "in use" in output, output
+    raise AssertionError(f"no free port held for rank 0 in 5 tries:\n{output}")
 
 
 def losses(path: Path, start: int = 0) -> dict[int, float]:

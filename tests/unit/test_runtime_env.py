@@ -105,3 +105,39 @@ def test_node_name_is_slurms_else_the_host_name():
     # The development cluster's nodes share one host name; Slurm's name tells them apart.
     assert node_name({"SLURMD_NODENAME": "node2", "HOSTNAME": "vm"}) == "node2"
     assert node_name({}) == socket.gethostname()
+
+
+def test_a_taken_master_port_is_one_line_naming_it(tmp_path):
+    """Rank 0 cannot serve the rendezvous store on a port something else holds: one line, no traceback."""
+    import os
+    import subprocess
+    import sys
+
+    config = tmp_path / "c.yaml"
+    config.write_text("name: port\ntrain: {steps: 1}\n")
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        env = {
+            **{k: v for k, v in os.environ.items() if k not in ("HPKIT_SPEC",)},
+            "RANK": "0",
+            "LOCAL_RANK": "0",
+            "WORLD_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "hpkit", "train", "--config", str(config)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        f"hpkit train: error: rank 0: MASTER_PORT {port} is already in use on 127.0.0.1: another job or "
+        "program holds it; pick a free port (torchrun --standalone or --rdzv-endpoint HOST:0 chooses one)"
+    ]

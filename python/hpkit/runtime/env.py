@@ -229,7 +229,17 @@ def init_distributed(launch: LaunchEnv, device: DeviceInfo, timeout_s: float = 6
     os.environ["RANK"] = str(launch.rank)
     os.environ["WORLD_SIZE"] = str(launch.world_size)
     os.environ["LOCAL_RANK"] = str(launch.local_rank)
-    dist.init_process_group(backend=device.backend, init_method="env://", timeout=timeout, **kwargs)
+    try:
+        dist.init_process_group(backend=device.backend, init_method="env://", timeout=timeout, **kwargs)
+    except dist.DistNetworkError as exc:
+        if "EADDRINUSE" not in str(exc):
+            raise
+        # Rank 0 serves the rendezvous store on MASTER_PORT; something else on its host holds that port.
+        raise HpkitError(
+            f"rank {launch.rank}: MASTER_PORT {launch.master_port} is already in use on {launch.master_addr}: "
+            "another job or program holds it; pick a free port (torchrun --standalone or "
+            "--rdzv-endpoint HOST:0 chooses one)"
+        ) from None
 
 
 @dataclass(frozen=True)
