@@ -10,6 +10,7 @@ instead of failing the test, while a quota that did not slow the rank still fail
 from __future__ import annotations
 
 import json
+import os
 import re
 import statistics
 import sys
@@ -107,7 +108,8 @@ def test_a_rank_under_a_cpu_quota_is_named_once_with_its_node(slurm_cluster, tmp
     show clearly above that."""
     if cgroup_root() is None:
         pytest.skip("no cgroup cpu controller to slow a rank with (needs root and cgroup v1 cpu or v2 cpu)")
-    cgroup = f"hpkit-straggler-{tmp_path.name}"
+    # The pytest process in the name: another checkout running this test on the host has the same tmp_path name.
+    cgroup = f"hpkit-straggler-{os.getpid()}-{tmp_path.name}"
     pids = tmp_path / "pids"
     pids.mkdir()
     wrapped = [sys.executable, str(HERE / "_cpu_quota.py"), str(pids), "--", *TRAIN]
