@@ -417,9 +417,11 @@ class JobSpec(RunConfig):
                 f"mem: Slurm's --mem, --mem-per-cpu and --mem-per-gpu exclude each other: drop mem or {per_unit[0]}"
             )
         try:
-            self.parallelism.resolve(self.world_size)
+            degrees = self.parallelism.resolve(self.world_size)
         except ValueError as exc:
             raise ValueError(f"parallelism: {exc}") from None
+        if problem := self.parallelism.pipeline_problem(degrees["pp"]):  # pp: -1 is known only now
+            raise ValueError(f"parallelism: {problem}")
         return self
 
     @property
