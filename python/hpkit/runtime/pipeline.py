@@ -32,7 +32,8 @@ SCHEDULES = {
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleZBVZeroBubble,
 }
-# How stages are placed on ranks; torch's multi-stage schedules read the same placement from the stages.
+# How stages are placed on pp ranks. torch's schedules derive the same map on their own
+# (stage_index_to_group_rank) to address their sends; the layout tests check that the two agree.
 PLACEMENT = {"zero_bubble": "v"}  # every other schedule: "loop"
 
 
