@@ -70,7 +70,7 @@ def main() -> int:
             parse_document(RunConfig, {**base, "model": {"init_from": str(root / "hf"), "seq_len": 64}}),
             job.device,
         )
-        state = {"model": ModelState([trainer.model])}
+        state = {"model": ModelState(trainer.model_parts)}
         hf_times, dcp_times = [], []
 
         def timed(load) -> float:
@@ -82,7 +82,7 @@ def main() -> int:
             return float(took)
 
         def weights() -> list:
-            return [p.to_local().clone() for p in trainer.model.parameters()]
+            return [p.to_local().clone() for part in trainer.model_parts for p in part.parameters()]
 
         for _ in range(args.rounds):
             hf_times.append(timed(trainer.load_pretrained))

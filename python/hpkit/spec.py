@@ -61,9 +61,11 @@ class JobSpec(SlurmJob, RunConfig):
     @model_validator(mode="after")
     def _parallelism_fits(self) -> JobSpec:
         try:
-            self.parallelism.resolve(self.world_size)
+            degrees = self.parallelism.resolve(self.world_size)
         except ValueError as exc:
             raise ValueError(f"parallelism: {exc}") from None
+        if problem := self.parallelism.pipeline_problem(degrees["pp"]):  # pp: -1 is known only now
+            raise ValueError(f"parallelism: {problem}")
         return self
 
     @property

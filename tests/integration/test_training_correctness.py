@@ -64,3 +64,33 @@ def test_layout_matches_single_process(results, world, name):
         assert worst <= RTOL, (
             f"{name}: {key} differs from the single-process run by {worst:.2e}: {got[key]} vs {ref[key]}"
         )
+
+
+# Which stages (and so which blocks: 4 blocks in 4 stages, block i in stage i) each pp rank must hold.
+# Loop placement (interleaved 1F1B): stage i on pp rank i % pp. V placement (zero bubble, torch's
+# ZBVZeroBubble): rank r holds stages r and 2*pp-1-r, so rank 0 has both the embeddings and the head.
+LOOP = {0: [0, 2], 1: [1, 3]}
+V = {0: [0, 3], 1: [1, 2]}
+PLACEMENTS = {
+    "pp_interleaved_1f1b": LOOP,
+    "pp_fsdp_interleaved_1f1b": LOOP,
+    "pp_zero_bubble": V,
+    "pp_tp_zero_bubble": V,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PLACEMENTS))
+def test_each_rank_holds_the_stages_of_its_placement(results, name):
+    expected = PLACEMENTS[name]
+    held = results[name]["stages"]
+    last = max(s for stages in expected.values() for s in stages)
+    for rank, got in enumerate(held):
+        stages = expected[got["pp_rank"]]
+        assert [p["stage"] for p in got["parts"]] == stages, (rank, got)
+        assert [p["layers"] for p in got["parts"]] == [[s] for s in stages], (rank, got)
+        assert [p["embeddings"] for p in got["parts"]] == [s == 0 for s in stages], (rank, got)
+        assert [p["head"] for p in got["parts"]] == [s == last for s in stages], (rank, got)
+        # torch's schedule sends between ranks by its own map: it must agree with the parts built.
+        torch_map = {int(k): v for k, v in got["torch_stage_to_rank"].items()}
+        assert torch_map == {s: r for r, ss in expected.items() for s in ss}, (rank, torch_map)
+    assert sorted({g["pp_rank"] for g in held}) == sorted(expected)

@@ -28,12 +28,14 @@ SUMMARY = re.compile(
 )
 
 
-def _spec(tmp: Path, tag: str, parallelism: dict, steps: int = 9, **checkpoint) -> Path:
+def _spec(
+    tmp: Path, tag: str, parallelism: dict, steps: int = 9, tasks: int | None = None, **checkpoint
+) -> Path:
     spec = {
         # A whole job spec, as the sbatch script hands it over via HPKIT_SPEC.
         "name": f"resume-{tag}",
         "nodes": 1,
-        "tasks_per_node": 4 if parallelism.get("tp") else 2,
+        "tasks_per_node": tasks or (4 if parallelism.get("tp") else 2),
         "output_dir": str(tmp / "out"),
         "parallelism": parallelism,
         "model": MODEL,
@@ -175,3 +177,57 @@ def test_a_problem_only_some_ranks_see_makes_every_rank_skip_that_checkpoint(run
     assert sorted(e) == [7, 8, 9]
     for step in (7, 8, 9):
         assert e[step]["loss"] == a[step]["loss"], step
+
+
+# Pipeline checkpoints: P trains 9 steps under pp 2 interleaved 1F1B (2 stages per rank, loop placement),
+# saving every 3 steps. Q resumes P's step 3 on one process (pp 1: one part holding every block) and
+# trains on to step 9; R resumes Q's step 6 under pp 2 zero bubble (V placement). Both must follow P.
+INTERLEAVED = {
+    "pp": 2,
+    "dp_shard": 1,
+    "microbatches": 4,
+    "pp_schedule": "interleaved_1f1b",
+    "stages_per_rank": 2,
+}
+ZERO_BUBBLE = {"pp": 2, "dp_shard": 1, "microbatches": 4, "pp_schedule": "zero_bubble", "stages_per_rank": 2}
+
+
+@pytest.fixture(scope="module")
+def pp_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("pp-resume")
+    p = _spec(tmp, "p", INTERLEAVED, keep=3)
+    out_p = _torchrun.run(["-m", "hpkit", "train", "--config", str(p)], tmp / "tmp", 2).stdout
+    (tmp / "ckpt-q").mkdir()
+    shutil.copytree(tmp / "ckpt-p" / "step-00000003", tmp / "ckpt-q" / "step-00000003")
+    q = _spec(tmp, "q", {"dp_shard": 1}, tasks=1, keep=3)
+    out_q = _torchrun.run(["-m", "hpkit", "train", "--config", str(q)], tmp / "tmp", None).stdout
+    (tmp / "ckpt-r").mkdir()
+    shutil.copytree(tmp / "ckpt-q" / "step-00000006", tmp / "ckpt-r" / "step-00000006")
+    r = _spec(tmp, "r", ZERO_BUBBLE)
+    out_r = _torchrun.run(["-m", "hpkit", "train", "--config", str(r)], tmp / "tmp", 2).stdout
+    return tmp, {"p": out_p, "q": out_q, "r": out_r}
+
+
+def test_pipeline_checkpoints_keep_the_whole_models_names(pp_runs):
+    import torch.distributed.checkpoint as dcp
+
+    tmp, _ = pp_runs
+
+    def keys(path: Path) -> set[str]:
+        return set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
+
+    interleaved, single = keys(tmp / "ckpt-p" / "step-00000006"), keys(tmp / "ckpt-q" / "step-00000006")
+    assert interleaved == single
+    assert {f"model.layers.{i}.attention.wq.weight" for i in range(MODEL["n_layers"])} <= single
+    assert {"model.tok_embeddings.weight", "model.output.weight"} <= single
+
+
+@pytest.mark.parametrize(("tag", "saved", "steps"), [("q", 3, range(4, 10)), ("r", 6, range(7, 10))])
+def test_resume_across_pipeline_layouts(pp_runs, tag, saved, steps):
+    tmp, out = pp_runs
+    assert f"step-{saved:08d} at step {saved}" in out[tag], out[tag]
+    p, resumed = _metrics(tmp, "p"), _metrics(tmp, tag)
+    assert sorted(resumed) == list(steps)
+    for step in steps:
+        for key in ("loss", "grad_norm"):
+            assert resumed[step][key] == pytest.approx(p[step][key], rel=1e-5), (step, key)

@@ -2,7 +2,8 @@
 
 Launched by tests/integration/test_training_correctness.py: once as a plain process (the single-process
 reference) and once under torchrun with 4 (and 2) processes, where every layout builds its own mesh in
-turn. Rank 0 writes {layout: {"loss": [...], "grad_norm": [...]}} to the JSON file named on the command line.
+turn. Rank 0 writes {layout: {"loss": [...], "grad_norm": [...], "stages": ...}} to the JSON file named on
+the command line; "stages" is, per global rank, the pipeline stages that rank built (see `stages_held`).
 """
 
 from __future__ import annotations
@@ -65,10 +66,46 @@ LAYOUTS: dict[int, dict[str, tuple[dict[str, Any], dict[str, Any]]]] = {
         # Sequence-sharded activations cross the stage boundary.
         "pp_tp_sp": ({"pp": 2, "dp_shard": 1, "tp": 2, "microbatches": 4, "sequence_parallel": True}, {}),
         "pp4_1f1b": ({"pp": 4, "dp_shard": 1, "microbatches": 4}, {}),
+        # Several stages per rank: FSDP and TP are applied to each part.
+        "pp_fsdp_interleaved_1f1b": (
+            {
+                "pp": 2,
+                "dp_shard": 2,
+                "microbatches": 4,
+                "pp_schedule": "interleaved_1f1b",
+                "stages_per_rank": 2,
+            },
+            {},
+        ),
+        "pp_tp_zero_bubble": (
+            {
+                "pp": 2,
+                "dp_shard": 1,
+                "tp": 2,
+                "microbatches": 4,
+                "pp_schedule": "zero_bubble",
+                "stages_per_rank": 2,
+            },
+            {},
+        ),
     },
     2: {
         "pp_gpipe": ({"pp": 2, "dp_shard": 1, "microbatches": 4, "pp_schedule": "gpipe"}, {}),
         "pp_1f1b": ({"pp": 2, "dp_shard": 1, "microbatches": 4, "pp_schedule": "1f1b"}, {}),
+        "pp_interleaved_1f1b": (
+            {
+                "pp": 2,
+                "dp_shard": 1,
+                "microbatches": 4,
+                "pp_schedule": "interleaved_1f1b",
+                "stages_per_rank": 2,
+            },
+            {},
+        ),
+        "pp_zero_bubble": (
+            {"pp": 2, "dp_shard": 1, "microbatches": 4, "pp_schedule": "zero_bubble", "stages_per_rank": 2},
+            {},
+        ),
     },
 }
 
@@ -85,6 +122,26 @@ def config_for(parallelism: dict[str, Any], train: dict[str, Any], world_size: i
     dims = ParallelDims.from_spec(cfg.parallelism, world_size)
     local = GLOBAL_BATCH // dims.dp
     return parse_document(RunConfig, {**data, "train": {**data["train"], "local_batch_size": local}})
+
+
+def stages_held(trainer: Any) -> dict[str, Any]:
+    """What this rank built: each part's stage index, blocks, and whether it has the embeddings or the
+    head; and torch's own stage -> pp rank map where its schedule keeps one (multi-stage schedules)."""
+    parts = [
+        {
+            "stage": stage,
+            "layers": sorted(int(name) for name in part.layers),
+            "embeddings": part.tok_embeddings is not None,
+            "head": part.output is not None,
+        }
+        for stage, part in zip(trainer.pp_stages, trainer.model_parts, strict=True)
+    ]
+    torch_map = getattr(trainer.schedule, "stage_index_to_group_rank", None)
+    return {
+        "pp_rank": trainer.coords.pp_rank,
+        "parts": parts,
+        "torch_stage_to_rank": {str(k): v for k, v in torch_map.items()} if torch_map else None,
+    }
 
 
 def main(out_path: str, only: list[str] | None = None) -> int:
@@ -104,10 +161,13 @@ def main(out_path: str, only: list[str] | None = None) -> int:
             start = time.perf_counter()
             trainer = Trainer(config_for(parallelism, train, world_size), job.device)
             steps = [trainer.train_step() for _ in range(STEPS)]
+            held: list[Any] = [None] * world_size
+            dist.all_gather_object(held, stages_held(trainer))
             results[name] = {
                 "loss": [s.loss for s in steps],
                 "grad_norm": [s.grad_norm for s in steps],
                 "seconds": time.perf_counter() - start,
+                "stages": held,
             }
             trainer.close()
             del trainer

@@ -4,7 +4,7 @@ import pytest
 
 from hpkit.errors import SpecError
 from hpkit.runtime.parallel_dims import ParallelDims
-from hpkit.runtime.pipeline import stage_layers
+from hpkit.runtime.pipeline import stage_ids, stage_layers
 from hpkit.spec import ParallelismSpec
 
 
@@ -57,8 +57,34 @@ def test_stage_layers_cover_every_block_once():
             stages = [stage_layers(n_layers, pp, s) for s in range(pp)]
             assert [i for s in stages for i in s] == list(range(n_layers))
             assert max(map(len, stages)) - min(map(len, stages)) <= 1
-    with pytest.raises(SpecError, match="at least 4 blocks"):
+    with pytest.raises(SpecError, match="4 stages, but the model has 2 blocks"):
         stage_layers(2, 4, 0)
+
+
+@pytest.mark.parametrize(("schedule", "style"), [("interleaved_1f1b", "loop"), ("zero_bubble", "v")])
+def test_stage_placement_is_torchs(schedule, style):
+    """Each rank builds the stages that torch's schedule will send to and receive from it."""
+    from torch.distributed.pipelining._utils import generate_stage_to_rank_mapping
+
+    for pp in range(1, 5):
+        for per_rank in range(1, 5):
+            torch_map = generate_stage_to_rank_mapping(pp, pp * per_rank, style=style)
+            ours = {s: r for r in range(pp) for s in stage_ids(r, pp, per_rank, schedule)}
+            assert ours == torch_map, (pp, per_rank)
+
+
+def test_single_stage_schedules_hold_one_stage_per_rank():
+    assert [stage_ids(r, 4, 1, "1f1b") for r in range(4)] == [[0], [1], [2], [3]]
+    assert stage_ids(1, 2, 2, "zero_bubble") == [1, 2]
+
+
+def test_inferred_pp_meets_the_schedule_rules_once_resolved():
+    spec = ParallelismSpec(
+        pp=-1, dp_shard=1, microbatches=4, pp_schedule="interleaved_1f1b", stages_per_rank=2
+    )
+    assert dims(2, **spec.model_dump()).pp == 2
+    with pytest.raises(SpecError, match="parallelism: microbatches=4 must be >= pp=8"):
+        dims(8, **spec.model_dump())
 
 
 def test_sequence_parallel_follows_the_backend_unless_set():

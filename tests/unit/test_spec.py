@@ -43,6 +43,75 @@ def error_of(data: dict) -> str:
             "parallelism",
             "microbatches=1 must be >= pp=2",
         ),
+        (
+            {**BASE, "parallelism": {"pp": 2, "microbatches": 4, "stages_per_rank": 2}},
+            "parallelism",
+            "stages_per_rank=2 needs a schedule that runs several stages per rank: set pp_schedule: "
+            "interleaved_1f1b, or stages_per_rank: 1",
+        ),
+        (
+            {**BASE, "parallelism": {"pp": 2, "microbatches": 4, "pp_schedule": "zero_bubble"}},
+            "parallelism",
+            "runs exactly 2 stages per rank, in a V: set stages_per_rank: 2",
+        ),
+        (
+            {**BASE, "parallelism": {"pp": 2, "microbatches": 5, "pp_schedule": "interleaved_1f1b"}},
+            "parallelism",
+            "torch runs them in 2 rounds and needs microbatches divisible by that: use a multiple of pp (4 or 6)",
+        ),
+        (
+            {**BASE, "parallelism": {"pp": 1, "pp_schedule": "interleaved_1f1b", "stages_per_rank": 2}},
+            "parallelism",
+            "set pp > 1, or stages_per_rank: 1",
+        ),
+        (
+            # pp inferred from the world size (4): the microbatches no longer fill the pipeline.
+            {**BASE, "parallelism": {"pp": -1, "dp_shard": 1, "microbatches": 3}},
+            "parallelism",
+            "microbatches=3 must be >= pp=4",
+        ),
+        (
+            {
+                **BASE,
+                "parallelism": {
+                    "pp": 2,
+                    "microbatches": 4,
+                    "pp_schedule": "interleaved_1f1b",
+                    "stages_per_rank": 3,
+                },
+                "model": {"n_layers": 4},
+            },
+            "parallelism",
+            "pp=2 x stages_per_rank=3 = 6 stages, but model.n_layers=4: lower pp or stages_per_rank",
+        ),
+        (
+            {
+                **BASE,
+                "parallelism": {
+                    "pp": 2,
+                    "microbatches": 4,
+                    "pp_schedule": "zero_bubble",
+                    "stages_per_rank": 2,
+                },
+                "train": {"compile": True},
+            },
+            "train.compile",
+            "set compile: false, or pp_schedule: interleaved_1f1b",
+        ),
+        (
+            {
+                **BASE,
+                "parallelism": {
+                    "pp": 2,
+                    "microbatches": 4,
+                    "pp_schedule": "zero_bubble",
+                    "stages_per_rank": 2,
+                },
+                "train": {"activation_checkpoint": "selective"},
+            },
+            "train.activation_checkpoint",
+            "use activation_checkpoint: full or none, or pp_schedule: interleaved_1f1b",
+        ),
         ({**BASE, "parallelism": {"tpp": 2}}, "parallelism.tpp", "did you mean 'tp'"),
         ({**BASE, "env": {"A B": "1"}}, "env", "not a valid environment variable name"),
         ({**BASE, "name": "a b"}, "name", "letters, digits"),

@@ -18,6 +18,9 @@ from hpkit.validation import StrictModel, check_no_control_chars
 
 SPEC_ENV = "HPKIT_SPEC"
 
+# Schedules that run several stages per pp rank (torch's PipelineScheduleMulti); the others run one.
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
+
 
 class ParallelismSpec(StrictModel):
     """Parallel degrees; their product is the world size. One degree may be -1 and is inferred.
@@ -31,7 +34,19 @@ class ParallelismSpec(StrictModel):
     tp: int = 1
     pp: int = 1
     microbatches: int = Field(default=1, ge=1)
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
+        default="1f1b",
+        description=(
+            "gpipe, 1f1b: one stage per pp rank; interleaved_1f1b: stages_per_rank stages, stage i on pp rank "
+            "i % pp; zero_bubble: torch's ZBVZeroBubble, 2 stages per rank in a V (rank r: stages r and 2*pp-1-r)"
+        ),
+    )
+    stages_per_rank: int = Field(
+        default=1,
+        ge=1,
+        description="pipeline stages each pp rank holds: 1 for gpipe and 1f1b, 1 or more for interleaved_1f1b, "
+        "exactly 2 for zero_bubble",
+    )
     tp_modules: list[str] | None = Field(
         default=None, description="apply tensor parallel only to these module names (None: the whole model)"
     )
@@ -80,9 +95,38 @@ class ParallelismSpec(StrictModel):
                 "sequence_parallel applies to whole-model tensor parallel; with tp_modules the residual stream "
                 "stays whole: remove one of them"
             )
-        if self.pp > 1 and self.microbatches < self.pp:
-            raise ValueError(f"microbatches={self.microbatches} must be >= pp={self.pp} to fill the pipeline")
+        if self.pp != -1 and (problem := self.pipeline_problem(self.pp)):
+            raise ValueError(problem)
         return self
+
+    def pipeline_problem(self, pp: int) -> str | None:
+        """Why torch's pipeline schedules (2.13) cannot run these settings with `pp` ranks, or None."""
+        mb, schedule, spr = self.microbatches, self.pp_schedule, self.stages_per_rank
+        if spr > 1 and schedule not in MULTI_STAGE_SCHEDULES:
+            return (
+                f"stages_per_rank={spr} needs a schedule that runs several stages per rank: set pp_schedule: "
+                f"interleaved_1f1b, or stages_per_rank: 1 (pp_schedule is {schedule})"
+            )
+        if pp == 1:
+            if spr > 1:
+                return f"stages_per_rank={spr} splits the model over pipeline ranks: set pp > 1, or stages_per_rank: 1"
+            return None
+        if schedule == "zero_bubble" and spr != 2:
+            return (
+                f"pp_schedule zero_bubble (torch's ZBVZeroBubble) runs exactly 2 stages per rank, in a V: "
+                f"set stages_per_rank: 2 (it is {spr})"
+            )
+        if mb < pp:
+            return f"microbatches={mb} must be >= pp={pp} to fill the pipeline"
+        rounds = mb // pp
+        if schedule == "interleaved_1f1b" and mb % rounds:
+            # torch runs the microbatches in mb // pp rounds and needs them to divide evenly.
+            lower, upper = rounds * pp, (rounds + 1) * pp
+            return (
+                f"microbatches={mb} with pp_schedule interleaved_1f1b and pp={pp}: torch runs them in "
+                f"{rounds} rounds and needs microbatches divisible by that: use a multiple of pp ({lower} or {upper})"
+            )
+        return None
 
     def named_degrees(self) -> dict[str, int]:
         return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp}
@@ -341,6 +385,34 @@ class RunConfig(StrictModel):
     instance_type: str | None = Field(
         default=None, description="the EC2/SageMaker type the nodes are (ml.p4d.24xlarge): informs SMDDP"
     )
+
+    @model_validator(mode="after")
+    def _pipeline_fits_the_model(self) -> RunConfig:
+        par, tr = self.parallelism, self.train
+        if par.pp == 1:
+            return self
+        n_stages = par.pp * par.stages_per_rank
+        if par.pp > 1 and self.model.n_layers is not None and n_stages > self.model.n_layers:
+            # Without n_layers the shape's block count is known only to the trainer, which checks it there.
+            raise ValueError(
+                f"parallelism: pp={par.pp} x stages_per_rank={par.stages_per_rank} = {n_stages} stages, but model.n_layers="
+                f"{self.model.n_layers}: lower pp or stages_per_rank so that each stage gets at least one block"
+            )
+        if par.pp_schedule == "zero_bubble":
+            # Zero bubble splits each backward in two (inputs, then weights), which torch 2.13 refuses for
+            # compiled stages and selective checkpointing cannot do (it allows one backward per region).
+            if tr.compile:
+                raise ValueError(
+                    "train.compile with parallelism.pp_schedule zero_bubble: torch runs no compiled stage under "
+                    "zero bubble: set compile: false, or pp_schedule: interleaved_1f1b"
+                )
+            if tr.activation_checkpoint == "selective":
+                raise ValueError(
+                    "train.activation_checkpoint selective with parallelism.pp_schedule zero_bubble: its split "
+                    "backward runs twice through each checkpointed block, which selective checkpointing refuses: "
+                    "use activation_checkpoint: full or none, or pp_schedule: interleaved_1f1b"
+                )
+        return self
 
 
 def resolve_mixed_precision(setting: str, device_type: str) -> str:

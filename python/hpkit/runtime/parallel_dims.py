@@ -34,6 +34,9 @@ class ParallelDims:
             degrees = spec.resolve(world_size)
         except ValueError as exc:
             raise SpecError(f"parallelism: {exc}") from None
+        # A pp inferred from the world size (-1) meets the schedule's rules only now.
+        if problem := spec.pipeline_problem(degrees["pp"]):
+            raise SpecError(f"parallelism: {problem}")
         return cls(world_size=world_size, **degrees)
 
     @property

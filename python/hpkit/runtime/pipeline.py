@@ -1,4 +1,8 @@
-"""Pipeline parallel: split the decoder into one stage per pp rank and drive it with GPipe or 1F1B.
+"""Pipeline parallel: split the decoder into stages and drive them with one of torch's schedules.
+
+pp ranks hold `stages_per_rank` stages each (torchtitan's `model_parts`): one with GPipe and 1F1B,
+one or more with interleaved 1F1B (stage i on rank i % pp, "loop" placement), exactly two with
+zero bubble (torch's ZBVZeroBubble: rank r holds stages r and 2*pp-1-r, "V" placement).
 
 The split deletes what a stage does not own from a full (meta-device) model, keeping the owned
 modules' names, so that checkpoints are keyed the same in every layout and DCP can reshard them.
@@ -7,54 +11,88 @@ modules' names, so that checkpoints are keyed the same in every layout and DCP c
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
 
 from hpkit.errors import SpecError
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved_1f1b": ScheduleInterleaved1F1B,
+    "zero_bubble": ScheduleZBVZeroBubble,
+}
+# How stages are placed on pp ranks. torch's schedules derive the same map on their own
+# (stage_index_to_group_rank) to address their sends; the layout tests check that the two agree.
+PLACEMENT = {"zero_bubble": "v"}  # every other schedule: "loop"
 
 
-def stage_layers(n_layers: int, pp: int, stage: int) -> list[int]:
+def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
+    """The stage indices rank `pp_rank` holds, in the order its parts are built and handed to torch."""
+    if PLACEMENT.get(schedule, "loop") == "v":
+        # Down the ranks and back up: rank r holds stage r, then 2*pp-1-r, then 2*pp+r, ...
+        return [k * pp + (pp_rank if k % 2 == 0 else pp - 1 - pp_rank) for k in range(stages_per_rank)]
+    return [k * pp + pp_rank for k in range(stages_per_rank)]
+
+
+def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
     """Blocks of one stage: contiguous and as even as possible, earlier stages taking the remainder
     (the last stage also carries the output head, the largest single matmul)."""
-    if n_layers < pp:
-        raise SpecError(f"parallelism.pp={pp} needs at least {pp} blocks; the model has {n_layers}")
-    base, extra = divmod(n_layers, pp)
+    if n_layers < n_stages:
+        raise SpecError(
+            f"parallelism: pp x stages_per_rank = {n_stages} stages, but the model has {n_layers} blocks: "
+            f"lower pp or stages_per_rank so that each stage gets at least one block"
+        )
+    base, extra = divmod(n_layers, n_stages)
     start = stage * base + min(stage, extra)
     return list(range(start, start + base + (1 if stage < extra else 0)))
 
 
-def split_model(model: nn.Module, pp: int, stage: int) -> nn.Module:
-    part = copy.deepcopy(model) if pp > 1 else model
-    keep = {str(i) for i in stage_layers(model.cfg.n_layers, pp, stage)}
+def split_model(model: nn.Module, n_stages: int, stage: int) -> nn.Module:
+    part = copy.deepcopy(model) if n_stages > 1 else model
+    keep = {str(i) for i in stage_layers(model.cfg.n_layers, n_stages, stage)}
     for name in list(part.layers.keys()):
         if name not in keep:
             del part.layers[name]
     if stage != 0:
         part.tok_embeddings = None
-    if stage != pp - 1:
+    if stage != n_stages - 1:
         part.norm = None
         part.output = None
     return part
 
 
 def build_schedule(
-    part: nn.Module,
+    parts: nn.Module | Sequence[nn.Module],
     pp_mesh: DeviceMesh,
     device: torch.device,
     microbatches: int,
     schedule: str,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
 ):
-    stage_index = pp_mesh.get_local_rank()
-    stage = PipelineStage(part, stage_index, pp_mesh.size(), device, group=pp_mesh.get_group())
+    """The schedule over this rank's parts: one module, or `stages_per_rank` of them in `stage_ids` order."""
+    parts = [parts] if isinstance(parts, nn.Module) else list(parts)
+    pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    n_stages = pp * len(parts)
+    stages = [
+        PipelineStage(part, index, n_stages, device, group=pp_mesh.get_group())
+        for part, index in zip(parts, stage_ids(rank, pp, len(parts), schedule), strict=True)
+    ]
+    cls = SCHEDULES[schedule]
     # scale_grads divides the summed microbatch gradients by their number: the gradient of the mean loss.
-    return SCHEDULES[schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    if cls in (ScheduleGPipe, Schedule1F1B):
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
 def check_microbatches(local_batch: int, microbatches: int) -> None:

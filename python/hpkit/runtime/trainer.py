@@ -1,8 +1,9 @@
 """The Trainer: one training run's model, optimizer and data on an initialised process group.
 
-Order of construction (as in torchtitan): the model is built on the meta device, split into a
-pipeline stage, then tensor parallel -> activation checkpointing -> compile -> FSDP are applied,
-and only then are the weights materialised and initialised, each rank allocating only its shards.
+Order of construction (as in torchtitan): the model is built on the meta device, split into this
+rank's pipeline stages (`model_parts`: one part, or `stages_per_rank` under an interleaved schedule),
+then tensor parallel -> activation checkpointing -> compile -> FSDP are applied to each part, and
+only then are the weights materialised and initialised, each rank allocating only its shards.
 
 The Trainer is itself a DCP `Stateful`: its state is the step, the data position and the RNG, saved
 beside the model and optimizer. The host reads values from the device (loss, grad norm, the stop
@@ -36,7 +37,7 @@ from hpkit.runtime.env import DeviceInfo, node_name
 from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
 from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
 from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
-from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model
+from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model, stage_ids
 from hpkit.runtime.stragglers import StragglerMonitor, Window
 from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape, sequence_parallel_default
 
@@ -113,9 +114,12 @@ class Trainer:
         # load_pretrained once resuming has found no checkpoint of this run.
         self.hf = read_hf_config(cfg.model.init_from, cfg.model.seq_len) if cfg.model.init_from else None
         self.model_cfg = self.hf.cfg if self.hf else model_config(cfg.model)
-        self.pp_stage = self.coords.pp_rank
-        self.is_first_stage = self.pp_stage == 0
-        self.is_last_stage = self.pp_stage == self.dims.pp - 1
+        par = cfg.parallelism
+        self.n_stages = self.dims.pp * par.stages_per_rank
+        # The pipeline stages this rank holds; the V placement puts the first and the last on one rank.
+        self.pp_stages = stage_ids(self.coords.pp_rank, self.dims.pp, par.stages_per_rank, par.pp_schedule)
+        self.is_first_stage = 0 in self.pp_stages
+        self.is_last_stage = self.n_stages - 1 in self.pp_stages
         # Whole-model TP without PP: the loss runs on vocabulary-sharded logits (see apply_tp).
         self.loss_parallel = (
             self.dims.tp_enabled and cfg.parallelism.tp_modules is None and not self.dims.pp_enabled
@@ -125,12 +129,13 @@ class Trainer:
             if cfg.parallelism.sequence_parallel is not None
             else sequence_parallel_default(device.type)
         )
-        self.model, self.module = self._build_model()
+        self.model_parts, self.module = self._build_model()
         # FSDP casts parameters itself; otherwise bf16 comes from autocast around the forward.
         self.autocast = self.mixed_precision == "bf16" and not self.dims.fsdp_enabled
         self.schedule = self._build_schedule()
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = self._build_optimizer()
+        self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
+        # One optimizer per part: DCP's optimizer state dict maps parameters to names through one module.
+        self.optimizers = [self._build_optimizer(part) for part in self.model_parts]
         self.loader = self._build_loader()
         self.pp_group = self.coords.pp_mesh.get_group() if self.dims.pp_enabled else None
         self.step = 0
@@ -149,11 +154,17 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------
     # Construction
 
-    def _build_model(self) -> tuple[torch.nn.Module, torch.nn.Module]:
-        cfg, tr = self.cfg, self.cfg.train
-        torch.manual_seed(tr.seed)
+    def _build_model(self) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+        torch.manual_seed(self.cfg.train.seed)
         whole = build_model(self.model_cfg, "meta")
-        part = split_model(whole, self.dims.pp, self.pp_stage)
+        parts = [self._parallelize(split_model(whole, self.n_stages, stage)) for stage in self.pp_stages]
+        # Without a pipeline the one part is the whole model, run directly (under DDP if replicated).
+        module = apply_ddp(parts[0], self.coords.ddp_mesh, self.device) if self.dims.ddp_enabled else parts[0]
+        return parts, module
+
+    def _parallelize(self, part: torch.nn.Module) -> torch.nn.Module:
+        """TP, activation checkpointing, compile and FSDP on one model part, then its weights."""
+        cfg, tr = self.cfg, self.cfg.train
         if self.dims.tp_enabled:
             whole_model = cfg.parallelism.tp_modules is None
             check_tp_shape(part, self.dims.tp, cfg.model.seq_len, whole_model, self.sequence_parallel)
@@ -171,25 +182,25 @@ class Trainer:
             apply_fsdp(part, self.coords.fsdp_mesh, self.mixed_precision, self.dims.pp_enabled)
         part.to_empty(device=self.device)
         part.init_weights(tr.seed)
-        module = apply_ddp(part, self.coords.ddp_mesh, self.device) if self.dims.ddp_enabled else part
-        return part, module
+        return part
 
     def _build_schedule(self) -> Any:
         if not self.dims.pp_enabled:
             return None
         par = self.cfg.parallelism
         return build_schedule(
-            self.module, self.coords.pp_mesh, self.device, par.microbatches, par.pp_schedule, loss_fn
+            self.model_parts, self.coords.pp_mesh, self.device, par.microbatches, par.pp_schedule, loss_fn
         )
 
-    def _build_optimizer(self) -> torch.optim.Optimizer:
+    def _build_optimizer(self, part: torch.nn.Module) -> torch.optim.Optimizer:
         tr = self.cfg.train
+        params = [p for p in part.parameters() if p.requires_grad]
         # The fused kernel (CPU and CUDA) updates each parameter in one pass; foreach runs a dozen
         # elementwise kernels over the whole list and cost 5x the time in a CPU profile. Both need all
         # DTensors on one mesh: TP on chosen modules mixes meshes, and then the plain loop runs.
-        one_mesh = _single_mesh(self.params)
+        one_mesh = _single_mesh(params)
         return torch.optim.AdamW(
-            self.params,
+            params,
             lr=tr.lr,
             betas=(0.9, 0.95),
             eps=1e-8,
@@ -216,8 +227,9 @@ class Trainer:
     def reset(self) -> None:
         """Back to the freshly initialised state: after a failed resume may have loaded part of a checkpoint."""
         torch.manual_seed(self.cfg.train.seed)
-        self.model.init_weights(self.cfg.train.seed)
-        self.optimizer.state.clear()
+        for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
+            part.init_weights(self.cfg.train.seed)
+            optimizer.state.clear()
         self.step = 0
         self.loader.position = 0
 
@@ -244,8 +256,8 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {
-            "model": ModelState([self.model]),
-            "optimizer": OptimizerState([self.model], [self.optimizer]),
+            "model": ModelState(self.model_parts),
+            "optimizer": OptimizerState(self.model_parts, self.optimizers),
             "train": self,
         }
 
@@ -253,12 +265,13 @@ class Trainer:
         """Overwrite the initialised weights with model.init_from's, each rank reading only its shards."""
         assert self.hf is not None and self.cfg.model.init_from
         try:
-            from hpkit.hf.load import load_hf_weights
+            from hpkit.hf.load import LoadStats, load_hf_weights
         except ImportError as exc:
             raise SpecError(
                 f"model.init_from needs the hf extra ({exc.name} is missing): pip install 'hpkit[train,hf]'"
             ) from None
-        return load_hf_weights(self.model, self.cfg.model.init_from, self.hf)
+        stats = [load_hf_weights(part, self.cfg.model.init_from, self.hf) for part in self.model_parts]
+        return LoadStats(sum(s.tensors for s in stats), sum(s.bytes_read for s in stats))
 
     def model_record(self) -> dict[str, Any]:
         """What a checkpoint's commit record keeps of the model: enough for `hpkit ckpt export --hf`."""
@@ -291,8 +304,9 @@ class Trainer:
         start = time.perf_counter()
         self.step += 1
         lr = self.lr_at(self.step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
         # self._work measures what waits for no other rank: this rank's speed (see stragglers.WorkTimer).
         with self._work.step():
             with self._work.host():
@@ -307,8 +321,9 @@ class Trainer:
             if checkpointer is not None:
                 checkpointer.wait_for_staging()  # an async save may still be copying these weights
             with self._work.device():
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                for optimizer in self.optimizers:
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
             self.stop.exchange()
             result = StepResult(self.step, lr, 0.0)
             if self.is_logging_step(self.step):
@@ -330,14 +345,13 @@ class Trainer:
             # A loss-parallel loss is a DTensor replicated over the tp group: every rank holds it whole.
             return (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
         losses: list[torch.Tensor] = []
+        # The rank with the first stage feeds the inputs; the one with the last, the labels (V: one rank).
+        args = (inputs,) if self.is_first_stage else ()
+        kwargs = {"target": labels, "losses": losses} if self.is_last_stage else {}
         with self._autocast():
-            if self.is_first_stage:
-                self.schedule.step(inputs)
-            elif self.is_last_stage:
-                self.schedule.step(target=labels, losses=losses)
-            else:
-                self.schedule.step()
-        return torch.stack(losses).mean() if losses else torch.zeros((), device=self.device)
+            self.schedule.step(*args, **kwargs)
+        # The schedules hand the losses back as the loss function made them, requiring grad.
+        return torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
 
     def _global_loss(self, local_loss: torch.Tensor) -> float:
         # Only the last stage's first tp rank holds a copy of each data-parallel rank's loss to count.
