@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hpkit.errors import HpkitError
-from hpkit.hf.config import hf_name, rotary_heads, to_hf_config
+from hpkit.hf.config import HfMapping
 from hpkit.hf.load import INDEX_NAME, to_hf_rows
-from hpkit.models.llama import LlamaConfig, build_model, config_from_dict
+from hpkit.runtime.adapters import ADAPTERS, ModelAdapter
 from hpkit.runtime.checkpoint_record import RECORD_NAME, RecordError, read_record, verify_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -70,12 +70,17 @@ def export_hf(
             f"{step_dir}: its {RECORD_NAME} has no model config (saved by an hpkit that did not record it): "
             "resume the run for one step with this hpkit to save a checkpoint that has it"
         )
-    cfg = config_from_dict(record.model["config"])
+    # Records written before model families existed hold Llama models.
+    family = record.model.get("family", "llama")
+    adapter = ADAPTERS.get(family)
+    if adapter is None or adapter.hf is None:
+        raise HpkitError(f"{step_dir}: a {family} model: hpkit has no Hugging Face format for that family")
+    cfg = adapter.config_from_dict(record.model["config"])
     if out.exists() and any(out.iterdir()):
         raise HpkitError(f"{out}: not empty: export into a new directory")
 
     stored = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
-    names = _parameter_shapes(cfg)
+    names = _parameter_shapes(adapter, cfg)
     for name, shape in names.items():
         meta = stored.get(_MODEL_PREFIX + name)
         if not isinstance(meta, TensorStorageMetadata) or tuple(meta.size) != shape:
@@ -98,7 +103,7 @@ def export_hf(
             file = (
                 "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
             )
-            tensors = _read_group(step_dir, stored, group, cfg, out_dtype)
+            tensors = _read_group(step_dir, stored, group, cfg, adapter.hf, out_dtype)
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             for key, value in tensors.items():
                 weight_map[key] = file
@@ -107,7 +112,7 @@ def export_hf(
         if len(groups) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        hf_config = to_hf_config(cfg, dict(record.model.get("hf") or {}), dtype_name)
+        hf_config = adapter.hf.to_config(cfg, dict(record.model.get("hf") or {}), dtype_name)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -117,9 +122,9 @@ def export_hf(
     return ExportResult(step_dir, out, files, len(weight_map), total, dtype_name)
 
 
-def _parameter_shapes(cfg: LlamaConfig) -> dict[str, tuple[int, ...]]:
+def _parameter_shapes(adapter: ModelAdapter, cfg: Any) -> dict[str, tuple[int, ...]]:
     # The meta-device model names every parameter a checkpoint of this shape holds, in model order.
-    return {name: tuple(p.shape) for name, p in build_model(cfg, "meta").named_parameters()}
+    return {name: tuple(p.shape) for name, p in adapter.build(cfg, "meta").named_parameters()}
 
 
 def _shards(names: dict[str, tuple[int, ...]], itemsize: int, limit: int) -> list[list[str]]:
@@ -136,7 +141,12 @@ def _shards(names: dict[str, tuple[int, ...]], itemsize: int, limit: int) -> lis
 
 
 def _read_group(
-    step_dir: Path, stored: dict[str, Any], group: list[str], cfg: LlamaConfig, out_dtype: torch.dtype
+    step_dir: Path,
+    stored: dict[str, Any],
+    group: list[str],
+    cfg: Any,
+    mapping: HfMapping,
+    out_dtype: torch.dtype,
 ) -> dict[str, torch.Tensor]:
     state = {
         _MODEL_PREFIX + n: torch.empty(
@@ -151,8 +161,8 @@ def _read_group(
     tensors = {}
     for name in group:
         value = state[_MODEL_PREFIX + name]
-        heads = rotary_heads(name, cfg)
+        heads = mapping.rotary_heads(name, cfg)
         if heads is not None:
             value = to_hf_rows(value, heads)
-        tensors[hf_name(name)] = value.to(out_dtype).contiguous()
+        tensors[mapping.tensor_name(name)] = value.to(out_dtype).contiguous()
     return tensors

@@ -8,6 +8,7 @@ settings are read: transformers 4's `rope_theta` + `rope_scaling` and transforme
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,17 @@ class HfModel:
     cfg: LlamaConfig
     tied: bool = False
     extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HfMapping:
+    """A model family's Hugging Face format: its config.json both ways, and the tensor names between them.
+    A family's adapter (hpkit.runtime.adapters) names its mapping; Llama's is `LLAMA` below."""
+
+    read_config: Callable[[str | Path, int], HfModel]  # (directory, seq_len) -> shape, tying, extras
+    tensor_name: Callable[[str], str]  # hpkit parameter name -> Hugging Face tensor name
+    rotary_heads: Callable[[str, Any], int | None]  # heads whose rows change rotary layout, or None
+    to_config: Callable[[Any, dict[str, Any], str], dict[str, Any]]  # (cfg, extras, dtype) -> config.json
 
 
 def read_hf_config(directory: str | Path, seq_len: int) -> HfModel:
@@ -214,3 +226,6 @@ def rotary_heads(name: str, cfg: LlamaConfig) -> int | None:
     if name.endswith("attention.wk.weight"):
         return cfg.n_kv_heads
     return None
+
+
+LLAMA = HfMapping(read_hf_config, hf_name, rotary_heads, to_hf_config)

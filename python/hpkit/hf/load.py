@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hpkit.errors import SpecError
-from hpkit.hf.config import HfModel, hf_name, rotary_heads
+from hpkit.hf.config import LLAMA, HfMapping, HfModel
 from hpkit.models.llama import LlamaConfig, named_parameters_unwrapped
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -70,18 +70,23 @@ def to_hf_rows(block: torch.Tensor, heads: int) -> torch.Tensor:
     return block.reshape(heads, rows // heads // 2, 2, *rest).transpose(1, 2).reshape(rows, *rest)
 
 
-def load_hf_weights(model: nn.Module, directory: str | Path, hf: HfModel) -> LoadStats:
+def load_hf_weights(
+    model: nn.Module, directory: str | Path, hf: HfModel, mapping: HfMapping = LLAMA
+) -> LoadStats:
     """Overwrite every parameter of `model` (a whole model or a pipeline stage, plain or DTensor) with
-    the checkpoint's values; SpecError names the tensor when the files do not fit the model."""
+    the checkpoint's values, named as the family's `mapping` says; SpecError names the tensor when the
+    files do not fit the model."""
     root = Path(directory)
     files = tensor_files(root)
     tensors = read = 0
     with contextlib.ExitStack() as stack, torch.no_grad():
         handles: dict[Path, Any] = {}
         for name, param in named_parameters_unwrapped(model):
-            source = hf_name(name)
+            source = mapping.tensor_name(name)
             if source not in files and name == "output.weight" and hf.tied:
-                source = hf_name("tok_embeddings.weight")  # tied: the head is the embedding matrix
+                source = mapping.tensor_name(
+                    "tok_embeddings.weight"
+                )  # tied: the head is the embedding matrix
             if source not in files:
                 raise SpecError(f"model.init_from: {root}: no tensor {source} in its safetensors files")
             path = files[source]
@@ -97,7 +102,7 @@ def load_hf_weights(model: nn.Module, directory: str | Path, hf: HfModel) -> Loa
             offset = _global_offset(param)
             if target.numel() == 0:
                 continue
-            values = _read_box(part, offset, tuple(target.shape), rotary_heads(name, hf.cfg), hf.cfg)
+            values = _read_box(part, offset, tuple(target.shape), mapping.rotary_heads(name, hf.cfg), hf.cfg)
             read += values.numel() * values.element_size()
             target.copy_(values)
             tensors += 1

@@ -13,6 +13,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from hpkit.runtime.adapters import ModelAdapter, adapter_of
+
 # The expensive ops whose outputs are worth their memory; everything else (norms, activations,
 # rotary math) is cheap to recompute.
 _SAVE_OPS = {
@@ -30,12 +32,13 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_ac(model: nn.Module, mode: str) -> None:
+def apply_ac(model: nn.Module, mode: str, adapter: ModelAdapter | None = None) -> None:
     if mode == "none":
         return
     if mode not in ("full", "selective"):
         raise ValueError(f"activation_checkpoint={mode!r}: use none, full or selective")
-    for name, block in list(model.layers.named_children()):
+    blocks = (adapter or adapter_of(model)).blocks(model)
+    for name, block in list(blocks.named_children()):
         if mode == "full":
             wrapped = checkpoint_wrapper(block, preserve_rng_state=False)
         else:
@@ -44,4 +47,4 @@ def apply_ac(model: nn.Module, mode: str) -> None:
                 preserve_rng_state=False,
                 context_fn=partial(create_selective_checkpoint_contexts, _policy),
             )
-        model.layers.register_module(name, wrapped)
+        blocks.register_module(name, wrapped)

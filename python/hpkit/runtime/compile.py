@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from hpkit.errors import SpecError
+from hpkit.runtime.adapters import ModelAdapter, adapter_of
 
 # Measured with torch 2.13.0 on CPU: compile + TP crashes in backward (1-D TP) or silently gives
 # wrong gradients (FSDP x TP). The override is for a device where tests/integration proves it right.
@@ -28,7 +29,8 @@ def check_compile_allowed(compile_: bool, tp_enabled: bool, device_type: str) ->
     )
 
 
-def apply_compile(model: nn.Module) -> None:
+def apply_compile(model: nn.Module, adapter: ModelAdapter | None = None) -> None:
     # Per block rather than the whole model: graphs stay small, and FSDP's hooks run between them.
-    for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, torch.compile(block))
+    blocks = (adapter or adapter_of(model)).blocks(model)
+    for name, block in list(blocks.named_children()):
+        blocks.register_module(name, torch.compile(block))

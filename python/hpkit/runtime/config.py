@@ -13,6 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from hpkit.model_families import SHAPE_NAMES
 from hpkit.smp_params import DEGREE_ALIASES
 from hpkit.validation import StrictModel, check_no_control_chars
 
@@ -156,10 +157,10 @@ def _fmt(degrees: dict[str, int]) -> str:
 
 
 class ModelSpec(StrictModel):
-    """The reference Llama-style decoder: a named shape, optionally with some dimensions overridden, or
+    """A model family's named shape (hpkit.model_families), optionally with some dimensions overridden, or
     the shape and weights of a Hugging Face Llama checkpoint (init_from)."""
 
-    name: Literal["debug", "125M", "1B", "8B", "70B"] = "debug"
+    name: Literal[SHAPE_NAMES] = "debug"  # type: ignore[valid-type]
     init_from: str | None = Field(
         default=None,
         description="a Hugging Face Llama directory (config.json + *.safetensors): its shape and weights; "

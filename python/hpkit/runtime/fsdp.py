@@ -10,6 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from hpkit.runtime.adapters import ModelAdapter, adapter_of
+
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -18,7 +20,14 @@ def mixed_precision_policy(mixed_precision: str) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy(param_dtype=_DTYPES[mixed_precision], reduce_dtype=torch.float32)
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: str, pp_enabled: bool) -> None:
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    mixed_precision: str,
+    pp_enabled: bool,
+    adapter: ModelAdapter | None = None,
+) -> None:
+    adapter = adapter or adapter_of(model)
     mp = mixed_precision_policy(mixed_precision)
     # Under PP every microbatch runs forward and backward separately: resharding after each forward
     # would all-gather the stage's weights once per microbatch.
@@ -27,13 +36,19 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, mixed_precision: str, pp_e
     # gradients are reduced only after the whole backward, where nothing overlaps them, while the
     # head's (half of a small model's parameters with a large vocabulary) are then reduced as soon as
     # its backward is done, under the blocks' backward.
-    if model.tok_embeddings is not None:
-        fully_shard(model.tok_embeddings, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard)
-    blocks = list(model.layers.values())
+    inputs = adapter.input_units(model)
+    if inputs:
+        fully_shard(
+            inputs if len(inputs) > 1 else inputs[0],
+            mesh=dp_mesh,
+            mp_policy=mp,
+            reshard_after_forward=reshard,
+        )
+    blocks = list(adapter.blocks(model).values())
     for i, block in enumerate(blocks):
         # The last block's weights are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
-    head = [m for m in (model.norm, model.output) if m is not None]
+    head = adapter.output_units(model)
     if head:
         # Backward starts with the head, right after its forward: keep it gathered.
         fully_shard(head, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=False)

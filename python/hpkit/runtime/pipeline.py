@@ -25,6 +25,7 @@ from torch.distributed.pipelining import (
 )
 
 from hpkit.errors import SpecError
+from hpkit.runtime.adapters import ModelAdapter, adapter_of
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -58,18 +59,13 @@ def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
     return list(range(start, start + base + (1 if stage < extra else 0)))
 
 
-def split_model(model: nn.Module, n_stages: int, stage: int) -> nn.Module:
+def split_model(
+    model: nn.Module, n_stages: int, stage: int, adapter: ModelAdapter | None = None
+) -> nn.Module:
+    adapter = adapter or adapter_of(model)
     part = copy.deepcopy(model) if n_stages > 1 else model
-    keep = {str(i) for i in stage_layers(model.cfg.n_layers, n_stages, stage)}
-    for name in list(part.layers.keys()):
-        if name not in keep:
-            del part.layers[name]
-    if stage != 0:
-        part.tok_embeddings = None
-    if stage != n_stages - 1:
-        part.norm = None
-        part.output = None
-    return part
+    blocks = stage_layers(len(adapter.blocks(model)), n_stages, stage)
+    return adapter.keep_stage(part, blocks, first=stage == 0, last=stage == n_stages - 1)
 
 
 def build_schedule(

@@ -206,7 +206,7 @@ def _checkpointer(
 
 def _banner(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, trainer: Trainer) -> str:
     return (
-        f"hpkit train: {cfg.name}: model {cfg.model.init_from or cfg.model.name} ({trainer.model_cfg.num_params() / 1e6:.2f}M params), "
+        f"hpkit train: {cfg.name}: model {cfg.model.init_from or cfg.model.name} ({trainer.adapter.num_params(trainer.model_cfg) / 1e6:.2f}M params), "
         f"{trainer.dims.describe()} on {launch.world_size} {device.type} rank(s) ({device.backend}, "
         f"launched by {launch.source}), {cfg.train.steps} steps of {trainer.tokens_per_step} tokens"
     )

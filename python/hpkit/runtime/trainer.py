@@ -1,9 +1,11 @@
 """The Trainer: one training run's model, optimizer and data on an initialised process group.
 
-Order of construction (as in torchtitan): the model is built on the meta device, split into this
-rank's pipeline stages (`model_parts`: one part, or `stages_per_rank` under an interleaved schedule),
-then tensor parallel -> activation checkpointing -> compile -> FSDP are applied to each part, and
-only then are the weights materialised and initialised, each rank allocating only its shards.
+The model comes from its family's adapter (hpkit.runtime.adapters, looked up by `model.name`), which the
+parallelisms below ask about the model's structure. Order of construction (as in torchtitan): the model
+is built on the meta device, split into this rank's pipeline stages (`model_parts`: one part, or
+`stages_per_rank` under an interleaved schedule), then tensor parallel -> activation checkpointing ->
+compile -> FSDP are applied to each part, and only then are the weights materialised and initialised,
+each rank allocating only its shards.
 
 The Trainer is itself a DCP `Stateful`: its state is the step, the data position and the RNG, saved
 beside the model and optimizer. The host reads values from the device (loss, grad norm, the stop
@@ -26,13 +28,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpkit.errors import SpecError
-from hpkit.hf.config import read_hf_config
-from hpkit.models.llama import LlamaConfig, build_model, config_for, config_to_dict
 from hpkit.runtime import data as data_mod
 from hpkit.runtime.activation_checkpoint import apply_ac
+from hpkit.runtime.adapters import adapter_for
 from hpkit.runtime.checkpoint import Checkpointer, ModelState, OptimizerState
 from hpkit.runtime.compile import apply_compile, check_compile_allowed
-from hpkit.runtime.config import ModelSpec, RunConfig, resolve_mixed_precision
+from hpkit.runtime.config import RunConfig, resolve_mixed_precision
 from hpkit.runtime.env import DeviceInfo, node_name
 from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
 from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
@@ -110,10 +111,12 @@ class Trainer:
         if self.dims.pp_enabled:
             check_microbatches(tr.local_batch_size, cfg.parallelism.microbatches)
         self.coords = make_mesh(self.dims, device.type)
+        # The model family's adapter builds, splits and parallelises the model (hpkit.runtime.adapters).
+        self.adapter = adapter_for(cfg.model.name)
         # A Hugging Face checkpoint (model.init_from) gives the shape; its weights are loaded by
         # load_pretrained once resuming has found no checkpoint of this run.
-        self.hf = read_hf_config(cfg.model.init_from, cfg.model.seq_len) if cfg.model.init_from else None
-        self.model_cfg = self.hf.cfg if self.hf else model_config(cfg.model)
+        self.hf = self._hf_model() if cfg.model.init_from else None
+        self.model_cfg = self.hf.cfg if self.hf else self.adapter.config(cfg.model)
         par = cfg.parallelism
         self.n_stages = self.dims.pp * par.stages_per_rank
         # The pipeline stages this rank holds; the V placement puts the first and the last on one rank.
@@ -139,7 +142,7 @@ class Trainer:
         self.loader = self._build_loader()
         self.pp_group = self.coords.pp_mesh.get_group() if self.dims.pp_enabled else None
         self.step = 0
-        self.flops_per_token = self.model_cfg.flops_per_token(cfg.model.seq_len)
+        self.flops_per_token = self.adapter.flops_per_token(self.model_cfg, cfg.model.seq_len)
         # Host-side agreements (the stop flag, straggler windows) travel on a CPU group of their own, so
         # that they never queue behind the device's collectives.
         self.cpu_group = dist.new_group(backend="gloo")
@@ -154,34 +157,46 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------
     # Construction
 
+    def _hf_model(self) -> Any:
+        hf = self.adapter.hf
+        if hf is None:
+            raise SpecError(f"model.init_from: the {self.adapter.family} family has no Hugging Face format")
+        return hf.read_config(self.cfg.model.init_from, self.cfg.model.seq_len)
+
     def _build_model(self) -> tuple[list[torch.nn.Module], torch.nn.Module]:
         torch.manual_seed(self.cfg.train.seed)
-        whole = build_model(self.model_cfg, "meta")
-        parts = [self._parallelize(split_model(whole, self.n_stages, stage)) for stage in self.pp_stages]
+        whole = self.adapter.build(self.model_cfg, "meta")
+        parts = [
+            self._parallelize(split_model(whole, self.n_stages, stage, self.adapter))
+            for stage in self.pp_stages
+        ]
         # Without a pipeline the one part is the whole model, run directly (under DDP if replicated).
         module = apply_ddp(parts[0], self.coords.ddp_mesh, self.device) if self.dims.ddp_enabled else parts[0]
         return parts, module
 
     def _parallelize(self, part: torch.nn.Module) -> torch.nn.Module:
         """TP, activation checkpointing, compile and FSDP on one model part, then its weights."""
-        cfg, tr = self.cfg, self.cfg.train
+        cfg, tr, adapter = self.cfg, self.cfg.train, self.adapter
         if self.dims.tp_enabled:
             whole_model = cfg.parallelism.tp_modules is None
-            check_tp_shape(part, self.dims.tp, cfg.model.seq_len, whole_model, self.sequence_parallel)
+            check_tp_shape(
+                part, self.dims.tp, cfg.model.seq_len, whole_model, self.sequence_parallel, adapter
+            )
             apply_tp(
                 part,
                 self.coords.tp_mesh,
                 cfg.parallelism.tp_modules,
                 self.loss_parallel,
                 self.sequence_parallel,
+                adapter,
             )
-        apply_ac(part, tr.activation_checkpoint)
+        apply_ac(part, tr.activation_checkpoint, adapter)
         if tr.compile:
-            apply_compile(part)
+            apply_compile(part, adapter)
         if self.dims.fsdp_enabled:
-            apply_fsdp(part, self.coords.fsdp_mesh, self.mixed_precision, self.dims.pp_enabled)
+            apply_fsdp(part, self.coords.fsdp_mesh, self.mixed_precision, self.dims.pp_enabled, adapter)
         part.to_empty(device=self.device)
-        part.init_weights(tr.seed)
+        adapter.init_weights(part, tr.seed)
         return part
 
     def _build_schedule(self) -> Any:
@@ -228,7 +243,7 @@ class Trainer:
         """Back to the freshly initialised state: after a failed resume may have loaded part of a checkpoint."""
         torch.manual_seed(self.cfg.train.seed)
         for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
-            part.init_weights(self.cfg.train.seed)
+            self.adapter.init_weights(part, self.cfg.train.seed)
             optimizer.state.clear()
         self.step = 0
         self.loader.position = 0
@@ -270,13 +285,17 @@ class Trainer:
             raise SpecError(
                 f"model.init_from needs the hf extra ({exc.name} is missing): pip install 'hpkit[train,hf]'"
             ) from None
-        stats = [load_hf_weights(part, self.cfg.model.init_from, self.hf) for part in self.model_parts]
+        stats = [
+            load_hf_weights(part, self.cfg.model.init_from, self.hf, self.adapter.hf)
+            for part in self.model_parts
+        ]
         return LoadStats(sum(s.tensors for s in stats), sum(s.bytes_read for s in stats))
 
     def model_record(self) -> dict[str, Any]:
         """What a checkpoint's commit record keeps of the model: enough for `hpkit ckpt export --hf`."""
         return {
-            "config": config_to_dict(self.model_cfg),
+            "family": self.adapter.family,
+            "config": self.adapter.config_to_dict(self.model_cfg),
             "hf": dict(self.hf.extras) if self.hf else {},
             "init_from": self.cfg.model.init_from,
         }
@@ -408,22 +427,6 @@ class _NoTimer:
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def model_config(m: ModelSpec) -> LlamaConfig:
-    try:
-        return config_for(
-            m.name,
-            m.seq_len,
-            vocab_size=m.vocab_size,
-            dim=m.dim,
-            n_layers=m.n_layers,
-            n_heads=m.n_heads,
-            n_kv_heads=m.n_kv_heads,
-            ffn_dim=m.ffn_dim,
-        )
-    except ValueError as exc:
-        raise SpecError(f"model: {exc}") from None
 
 
 def _single_mesh(params: list[torch.nn.Parameter]) -> bool:

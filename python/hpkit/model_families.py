@@ -1,0 +1,23 @@
+"""The model families `hpkit train` can build and the shape names each answers to: `model.name` is one of them.
+
+Torch-free, so that a login node validates a spec without importing a model. The runtime finds a family's
+adapter (how to build, split, parallelise and convert that family: `hpkit.runtime.adapters`) by the family
+named here; tests/unit/test_model_adapters.py keeps this table equal to the adapters' own shape tables.
+"""
+
+from __future__ import annotations
+
+# family -> shape names, in the order they are listed to users.
+FAMILIES: dict[str, tuple[str, ...]] = {
+    "llama": ("debug", "125M", "1B", "8B", "70B"),
+}
+
+SHAPE_NAMES: tuple[str, ...] = tuple(name for names in FAMILIES.values() for name in names)
+
+
+def family_of(shape: str) -> str:
+    """The family a shape name belongs to; KeyError for a name no family has."""
+    for family, names in FAMILIES.items():
+        if shape in names:
+            return family
+    raise KeyError(f"unknown model {shape!r}: choose one of {', '.join(SHAPE_NAMES)}")

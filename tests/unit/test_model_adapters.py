@@ -1,0 +1,50 @@
+"""Model families are plug-ins: the runtime finds a family's adapter by name and asks it about the model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hpkit.model_families import FAMILIES, SHAPE_NAMES, family_of
+from hpkit.runtime.adapters import ADAPTERS, adapter_for, adapter_of
+from hpkit.runtime.config import ModelSpec
+from hpkit.validation import parse_document
+
+
+def test_the_torch_free_name_table_is_the_adapters_own():
+    assert set(FAMILIES) == set(ADAPTERS)
+    for family, names in FAMILIES.items():
+        assert tuple(ADAPTERS[family].shapes) == names, family
+
+
+def test_a_shape_name_finds_its_family_and_an_unknown_one_is_refused():
+    assert adapter_for("debug") is adapter_for("llama") is ADAPTERS["llama"]
+    assert family_of("8B") == "llama"
+    with pytest.raises(KeyError, match="choose one of debug"):
+        family_of("13B")
+    assert SHAPE_NAMES[0] == "debug"
+
+
+def test_model_name_is_validated_against_the_table():
+    from hpkit.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"name: Input should be 'debug', .*'70B'"):
+        parse_document(ModelSpec, {"name": "13B"})
+
+
+def test_the_llama_adapter_describes_its_model():
+    adapter = adapter_for("debug")
+    cfg = adapter.config(ModelSpec(name="debug", dim=32, n_layers=3, n_heads=4, ffn_dim=64, vocab_size=50))
+    model = adapter.build(cfg, "meta")
+    assert adapter_of(model) is adapter
+    assert list(adapter.blocks(model)) == ["0", "1", "2"]
+    assert adapter.input_units(model) == [model.tok_embeddings]
+    assert adapter.output_units(model) == [model.norm, model.output]
+    assert adapter.expert_modules(model) == []
+    assert adapter.flops_per_token(cfg, 16) == cfg.flops_per_token(16)
+    assert adapter.config_from_dict(adapter.config_to_dict(cfg)) == cfg
+    middle = adapter.keep_stage(adapter.build(cfg, "meta"), [1], first=False, last=False)
+    assert list(adapter.blocks(middle)) == ["1"] and adapter.input_units(middle) == []
+    assert adapter.output_units(middle) == []
+    with pytest.raises(TypeError, match="no model family"):
+        adapter_of(torch.nn.Linear(2, 2))
