@@ -98,6 +98,7 @@ SLOW_FILES_FIRST = (
     "test_checkpoint_crash.py",
     "test_smp_jobs.py",
     "test_training_correctness.py",
+    "test_moe.py",
 )
 
 

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 EVENT_KEY = "event"
 TIME_KEY = "time"  # wall-clock seconds: `hpkit status --json` shows how fresh the numbers are
 _MEMORY_PREFIX, _MEMORY_SUFFIX = "memory_", "_gib"
+_SCALARS = ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu")
+_MOE_FIELDS = ("aux_loss", "expert_load")
 
 
 def _number(value: Any) -> float | None:
@@ -36,6 +38,11 @@ class StepRecord:
     memory_gib: float | None = None
     memory_kind: str | None = None  # max_allocated (CUDA) or max_rss: written as memory_<kind>_gib
     time: float | None = None
+    # Mixture-of-experts runs only (absent from dense runs' records): the load-balancing loss (mean over
+    # MoE blocks, before its coefficient) and the expert load (tokens of the busiest expert over the mean,
+    # in the worst block; 1.0 is perfectly even).
+    aux_loss: float | None = None
+    expert_load: float | None = None
 
     def scalars(self) -> dict[str, float | None]:
         """The step's numbers under their file names (TensorBoard tags, Prometheus)."""
@@ -50,6 +57,9 @@ class StepRecord:
         }
         if self.memory_kind is not None:
             out[f"{_MEMORY_PREFIX}{self.memory_kind}{_MEMORY_SUFFIX}"] = self.memory_gib
+        for name in _MOE_FIELDS:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
         return out
 
     def to_json(self) -> dict[str, Any]:
@@ -61,10 +71,7 @@ class StepRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepRecord:
         memory = next((k for k in data if k.startswith(_MEMORY_PREFIX) and k.endswith(_MEMORY_SUFFIX)), None)
-        numbers = {
-            name: _number(data.get(name))
-            for name in ("loss", "grad_norm", "lr", "step_time_s", "tokens_per_s", "tflops_per_device", "mfu")
-        }
+        numbers = {name: _number(data.get(name)) for name in (*_SCALARS, *_MOE_FIELDS)}
         return cls(
             step=int(data["step"]),
             **numbers,

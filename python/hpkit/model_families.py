@@ -10,6 +10,8 @@ from __future__ import annotations
 # family -> shape names, in the order they are listed to users.
 FAMILIES: dict[str, tuple[str, ...]] = {
     "llama": ("debug", "125M", "1B", "8B", "70B"),
+    # Llama blocks whose FFNs are mixtures of experts (hpkit.models.moe); model.moe on any shape makes one.
+    "moe": ("debug-moe",),
 }
 
 SHAPE_NAMES: tuple[str, ...] = tuple(name for names in FAMILIES.values() for name in names)
@@ -21,3 +23,8 @@ def family_of(shape: str) -> str:
         if shape in names:
             return family
     raise KeyError(f"unknown model {shape!r}: choose one of {', '.join(SHAPE_NAMES)}")
+
+
+def family_for(shape: str, moe: bool) -> str:
+    """The family that builds `model.name` = shape, `moe` when the spec sets model.moe."""
+    return "moe" if moe else family_of(shape)

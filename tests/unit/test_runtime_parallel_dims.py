@@ -110,3 +110,20 @@ def test_seq_len_must_divide_only_under_sequence_parallel():
     check_tp_shape(model, 4, 30, whole_model=True, sequence_parallel=False)
     with pytest.raises(SpecError, match="seq_len=30"):
         check_tp_shape(model, 4, 30, whole_model=True, sequence_parallel=True)
+
+
+def test_expert_parallel_is_a_mesh_dimension_that_also_splits_the_batch():
+    d = dims(8, ep=2)
+    assert (d.dp_shard, d.ep) == (4, 2)
+    assert d.dp == 8 and d.fsdp_enabled and d.ep_enabled
+    assert d.mesh_dims() == [("dp_shard", 4), ("ep", 2)]
+    # ep alone still gets a (one-rank) dp_shard dimension: the experts' FSDP units live on it.
+    assert dims(2, ep=2, dp_shard=1).mesh_dims() == [("dp_shard", 1), ("ep", 2)]
+    assert dims(8, pp=2, ep=2, tp=2, dp_shard=1, microbatches=2).mesh_dims() == [
+        ("pp", 2),
+        ("dp_shard", 1),
+        ("ep", 2),
+        ("tp", 2),
+    ]
+    with pytest.raises(SpecError, match=r"dp_replicate\*dp_shard\*ep\*tp\*pp equal 6"):
+        dims(6, ep=4)

@@ -71,7 +71,7 @@ def test_seed_000_tensor_parallel_only():
     }
     spec = result.spec
     assert (spec.world_size, spec.gpus_per_node) == (8, 8)
-    assert spec.parallelism.resolve(8) == {"dp_replicate": 2, "dp_shard": 1, "tp": 4, "pp": 1}
+    assert spec.parallelism.resolve(8) == {"dp_replicate": 2, "dp_shard": 1, "ep": 1, "tp": 4, "pp": 1}
     assert sorted(warned(result)) == sorted(
         [
             "distribution.smdistributed.modelparallel.parameters.placement_strategy",
@@ -110,7 +110,7 @@ def test_seed_000_tensor_and_pipeline_parallel():
         "pp": 2,
         "microbatches": 4,
     }
-    assert result.spec.parallelism.resolve(8) == {"dp_replicate": 2, "dp_shard": 1, "tp": 2, "pp": 2}
+    assert result.spec.parallelism.resolve(8) == {"dp_replicate": 2, "dp_shard": 1, "ep": 1, "tp": 2, "pp": 2}
     assert result.data["launcher"] == "mpi"
 
 

@@ -172,18 +172,30 @@ def test_sagemaker_aliases_and_ddp():
             },
         },
     )
-    assert spec.parallelism.resolve(spec.world_size) == {"dp_replicate": 2, "dp_shard": 1, "tp": 4, "pp": 2}
+    assert spec.parallelism.resolve(spec.world_size) == {
+        "dp_replicate": 2,
+        "dp_shard": 1,
+        "ep": 1,
+        "tp": 4,
+        "pp": 2,
+    }
     spec = parse_document(
         JobSpec,
         {"name": "j", "nodes": 1, "tasks_per_node": 4, "parallelism": {"partitions": 2, "microbatches": 2}},
     )
-    assert spec.parallelism.resolve(4) == {"dp_replicate": 1, "dp_shard": 2, "tp": 1, "pp": 2}
+    assert spec.parallelism.resolve(4) == {"dp_replicate": 1, "dp_shard": 2, "ep": 1, "tp": 1, "pp": 2}
 
 
 def test_defaults_infer_fsdp_over_all_ranks():
     spec = parse_document(JobSpec, {"name": "j", "nodes": 2, "tasks_per_node": 2})
     assert spec.world_size == 4
-    assert spec.parallelism.resolve(spec.world_size) == {"dp_replicate": 1, "dp_shard": 4, "tp": 1, "pp": 1}
+    assert spec.parallelism.resolve(spec.world_size) == {
+        "dp_replicate": 1,
+        "dp_shard": 4,
+        "ep": 1,
+        "tp": 1,
+        "pp": 1,
+    }
 
 
 def test_metrics_paths_are_normalised():
@@ -260,3 +272,24 @@ def test_a_job_spec_is_a_slurm_job_plus_the_training_blocks():
     # A check that needs both halves: the parallel degrees must divide the job's world size.
     with pytest.raises(SpecError, match="parallelism"):
         parse_document(JobSpec, {"name": "x", "nodes": 2, "parallelism": {"tp": 3}})
+
+
+def test_moe_and_expert_parallel_are_checked_at_validation():
+    from hpkit.runtime.config import RunConfig
+    from hpkit.validation import parse_document
+
+    def run_config(model: dict, **par) -> RunConfig:
+        return parse_document(RunConfig, {"name": "m", "model": model, "parallelism": par})
+
+    assert run_config({"name": "debug-moe"}, ep=2).parallelism.ep == 2
+    assert run_config({"name": "debug", "moe": {"experts": 4}}, ep=4).model.moe.experts == 4
+    with pytest.raises(
+        SpecError, match=r"parallelism\.ep=2 splits a mixture of experts, but model debug is dense"
+    ):
+        run_config({"name": "debug"}, ep=2)
+    with pytest.raises(SpecError, match=r"parallelism\.ep=4 must divide model\.moe\.experts=6"):
+        run_config({"name": "debug", "moe": {"experts": 6}}, ep=4)
+    with pytest.raises(SpecError, match="top_k=3 is more than experts=2: lower top_k"):
+        run_config({"name": "debug", "moe": {"experts": 2, "top_k": 3}})
+    with pytest.raises(SpecError, match="moe cannot be given with init_from"):
+        run_config({"init_from": "/x", "moe": {"experts": 2}})

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpkit.models.moe import MoE, MoEConfig
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -43,24 +45,34 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     # Hugging Face configs may give a head size other than dim / n_heads; None: dim / n_heads.
     attn_head_dim: int | None = None
+    # Mixture of experts: some blocks' FFN becomes routed experts (hpkit.models.moe); None: dense.
+    moe: MoEConfig | None = None
 
     @property
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
 
-    def num_params(self, embeddings: bool = True) -> int:
+    def num_params(self, embeddings: bool = True, active: bool = False) -> int:
+        """Parameters, or with `active` those one token passes through (its top-k experts, not all E)."""
         attn = self.dim * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
-        mlp = 3 * self.dim * self.ffn_dim
-        block = attn + mlp + 2 * self.dim
+        dense_mlp = 3 * self.dim * self.ffn_dim
+        total = 0
+        for i in range(self.n_layers):
+            mlp = dense_mlp
+            if self.moe is not None and self.moe.is_moe_block(i):
+                hidden = self.moe.expert_ffn_dim or self.ffn_dim
+                routed = self.moe.top_k if active else self.moe.experts
+                mlp = 3 * self.dim * hidden * (routed + self.moe.shared_experts) + self.dim * self.moe.experts
+            total += attn + mlp + 2 * self.dim
         emb = 2 * self.vocab_size * self.dim if embeddings else 0
-        return self.n_layers * block + self.dim + emb
+        return total + self.dim + emb
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per weight (forward + backward) plus causal attention's score math.
 
         The embedding lookup is not a matmul, so it is left out; the output projection is.
         """
-        dense = 6 * (self.num_params(embeddings=False) + self.vocab_size * self.dim)
+        dense = 6 * (self.num_params(embeddings=False, active=True) + self.vocab_size * self.dim)
         attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
         return float(dense + attention)
 
@@ -73,6 +85,17 @@ SHAPES: dict[str, LlamaConfig] = {
     # Llama 3 8B and 70B as published (config.json: rope_theta 500000, rms_norm_eps 1e-5, vocab 128256).
     "8B": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
     "70B": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
+    # `debug` with every block's FFN made 8 experts (top 1) plus 1 shared one, the layout of torchtitan's
+    # MoE debug models, so that MoE throughput compares with theirs.
+    "debug-moe": LlamaConfig(
+        dim=256,
+        n_layers=6,
+        n_heads=16,
+        n_kv_heads=16,
+        ffn_dim=768,
+        vocab_size=2048,
+        moe=MoEConfig(experts=8, top_k=1, shared_experts=1, every=1, aux_loss_coef=0.01),
+    ),
 }
 
 
@@ -86,6 +109,7 @@ def config_for(
     n_heads: int | None = None,
     n_kv_heads: int | None = None,
     ffn_dim: int | None = None,
+    moe: MoEConfig | None = None,
 ) -> LlamaConfig:
     if name not in SHAPES:
         raise ValueError(f"unknown model {name!r}: choose one of {', '.join(SHAPES)}")
@@ -99,6 +123,7 @@ def config_for(
         # Overriding the heads alone keeps plain multi-head attention unless kv heads are given too.
         "n_kv_heads": n_kv_heads or (heads if n_heads else None),
         "ffn_dim": ffn_dim,
+        "moe": moe,
     }
     cfg = replace(
         base, max_seq_len=max(seq_len, base.max_seq_len), **{k: v for k, v in overrides.items() if v}
@@ -109,6 +134,13 @@ def config_for(
         raise ValueError(f"n_heads={cfg.n_heads} is not divisible by n_kv_heads={cfg.n_kv_heads}")
     if cfg.head_dim % 2:
         raise ValueError(f"head dimension {cfg.head_dim} must be even for rotary embeddings")
+    if cfg.moe is not None:
+        if cfg.moe.top_k > cfg.moe.experts:
+            raise ValueError(f"moe.top_k={cfg.moe.top_k} is more than moe.experts={cfg.moe.experts}")
+        if not cfg.moe.moe_blocks(cfg.n_layers):
+            raise ValueError(
+                f"moe.every={cfg.moe.every} leaves none of the {cfg.n_layers} blocks a MoE block"
+            )
     return cfg
 
 
@@ -148,6 +180,8 @@ def config_from_dict(data: dict) -> LlamaConfig:
     data = dict(data)
     if data.get("rope_scaling"):
         data["rope_scaling"] = RopeScaling(**data["rope_scaling"])
+    if data.get("moe"):
+        data["moe"] = MoEConfig(**data["moe"])
     return LlamaConfig(**data)
 
 
@@ -200,12 +234,17 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: LlamaConfig, index: int) -> None:
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward: nn.Module
+        if cfg.moe is not None and cfg.moe.is_moe_block(index):
+            n_moe = len(cfg.moe.moe_blocks(cfg.n_layers))
+            self.feed_forward = MoE(cfg.moe, cfg.dim, cfg.ffn_dim, n_moe)
+        else:
+            self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -217,7 +256,7 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: nn.RMSNorm | None = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         cos, sin = rope_tables(cfg)
@@ -248,6 +287,9 @@ class Llama(nn.Module):
         cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.take_stats()  # to_empty left its counters uninitialised
         depth_std = 0.02 / math.sqrt(2 * self.cfg.n_layers)
         for name, param in named_parameters_unwrapped(self):
             full_shape = param.shape
@@ -261,7 +303,7 @@ class Llama(nn.Module):
                     std = 1.0
                 elif name.startswith("output"):
                     std = self.cfg.dim**-0.5
-                elif name.endswith(("wo.weight", "w2.weight")):
+                elif name.endswith(("wo.weight", "w2.weight", "experts.w2")):
                     std = depth_std
                 else:
                     std = 0.02

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hpkit.model_families import SHAPE_NAMES
+from hpkit.model_families import SHAPE_NAMES, family_of
 from hpkit.smp_params import DEGREE_ALIASES
 from hpkit.validation import StrictModel, check_no_control_chars
 
@@ -32,6 +32,14 @@ class ParallelismSpec(StrictModel):
 
     dp_replicate: int = 1
     dp_shard: int = -1
+    ep: int = Field(
+        default=1,
+        description=(
+            "expert parallel: each MoE block's routed experts are split over ep ranks and tokens reach them by "
+            "all-to-all. ep ranks also split the batch, as data parallel does, and the other weights are "
+            "FSDP-sharded over dp_shard x ep; the world is dp_replicate x dp_shard x ep x tp x pp"
+        ),
+    )
     tp: int = 1
     pp: int = 1
     microbatches: int = Field(default=1, ge=1)
@@ -90,7 +98,7 @@ class ParallelismSpec(StrictModel):
             if value == 0 or value < -1:
                 raise ValueError(f"{name}={value}: a degree is a positive integer, or -1 to infer it")
         if sum(v == -1 for v in degrees.values()) > 1:
-            raise ValueError("only one of dp_replicate, dp_shard, tp, pp may be -1")
+            raise ValueError("only one of dp_replicate, dp_shard, ep, tp, pp may be -1")
         if self.sequence_parallel and self.tp_modules is not None:
             raise ValueError(
                 "sequence_parallel applies to whole-model tensor parallel; with tp_modules the residual stream "
@@ -130,7 +138,13 @@ class ParallelismSpec(StrictModel):
         return None
 
     def named_degrees(self) -> dict[str, int]:
-        return {"dp_replicate": self.dp_replicate, "dp_shard": self.dp_shard, "tp": self.tp, "pp": self.pp}
+        return {
+            "dp_replicate": self.dp_replicate,
+            "dp_shard": self.dp_shard,
+            "ep": self.ep,
+            "tp": self.tp,
+            "pp": self.pp,
+        }
 
     def resolve(self, world_size: int) -> dict[str, int]:
         """Degrees with -1 filled in; raises ValueError when they cannot make up world_size."""
@@ -139,7 +153,7 @@ class ParallelismSpec(StrictModel):
         if world_size % known:
             raise ValueError(
                 f"the degrees {_fmt(degrees)} multiply to {known}, which does not divide the world size "
-                f"{world_size}: make dp_replicate*dp_shard*tp*pp equal {world_size}"
+                f"{world_size}: make dp_replicate*dp_shard*ep*tp*pp equal {world_size}"
             )
         for name, value in degrees.items():
             if value == -1:
@@ -154,6 +168,27 @@ class ParallelismSpec(StrictModel):
 
 def _fmt(degrees: dict[str, int]) -> str:
     return " ".join(f"{k}={v}" for k, v in degrees.items())
+
+
+class MoESpec(StrictModel):
+    """Mixture of experts: every `every`-th block's FFN becomes `experts` routed experts plus `shared_experts`
+    always-on ones; each token goes to its `top_k` experts. Unset fields keep the shape's (debug-moe) or
+    these defaults."""
+
+    experts: int | None = Field(default=None, ge=2, description="routed experts per MoE block")
+    top_k: int | None = Field(default=None, ge=1, description="experts each token goes to (default 2)")
+    shared_experts: int | None = Field(default=None, ge=0, description="experts every token goes through")
+    every: int | None = Field(default=None, ge=1, description="every N-th block is a MoE block (default 1)")
+    aux_loss_coef: float | None = Field(
+        default=None, ge=0, description="weight of the load-balancing loss (default 0.01; 0 turns it off)"
+    )
+    expert_ffn_dim: int | None = Field(default=None, ge=1, description="experts' SwiGLU hidden size")
+
+    @model_validator(mode="after")
+    def _top_k_fits(self) -> MoESpec:
+        if self.experts is not None and self.top_k is not None and self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} is more than experts={self.experts}: lower top_k")
+        return self
 
 
 class ModelSpec(StrictModel):
@@ -173,6 +208,7 @@ class ModelSpec(StrictModel):
     n_heads: int | None = Field(default=None, ge=1, description="override the number of attention heads")
     n_kv_heads: int | None = Field(default=None, ge=1, description="override the key/value heads (GQA)")
     ffn_dim: int | None = Field(default=None, ge=1, description="override the SwiGLU hidden size")
+    moe: MoESpec | None = Field(default=None, description="make the model a mixture of experts (MoESpec)")
 
     @model_validator(mode="after")
     def _init_from_sets_the_shape(self) -> ModelSpec:
@@ -181,7 +217,7 @@ class ModelSpec(StrictModel):
         check_no_control_chars(self.init_from, "init_from")
         shaped = [
             f
-            for f in ("name", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
+            for f in ("name", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "moe")
             if f in self.model_fields_set
         ]
         if shaped:
@@ -386,6 +422,23 @@ class RunConfig(StrictModel):
     instance_type: str | None = Field(
         default=None, description="the EC2/SageMaker type the nodes are (ml.p4d.24xlarge): informs SMDDP"
     )
+
+    @model_validator(mode="after")
+    def _experts_fit(self) -> RunConfig:
+        ep, moe = self.parallelism.ep, self.model.moe
+        if ep in (1, -1):
+            return self
+        if moe is None and family_of(self.model.name) != "moe":
+            raise ValueError(
+                f"parallelism.ep={ep} splits a mixture of experts, but model {self.model.name} is dense: "
+                "set model.moe (experts: ...) or a MoE shape such as name: debug-moe, or ep: 1"
+            )
+        if moe is not None and moe.experts is not None and moe.experts % ep:
+            raise ValueError(
+                f"parallelism.ep={ep} must divide model.moe.experts={moe.experts}: each ep rank holds "
+                f"experts / ep of them"
+            )
+        return self
 
     @model_validator(mode="after")
     def _pipeline_fits_the_model(self) -> RunConfig:

@@ -26,7 +26,11 @@ def apply_fsdp(
     mixed_precision: str,
     pp_enabled: bool,
     adapter: ModelAdapter | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> None:
+    """FSDP2 over `dp_mesh`, one unit per block plus the embeddings and the head. Under expert parallel
+    the routed experts are units of their own over `expert_mesh` (the data-parallel ranks that hold the
+    same experts), since they are already split over the ep ranks that `dp_mesh` also spans."""
     adapter = adapter or adapter_of(model)
     mp = mixed_precision_policy(mixed_precision)
     # Under PP every microbatch runs forward and backward separately: resharding after each forward
@@ -46,6 +50,9 @@ def apply_fsdp(
         )
     blocks = list(adapter.blocks(model).values())
     for i, block in enumerate(blocks):
+        if expert_mesh is not None:
+            for experts in adapter.expert_modules(block):
+                fully_shard(experts, mesh=expert_mesh, mp_policy=mp, reshard_after_forward=reshard)
         # The last block's weights are needed again at once by backward: keep them gathered.
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard and i < len(blocks) - 1)
     head = adapter.output_units(model)

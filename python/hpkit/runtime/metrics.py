@@ -69,6 +69,8 @@ class StepStats:
     peak_tflops: float | None
     memory_gib: float
     memory_kind: str
+    aux_loss: float | None = None  # MoE runs only
+    expert_load: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,14 +96,19 @@ class StepStats:
             mfu=self.mfu,
             memory_gib=self.memory_gib,
             memory_kind=self.memory_kind,
+            aux_loss=self.aux_loss,
+            expert_load=self.expert_load,
         )
 
     def line(self) -> str:
         mfu = f"{self.mfu * 100:.1f}%" if self.mfu is not None else "n/a"
+        moe = ""
+        if self.aux_loss is not None and self.expert_load is not None:
+            moe = f" | aux {self.aux_loss:.4f} | expert load {self.expert_load:.2f}"
         return (
             f"step {self.step:>5} | loss {self.loss:.4f} | grad_norm {self.grad_norm:.3f} | lr {self.lr:.2e} | "
             f"{self.tokens_per_s:,.0f} tok/s | {self.tflops_per_device:.2f} TFLOP/s/dev | MFU {mfu} | "
-            f"mem {self.memory_gib:.2f} GiB | {self.step_time_s * 1000:.0f} ms"
+            f"mem {self.memory_gib:.2f} GiB | {self.step_time_s * 1000:.0f} ms{moe}"
         )
 
 

@@ -73,6 +73,8 @@ class StepReporter:
             self.peak_tflops,
             mem,
             kind,
+            result.aux_loss,
+            result.expert_load,
         )
 
     def close(self) -> None:

@@ -28,6 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpkit.errors import SpecError
+from hpkit.model_families import family_for
+from hpkit.models.moe import MoE
 from hpkit.runtime import data as data_mod
 from hpkit.runtime.activation_checkpoint import apply_ac
 from hpkit.runtime.adapters import adapter_for
@@ -35,6 +37,7 @@ from hpkit.runtime.checkpoint import Checkpointer, ModelState, OptimizerState
 from hpkit.runtime.compile import apply_compile, check_compile_allowed
 from hpkit.runtime.config import RunConfig, resolve_mixed_precision
 from hpkit.runtime.env import DeviceInfo, node_name
+from hpkit.runtime.expert_parallel import apply_ep
 from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
 from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
 from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
@@ -55,6 +58,8 @@ class StepResult:
     step_time_s: float
     loss: float | None = None
     grad_norm: float | None = None
+    aux_loss: float | None = None  # MoE models: see hpkit.metrics_records.StepRecord
+    expert_load: float | None = None
     window: Window | None = None  # a straggler window's verdict, on the step after the window ended
 
     @property
@@ -112,7 +117,7 @@ class Trainer:
             check_microbatches(tr.local_batch_size, cfg.parallelism.microbatches)
         self.coords = make_mesh(self.dims, device.type)
         # The model family's adapter builds, splits and parallelises the model (hpkit.runtime.adapters).
-        self.adapter = adapter_for(cfg.model.name)
+        self.adapter = adapter_for(family_for(cfg.model.name, cfg.model.moe is not None))
         # A Hugging Face checkpoint (model.init_from) gives the shape; its weights are loaded by
         # load_pretrained once resuming has found no checkpoint of this run.
         self.hf = self._hf_model() if cfg.model.init_from else None
@@ -133,9 +138,15 @@ class Trainer:
             else sequence_parallel_default(device.type)
         )
         self.model_parts, self.module = self._build_model()
+        self.moe_blocks = self._moe_blocks()
         # FSDP casts parameters itself; otherwise bf16 comes from autocast around the forward.
         self.autocast = self.mixed_precision == "bf16" and not self.dims.fsdp_enabled
         self.schedule = self._build_schedule()
+        if self.schedule is not None:
+            # torch's pipeline stages infer their shapes by running one forward (and input-gradient pass)
+            # before the first real microbatch: keep it out of the MoE load figures.
+            for _, moe in self.moe_blocks:
+                moe.skip_forwards = 1
         self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         # One optimizer per part: DCP's optimizer state dict maps parameters to names through one module.
         self.optimizers = [self._build_optimizer(part) for part in self.model_parts]
@@ -190,14 +201,55 @@ class Trainer:
                 self.sequence_parallel,
                 adapter,
             )
+        if self.dims.ep_enabled and not apply_ep(part, self.coords.ep_mesh, adapter):
+            raise SpecError(
+                f"parallelism.ep={self.dims.ep} splits experts, but the model has none: set model.moe"
+            )
         apply_ac(part, tr.activation_checkpoint, adapter)
         if tr.compile:
             apply_compile(part, adapter)
         if self.dims.fsdp_enabled:
-            apply_fsdp(part, self.coords.fsdp_mesh, self.mixed_precision, self.dims.pp_enabled, adapter)
+            apply_fsdp(
+                part,
+                self.coords.fsdp_mesh,
+                self.mixed_precision,
+                self.dims.pp_enabled,
+                adapter,
+                expert_mesh=self.coords.expert_fsdp_mesh,
+            )
         part.to_empty(device=self.device)
         adapter.init_weights(part, tr.seed)
         return part
+
+    def _moe_blocks(self) -> list[tuple[int, MoE]]:
+        """This rank's MoE FFNs with their row among all of the model's MoE blocks (for the load figures)."""
+        moe_cfg = getattr(self.model_cfg, "moe", None)
+        if moe_cfg is None:
+            return []
+        rows = {block: row for row, block in enumerate(moe_cfg.moe_blocks(self.model_cfg.n_layers))}
+        found = []
+        for part in self.model_parts:
+            for name, block in self.adapter.blocks(part).items():
+                found += [(rows[int(name)], m) for m in block.modules() if isinstance(m, MoE)]
+        return found
+
+    def _moe_figures(self, logging: bool) -> tuple[float | None, float | None]:
+        """(aux loss, expert load) over the whole job on a logging step; the counters restart every step."""
+        stats = [(row, m.take_stats()) for row, m in self.moe_blocks]
+        if not logging or not self.model_cfg.moe:
+            return None, None
+        n_experts = self.model_cfg.moe.experts
+        table = torch.zeros(len(self.model_cfg.moe.moe_blocks(self.model_cfg.n_layers)), n_experts + 2)
+        for row, (load, aux_sum, calls) in stats:
+            table[row, :n_experts] = load.float().cpu()
+            table[row, n_experts] = float(aux_sum)
+            table[row, n_experts + 1] = float(calls)
+        # Summed over every rank: tp ranks count the same tokens, which scales a block's row evenly.
+        dist.all_reduce(table, group=self.cpu_group)
+        load, aux_sum, calls = table[:, :n_experts], table[:, n_experts], table[:, n_experts + 1]
+        aux = float((aux_sum / calls.clamp(min=1)).mean())
+        balance = float((load.max(1).values / load.mean(1).clamp(min=1e-9)).max())
+        return aux, balance
 
     def _build_schedule(self) -> Any:
         if not self.dims.pp_enabled:
@@ -345,7 +397,9 @@ class Trainer:
                     optimizer.zero_grad(set_to_none=True)
             self.stop.exchange()
             result = StepResult(self.step, lr, 0.0)
-            if self.is_logging_step(self.step):
+            logging = self.is_logging_step(self.step)
+            result.aux_loss, result.expert_load = self._moe_figures(logging)
+            if logging:
                 result.loss = self._global_loss(local_loss)
                 result.grad_norm = float(norm)
         result.step_time_s = time.perf_counter() - start

@@ -11,8 +11,9 @@ from torch import nn
 from hpkit.model_families import FAMILIES, family_of
 from hpkit.runtime.adapters.base import ModelAdapter
 from hpkit.runtime.adapters.llama import LlamaAdapter
+from hpkit.runtime.adapters.moe import MoEAdapter
 
-ADAPTERS: dict[str, ModelAdapter] = {adapter.family: adapter for adapter in (LlamaAdapter(),)}
+ADAPTERS: dict[str, ModelAdapter] = {adapter.family: adapter for adapter in (LlamaAdapter(), MoEAdapter())}
 
 
 def adapter_for(name: str) -> ModelAdapter:

@@ -14,12 +14,13 @@ parallelised; no sequence parallel then, because the residual stream stays whole
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -40,7 +41,7 @@ from hpkit.runtime.tp_styles import ReplicateParallel
 class LlamaAdapter(ModelAdapter):
     family = "llama"
     hf = hf_config.LLAMA
-    shapes = llama.SHAPES
+    shapes = tuple(name for name, cfg in llama.SHAPES.items() if cfg.moe is None)
 
     # ---- configuration ---------------------------------------------------------------------------
 
@@ -77,7 +78,7 @@ class LlamaAdapter(ModelAdapter):
         return llama.build_model(cfg, device)
 
     def owns(self, model: nn.Module) -> bool:
-        return isinstance(model, llama.Llama)
+        return isinstance(model, llama.Llama) and model.cfg.moe is None
 
     def init_weights(self, model: nn.Module, seed: int) -> None:
         model.init_weights(seed)
@@ -140,7 +141,7 @@ class LlamaAdapter(ModelAdapter):
         sequence_parallel: bool,
     ) -> None:
         if units is None:
-            _whole_model_tp(model, tp_mesh, loss_parallel, sequence_parallel)
+            _whole_model_tp(model, tp_mesh, loss_parallel, sequence_parallel, self.ffn_tp_plan)
             return
         plan: dict[str, object] = {}
         for unit in units:
@@ -157,9 +158,26 @@ class LlamaAdapter(ModelAdapter):
                 plan[unit] = ColwiseParallel(output_layouts=Replicate())
         parallelize_module(model, tp_mesh, plan)
 
+    def ffn_tp_plan(
+        self, block: nn.Module, stream: Placement, norm: ParallelStyle
+    ) -> dict[str, ParallelStyle]:
+        """A block's FFN under whole-model TP (its input arrives in the `stream` layout and leaves in it):
+        SwiGLU's w1/w3 column-parallel, w2 row-parallel."""
+        return {
+            "ffn_norm": norm,
+            "feed_forward": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=stream),
+            "feed_forward.w3": ColwiseParallel(),
+        }
+
 
 def _whole_model_tp(
-    model: nn.Module, tp_mesh: DeviceMesh, loss_parallel: bool, sequence_parallel: bool
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    loss_parallel: bool,
+    sequence_parallel: bool,
+    ffn_plan: Callable[[nn.Module, Placement, ParallelStyle], dict[str, ParallelStyle]],
 ) -> None:
     # The residual stream between blocks is sequence-sharded under sequence parallel, else a plain tensor,
     # whole and equal on every TP rank. A pipeline stage may lack embeddings or the head, so stage
@@ -196,12 +214,6 @@ def _whole_model_tp(
                 "attention.wk": ColwiseParallel(),
                 "attention.wv": ColwiseParallel(),
                 "attention.wo": RowwiseParallel(output_layouts=stream),
-                "ffn_norm": norm(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=(stream,), desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=stream),
-                "feed_forward.w3": ColwiseParallel(),
+                **ffn_plan(block, stream, norm()),
             },
         )
