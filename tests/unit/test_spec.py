@@ -289,6 +289,18 @@ def test_moe_and_expert_parallel_are_checked_at_validation():
         run_config({"name": "debug"}, ep=2)
     with pytest.raises(SpecError, match=r"parallelism\.ep=4 must divide model\.moe\.experts=6"):
         run_config({"name": "debug", "moe": {"experts": 6}}, ep=4)
+    with pytest.raises(
+        SpecError, match=r"selective with parallelism\.ep=2: .* use activation_checkpoint: full"
+    ):
+        parse_document(
+            RunConfig,
+            {
+                "name": "m",
+                "model": {"name": "debug-moe"},
+                "parallelism": {"ep": 2},
+                "train": {"activation_checkpoint": "selective"},
+            },
+        )
     with pytest.raises(SpecError, match="top_k=3 is more than experts=2: lower top_k"):
         run_config({"name": "debug", "moe": {"experts": 2, "top_k": 3}})
     with pytest.raises(SpecError, match="moe cannot be given with init_from"):

@@ -433,6 +433,13 @@ class RunConfig(StrictModel):
                 f"parallelism.ep={ep} splits a mixture of experts, but model {self.model.name} is dense: "
                 "set model.moe (experts: ...) or a MoE shape such as name: debug-moe, or ep: 1"
             )
+        if self.train.activation_checkpoint == "selective":
+            # Selective checkpointing replays the block's recorded ops in backward and needs the same op
+            # sequence; the experts' all-to-alls (and their split sizes) break that replay (torch 2.13).
+            raise ValueError(
+                f"train.activation_checkpoint selective with parallelism.ep={ep}: the experts' all-to-all "
+                "cannot be replayed by selective checkpointing: use activation_checkpoint: full or none"
+            )
         if moe is not None and moe.experts is not None and moe.experts % ep:
             raise ValueError(
                 f"parallelism.ep={ep} must divide model.moe.experts={moe.experts}: each ep rank holds "
