@@ -73,8 +73,10 @@ def export_hf(
     # Records written before model families existed hold Llama models.
     family = record.model.get("family", "llama")
     adapter = ADAPTERS.get(family)
-    if adapter is None or adapter.hf is None:
-        raise HpkitError(f"{step_dir}: a {family} model: hpkit has no Hugging Face format for that family")
+    if adapter is None or adapter.hf is None or adapter.hf.expert_tensor is not None:
+        raise HpkitError(
+            f"{step_dir}: a {family} model: hpkit cannot write its Hugging Face format (yet): export Llama models"
+        )
     cfg = adapter.config_from_dict(record.model["config"])
     if out.exists() and any(out.iterdir()):
         raise HpkitError(f"{out}: not empty: export into a new directory")

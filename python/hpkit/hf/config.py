@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hpkit.errors import SpecError
 from hpkit.models.llama import LlamaConfig, RopeScaling
+from hpkit.models.moe import MoEConfig
 
 CONFIG_NAME = "config.json"
 # Carried from the source config into the checkpoint record and back into an export's config.json:
@@ -40,6 +41,23 @@ class HfMapping:
     tensor_name: Callable[[str], str]  # hpkit parameter name -> Hugging Face tensor name
     rotary_heads: Callable[[str, Any], int | None]  # heads whose rows change rotary layout, or None
     to_config: Callable[[Any, dict[str, Any], str], dict[str, Any]]  # (cfg, extras, dtype) -> config.json
+    # Weights the runtime holds as one [E, ...] tensor and Hugging Face as one tensor per expert:
+    # (hpkit parameter name, expert j) -> that expert's tensor name, or None for every other parameter.
+    expert_tensor: Callable[[str, int], str | None] | None = None
+
+
+# model_type in config.json -> the hpkit model family that loads it (hpkit.model_families).
+HF_FAMILIES = {"llama": "llama", "mixtral": "moe"}
+
+
+def hf_family(directory: str | Path) -> str:
+    """The model family of DIR/config.json's model_type ("llama" when it cannot be read: read_config then
+    names the problem)."""
+    try:
+        model_type = json.loads((Path(directory) / CONFIG_NAME).read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return "llama"
+    return HF_FAMILIES.get(model_type, "llama")
 
 
 def read_hf_config(directory: str | Path, seq_len: int) -> HfModel:
@@ -72,8 +90,11 @@ def parse_hf_config(data: dict[str, Any], seq_len: int, where: str = "config.jso
         return value
 
     model_type = data.get("model_type")
-    if model_type != "llama":
-        raise refuse("model_type", f"{model_type!r}: only Llama checkpoints (model_type llama) load")
+    if model_type not in HF_FAMILIES:
+        raise refuse(
+            "model_type",
+            f"{model_type!r}: only Llama and Mixtral checkpoints (model_type llama, mixtral) load",
+        )
     for name in ("attention_bias", "mlp_bias"):
         if data.get(name):
             raise refuse(name, "true: the runtime's Llama has no biases")
@@ -112,8 +133,27 @@ def parse_hf_config(data: dict[str, Any], seq_len: int, where: str = "config.jso
         rope_scaling=scaling,
         attn_head_dim=None if head_dim == dim // n_heads else head_dim,
     )
+    if model_type == "mixtral":
+        cfg = replace(cfg, moe=_mixtral_moe(data, seq_len, refuse, integer))
     extras = {k: data[k] for k in PASSTHROUGH if data.get(k) is not None}
     return HfModel(cfg, tied, extras)
+
+
+def _mixtral_moe(data: dict[str, Any], seq_len: int, refuse: Any, integer: Any) -> MoEConfig:
+    window = data.get("sliding_window")
+    if window is not None and (not isinstance(window, int) or window < seq_len):
+        raise refuse(
+            "sliding_window",
+            f"{window!r}: the runtime attends to the whole sequence; it must be null or >= seq_len",
+        )
+    experts, top_k = integer("num_local_experts"), integer("num_experts_per_tok")
+    if top_k > experts:
+        raise refuse("num_experts_per_tok", f"{top_k} is more than num_local_experts={experts}")
+    coef = data.get("router_aux_loss_coef", 0.001)
+    if not isinstance(coef, (int, float)) or coef < 0:
+        raise refuse("router_aux_loss_coef", f"{coef!r} is not a number >= 0")
+    # Mixtral: every block's FFN is routed experts of intermediate_size, no shared expert.
+    return MoEConfig(experts=experts, top_k=top_k, shared_experts=0, every=1, aux_loss_coef=float(coef))
 
 
 def _rope(data: dict[str, Any], refuse: Any) -> tuple[float, RopeScaling | None]:
@@ -229,3 +269,31 @@ def rotary_heads(name: str, cfg: LlamaConfig) -> int | None:
 
 
 LLAMA = HfMapping(read_hf_config, hf_name, rotary_heads, to_hf_config)
+
+
+def mixtral_name(name: str) -> str:
+    """Mixtral's tensor name of an hpkit parameter (the routed experts: see mixtral_expert_tensor)."""
+    prefix, _, rest = name.partition(".")
+    index, _, inner = rest.partition(".")
+    if prefix == "layers" and inner == "feed_forward.router.gate.weight":
+        return f"model.layers.{index}.block_sparse_moe.gate.weight"
+    if prefix == "layers" and inner.startswith("feed_forward.experts."):
+        return f"model.layers.{index}.block_sparse_moe.experts"
+    return hf_name(name)
+
+
+def mixtral_expert_tensor(name: str, expert: int) -> str | None:
+    """experts.w1/w2/w3 ([E, ...]) of block N -> model.layers.N.block_sparse_moe.experts.{j}.w1/w2/w3.weight."""
+    prefix, _, rest = name.partition(".")
+    index, _, inner = rest.partition(".")
+    weight = inner.removeprefix("feed_forward.experts.")
+    if prefix != "layers" or weight == inner or weight not in ("w1", "w2", "w3"):
+        return None
+    return f"model.layers.{index}.block_sparse_moe.experts.{expert}.{weight}.weight"
+
+
+def _no_mixtral_export(cfg: Any, extras: dict[str, Any], dtype: str) -> dict[str, Any]:
+    raise SpecError("hpkit ckpt export --hf: writing Mixtral checkpoints is not supported yet")
+
+
+MIXTRAL = HfMapping(read_hf_config, mixtral_name, rotary_heads, _no_mixtral_export, mixtral_expert_tensor)

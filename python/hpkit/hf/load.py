@@ -82,24 +82,40 @@ def load_hf_weights(
     with contextlib.ExitStack() as stack, torch.no_grad():
         handles: dict[Path, Any] = {}
         for name, param in named_parameters_unwrapped(model):
+            target = param.to_local() if isinstance(param, DTensor) else param
+            offset = _global_offset(param)
+            if mapping.expert_tensor is not None and mapping.expert_tensor(name, 0) is not None:
+                # One hpkit tensor, one file tensor per expert: read only this rank's experts' boxes.
+                if target.numel():
+                    values = torch.stack(
+                        [
+                            _read_box(
+                                _slice(
+                                    files,
+                                    handles,
+                                    stack,
+                                    root,
+                                    mapping.expert_tensor(name, j),
+                                    param.shape[1:],
+                                ),
+                                offset[1:],
+                                tuple(target.shape[1:]),
+                                None,
+                                hf.cfg,
+                            )
+                            for j in range(offset[0], offset[0] + target.shape[0])
+                        ]
+                    )
+                    read += values.numel() * values.element_size()
+                    target.copy_(values)
+                    tensors += 1
+                continue
             source = mapping.tensor_name(name)
             if source not in files and name == "output.weight" and hf.tied:
                 source = mapping.tensor_name(
                     "tok_embeddings.weight"
                 )  # tied: the head is the embedding matrix
-            if source not in files:
-                raise SpecError(f"model.init_from: {root}: no tensor {source} in its safetensors files")
-            path = files[source]
-            if path not in handles:
-                handles[path] = stack.enter_context(safe_open(path, framework="pt"))
-            part = handles[path].get_slice(source)
-            shape = tuple(part.get_shape())
-            if shape != tuple(param.shape):
-                raise SpecError(
-                    f"model.init_from: {root}: {source} has shape {list(shape)}, config.json implies {list(param.shape)}"
-                )
-            target = param.to_local() if isinstance(param, DTensor) else param
-            offset = _global_offset(param)
+            part = _slice(files, handles, stack, root, source, param.shape)
             if target.numel() == 0:
                 continue
             values = _read_box(part, offset, tuple(target.shape), mapping.rotary_heads(name, hf.cfg), hf.cfg)
@@ -107,6 +123,28 @@ def load_hf_weights(
             target.copy_(values)
             tensors += 1
     return LoadStats(tensors, read)
+
+
+def _slice(
+    files: dict[str, Path],
+    handles: dict[Path, Any],
+    stack: contextlib.ExitStack,
+    root: Path,
+    source: str,
+    shape: Any,
+) -> Any:
+    """A lazy view of one file tensor, checked against the shape the config implies."""
+    if source not in files:
+        raise SpecError(f"model.init_from: {root}: no tensor {source} in its safetensors files")
+    path = files[source]
+    if path not in handles:
+        handles[path] = stack.enter_context(safe_open(path, framework="pt"))
+    part = handles[path].get_slice(source)
+    if tuple(part.get_shape()) != tuple(shape):
+        raise SpecError(
+            f"model.init_from: {root}: {source} has shape {list(part.get_shape())}, config.json implies {list(shape)}"
+        )
+    return part
 
 
 def _global_offset(param: torch.Tensor) -> tuple[int, ...]:

@@ -428,7 +428,8 @@ class RunConfig(StrictModel):
         ep, moe = self.parallelism.ep, self.model.moe
         if ep in (1, -1):
             return self
-        if moe is None and family_of(self.model.name) != "moe":
+        # With init_from the family is config.json's (a Mixtral is a MoE): the trainer checks it there.
+        if moe is None and self.model.init_from is None and family_of(self.model.name) != "moe":
             raise ValueError(
                 f"parallelism.ep={ep} splits a mixture of experts, but model {self.model.name} is dense: "
                 "set model.moe (experts: ...) or a MoE shape such as name: debug-moe, or ep: 1"

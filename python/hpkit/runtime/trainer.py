@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpkit.errors import SpecError
+from hpkit.hf.config import hf_family
 from hpkit.model_families import family_for
 from hpkit.models.moe import MoE
 from hpkit.runtime import data as data_mod
@@ -117,7 +118,12 @@ class Trainer:
             check_microbatches(tr.local_batch_size, cfg.parallelism.microbatches)
         self.coords = make_mesh(self.dims, device.type)
         # The model family's adapter builds, splits and parallelises the model (hpkit.runtime.adapters).
-        self.adapter = adapter_for(family_for(cfg.model.name, cfg.model.moe is not None))
+        family = (
+            hf_family(cfg.model.init_from)
+            if cfg.model.init_from
+            else family_for(cfg.model.name, cfg.model.moe is not None)
+        )
+        self.adapter = adapter_for(family)
         # A Hugging Face checkpoint (model.init_from) gives the shape; its weights are loaded by
         # load_pretrained once resuming has found no checkpoint of this run.
         self.hf = self._hf_model() if cfg.model.init_from else None

@@ -20,6 +20,7 @@ from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from hpkit.errors import SpecError
+from hpkit.hf import config as hf_config
 from hpkit.models import llama
 from hpkit.models.moe import MoE, MoEConfig
 from hpkit.runtime.adapters.llama import LlamaAdapter
@@ -31,7 +32,7 @@ _DEFAULTS = MoEConfig(experts=8)
 
 class MoEAdapter(LlamaAdapter):
     family = "moe"
-    hf = None  # Mixtral's format comes with the HF mapping for MoE (not yet)
+    hf = hf_config.MIXTRAL  # MixtralForCausalLM: loads (model.init_from); export is not written yet
     shapes = tuple(name for name, cfg in llama.SHAPES.items() if cfg.moe is not None)
 
     def config(self, spec: ModelSpec) -> llama.LlamaConfig:
