@@ -21,7 +21,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from hpkit.errors import HpkitError
+from hpkit.errors import HpkitError, SpecError
 from hpkit.hf.config import HfMapping
 from hpkit.hf.load import INDEX_NAME, to_hf_rows
 from hpkit.runtime.adapters import ADAPTERS, ModelAdapter
@@ -73,11 +73,16 @@ def export_hf(
     # Records written before model families existed hold Llama models.
     family = record.model.get("family", "llama")
     adapter = ADAPTERS.get(family)
-    if adapter is None or adapter.hf is None or adapter.hf.expert_tensor is not None:
-        raise HpkitError(
-            f"{step_dir}: a {family} model: hpkit cannot write its Hugging Face format (yet): export Llama models"
-        )
+    if adapter is None or adapter.hf is None:
+        raise HpkitError(f"{step_dir}: a {family} model: hpkit has no Hugging Face format for that family")
     cfg = adapter.config_from_dict(record.model["config"])
+    extras = dict(record.model.get("hf") or {})
+    try:
+        adapter.hf.to_config(
+            cfg, extras, "float32"
+        )  # refuses a model the format cannot hold, before any work
+    except SpecError as exc:
+        raise HpkitError(f"{step_dir}: {exc}") from None
     if out.exists() and any(out.iterdir()):
         raise HpkitError(f"{out}: not empty: export into a new directory")
 
@@ -114,7 +119,7 @@ def export_hf(
         if len(groups) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        hf_config = adapter.hf.to_config(cfg, dict(record.model.get("hf") or {}), dtype_name)
+        hf_config = adapter.hf.to_config(cfg, extras, dtype_name)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
         if out.exists():
             out.rmdir()  # empty, checked above
@@ -163,6 +168,11 @@ def _read_group(
     tensors = {}
     for name in group:
         value = state[_MODEL_PREFIX + name]
+        if mapping.expert_tensor is not None and mapping.expert_tensor(name, 0) is not None:
+            # One [E, ...] tensor here, one tensor per expert in the format.
+            for j, expert in enumerate(value):
+                tensors[mapping.expert_tensor(name, j)] = expert.to(out_dtype).contiguous()
+            continue
         heads = mapping.rotary_heads(name, cfg)
         if heads is not None:
             value = to_hf_rows(value, heads)

@@ -292,8 +292,33 @@ def mixtral_expert_tensor(name: str, expert: int) -> str | None:
     return f"model.layers.{index}.block_sparse_moe.experts.{expert}.{weight}.weight"
 
 
-def _no_mixtral_export(cfg: Any, extras: dict[str, Any], dtype: str) -> dict[str, Any]:
-    raise SpecError("hpkit ckpt export --hf: writing Mixtral checkpoints is not supported yet")
+def to_mixtral_config(cfg: LlamaConfig, extras: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """config.json for MixtralForCausalLM. Mixtral routes every block's FFN and has no shared expert, so a
+    MoE with dense blocks or shared experts has no Mixtral form and is refused in one line."""
+    moe = cfg.moe
+    if moe is None or moe.every != 1 or moe.shared_experts:
+        raise SpecError(
+            "a Mixtral checkpoint routes every block's FFN and has no shared experts; this model has "
+            f"moe.every={moe.every if moe else None}, shared_experts={moe.shared_experts if moe else None}: "
+            "no Hugging Face format holds it"
+        )
+    if cfg.rope_scaling is not None:
+        raise SpecError("a Mixtral config has no Llama 3 rope scaling; this model has one")
+    out = to_hf_config(cfg, {}, dtype)
+    out.pop("rope_scaling", None)
+    out.pop("mlp_bias", None)
+    out.update(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        intermediate_size=moe.expert_ffn_dim or cfg.ffn_dim,
+        num_local_experts=moe.experts,
+        num_experts_per_tok=moe.top_k,
+        router_aux_loss_coef=moe.aux_loss_coef,
+        output_router_logits=False,
+        sliding_window=None,
+    )
+    out.update(extras)
+    return out
 
 
-MIXTRAL = HfMapping(read_hf_config, mixtral_name, rotary_heads, _no_mixtral_export, mixtral_expert_tensor)
+MIXTRAL = HfMapping(read_hf_config, mixtral_name, rotary_heads, to_mixtral_config, mixtral_expert_tensor)
