@@ -122,8 +122,11 @@ class GroupedExperts(nn.Module):
             # No token reached this rank's experts: keep their weights in the graph anyway, so that every
             # rank's backward produces the same gradients (FSDP reduces them together).
             return tokens.new_zeros((0, tokens.shape[-1])) + 0 * (w1.sum() + w2.sum() + w3.sum())
+        # unbind, not w1[e]: indexing's backward writes each expert's gradient into a zeroed copy of the
+        # whole [E, ...] tensor (43 % of a CPU step in a profile); unbind's stacks the E gradients once.
+        w1s, w2s, w3s = w1.unbind(0), w2.unbind(0), w3.unbind(0)
         outs = [
-            F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e])
+            F.linear(F.silu(F.linear(rows, w1s[e])) * F.linear(rows, w3s[e]), w2s[e])
             for e, rows in enumerate(torch.split(tokens, counts))
             if rows.shape[0]
         ]
