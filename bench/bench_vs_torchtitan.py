@@ -1,17 +1,23 @@
-"""hpkit's training runtime against torchtitan 0.2.2 on the same model, run alternately (issue 18).
+"""hpkit's training runtime against torchtitan 0.2.2 on the same model, run alternately (issues 18, 27).
 
 Same model (hpkit `model.name: debug` = torchtitan's llama3 debugmodel, 6,163,712 parameters), seq 256,
 local batch 8, fp32, no activation checkpointing, AdamW lr 8e-4 with 2 warm-up steps, weight decay 0.1,
 clip 1.0, OMP_NUM_THREADS=1, a loss logged every step on both sides. Three setups: one process, FSDP2
-over 2 processes, dp_shard 2 x tp 2 over 4 processes. Each run's figure is global tokens per second from
+over 2 processes, dp_shard 2 x tp 2 over 4 processes. Two mixture-of-experts setups (issue 27): hpkit's
+`debug-moe` against torchtitan's llama4 debugmodel, the same layout (dim 256, 6 blocks, 16 heads, vocab
+2048; blocks 2, 4, 6 route to 8 experts of 512, top 1, plus 1 shared expert; the others a 768 FFN), one
+process and ep 2 x dp_shard 2 over 4 processes (torchtitan: dp_shard 4, which its ep borrows from). The
+routers differ in kind, not cost: torchtitan scores with a sigmoid and balances with a per-expert bias,
+hpkit with Mixtral's softmax and an auxiliary loss. Each run's figure is global tokens per second from
 the wall-clock time between consecutive logged steps (median over steps 3..N), the same measure on both
 sides; the two sides alternate (A B A B ...) so that a shared machine's load falls on both alike.
 
-    TITAN_DIR=/scratch/titan python3 bench/bench_vs_torchtitan.py [--setups single,fsdp2,dp2tp2] [--rounds 3]
+    TITAN_DIR=/scratch/titan python3 bench/bench_vs_torchtitan.py [--setups single,fsdp2,dp2tp2,moe_single,moe_ep2dp2] [--rounds 3]
     TITAN_DIR=/scratch/titan python3 bench/bench_vs_torchtitan.py --profile   # one traced step per side/setup
 
 TITAN_DIR must be prepared once as /work/shared/anchors/torchtitan/README.md says: a venv `venv022` with
-torch 2.13.0 and torchtitan 0.2.2, and `work/tests/assets/{tokenizer,c4_test}`. Without it this prints
+torch 2.13.0 and torchtitan 0.2.2 (plus `triton`, which its MoE code imports even on CPU), and
+`work/tests/assets/{tokenizer,c4_test}`. Without it this prints
 why and exits 2; CI and `make test` never run it.
 """
 
@@ -40,14 +46,18 @@ SEQ, LOCAL_BATCH, LR, WARMUP, WD, CLIP = 256, 8, 8e-4, 2, 0.1, 1.0
 class Setup:
     name: str
     procs: int
-    dp: int
+    dp: int  # ranks reading different data (hpkit: dp_shard x ep; torchtitan: dp_shard, which ep borrows from)
     tp: int
+    moe: bool = False  # hpkit debug-moe against torchtitan's llama4 debugmodel
+    ep: int = 1
 
 
 SETUPS = {
     "single": Setup("single", 1, 1, 1),
     "fsdp2": Setup("fsdp2", 2, 2, 1),
     "dp2tp2": Setup("dp2tp2", 4, 2, 2),
+    "moe_single": Setup("moe_single", 1, 1, 1, moe=True),
+    "moe_ep2dp2": Setup("moe_ep2dp2", 4, 4, 1, moe=True, ep=2),
 }
 
 
@@ -71,8 +81,8 @@ def hpkit_config(setup: Setup, steps: int, out: Path) -> dict:
     return {
         "name": f"anchor-{setup.name}",
         "output_dir": str(out),
-        "parallelism": {"dp_shard": setup.dp, "tp": setup.tp},
-        "model": {"name": "debug", "seq_len": SEQ},
+        "parallelism": {"dp_shard": setup.dp // setup.ep, "ep": setup.ep, "tp": setup.tp},
+        "model": {"name": "debug-moe" if setup.moe else "debug", "seq_len": SEQ},
         "train": {
             "steps": steps,
             "local_batch_size": LOCAL_BATCH,
@@ -97,7 +107,7 @@ print_config = false
 log_freq = 1
 disable_color_printing = true
 [model]
-name = "llama3"
+name = "{"llama4" if setup.moe else "llama3"}"
 flavor = "debugmodel"
 hf_assets_path = "./tests/assets/tokenizer"
 [optimizer]
@@ -117,6 +127,7 @@ mixed_precision_param = "float32"
 [parallelism]
 data_parallel_shard_degree = {setup.dp}
 tensor_parallel_degree = {setup.tp}
+expert_parallel_degree = {setup.ep}
 [activation_checkpoint]
 mode = "none"
 [checkpoint]
@@ -335,7 +346,7 @@ def profile(setups: list[Setup], titan_dir: Path, tmp: Path, step: int, before: 
 def _parse() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--titan-dir", default=os.environ.get("TITAN_DIR"), help="prepared torchtitan folder")
-    p.add_argument("--setups", default="single,fsdp2,dp2tp2")
+    p.add_argument("--setups", default="single,fsdp2,dp2tp2,moe_single,moe_ep2dp2")
     p.add_argument("--rounds", type=int, default=3, help="runs per side and setup, alternating")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="trace one steady step per side and setup instead")

@@ -1,11 +1,15 @@
 """Start torchtitan 0.2.2's trainer on CPU/gloo without editing its source (used by bench_vs_torchtitan.py).
 
-Two things stop 0.2.2 from training on a CPU-only host:
+What stops 0.2.2 from training on a CPU-only host, each undone at run time:
 - `torchtitan.tools.utils` picks its device at import time and falls back to "cuda" when no accelerator
   is found; torch's device probe is redirected to a CPU stand-in for that one import, then restored.
 - it sets FSDP's gradient divide factor to 1.0, which FSDP2 turns into ReduceOp.PREMUL_SUM, and gloo
   has no PREMUL_SUM: force plain sums for those reductions (the factor is 1.0, so the result is equal).
 - its profiler asks for the accelerator's activity, None on a CPU host, which torch.profiler rejects.
+- its MoE router counts tokens per expert with torch.histc on the int64 expert indices, which torch
+  implements for floating point only on CPU: count them as floats there and hand back integers, as CUDA's histc does.
+- under expert parallel it permutes tokens with a Triton kernel unless asked for its own CPU
+  implementation (generate_permute_indices(use_cpu=True)), which its caller never asks for.
 
 Runs under torchtitan's own venv: `python -m torch.distributed.run ... bench/torchtitan_cpu.py <its flags>`.
 """
@@ -73,10 +77,38 @@ def _profile_cpu_only() -> None:
     torch.profiler.profile = profile
 
 
+def _histc_of_integers_on_cpu() -> None:
+    original = torch.histc
+
+    def histc(values, bins=100, min=0, max=0, *, out=None):
+        if values.device.type == "cpu" and not values.is_floating_point():
+            # CUDA's histc of integers returns integers, which torchtitan then uses as sizes.
+            return original(values.float(), bins=bins, min=min, max=max).to(values.dtype)
+        return original(values, bins=bins, min=min, max=max, out=out)
+
+    torch.histc = histc
+
+
+def _permute_tokens_on_cpu() -> None:
+    try:
+        import torchtitan.models.moe.utils as moe_utils  # needs triton installed, even for its CPU path
+    except ImportError:
+        return  # a dense-only venv: nothing to permute
+    original = moe_utils.generate_permute_indices
+
+    def generate_permute_indices(tokens_per_expert_group, *args, **kwargs):
+        kwargs.setdefault("use_cpu", tokens_per_expert_group.device.type == "cpu")
+        return original(tokens_per_expert_group, *args, **kwargs)
+
+    moe_utils.generate_permute_indices = generate_permute_indices
+
+
 if __name__ == "__main__":
     _import_torchtitan_on_cpu()
     _sum_reductions_on_gloo()
     _profile_cpu_only()
+    _histc_of_integers_on_cpu()
+    _permute_tokens_on_cpu()
     from torchtitan.train import Trainer, main
 
     main(Trainer)

@@ -85,8 +85,8 @@ SHAPES: dict[str, LlamaConfig] = {
     # Llama 3 8B and 70B as published (config.json: rope_theta 500000, rms_norm_eps 1e-5, vocab 128256).
     "8B": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
     "70B": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
-    # `debug` with every block's FFN made 8 experts (top 1) plus 1 shared one, the layout of torchtitan's
-    # MoE debug models, so that MoE throughput compares with theirs.
+    # torchtitan's llama4 debugmodel layout, so that MoE throughput compares with torchtitan directly:
+    # `debug` whose every second block routes to 8 experts of 512 (top 1) plus 1 shared expert.
     "debug-moe": LlamaConfig(
         dim=256,
         n_layers=6,
@@ -94,7 +94,7 @@ SHAPES: dict[str, LlamaConfig] = {
         n_kv_heads=16,
         ffn_dim=768,
         vocab_size=2048,
-        moe=MoEConfig(experts=8, top_k=1, shared_experts=1, every=1, aux_loss_coef=0.01),
+        moe=MoEConfig(experts=8, top_k=1, shared_experts=1, every=2, aux_loss_coef=0.01, expert_ffn_dim=512),
     ),
 }
 

@@ -269,17 +269,19 @@ class Trainer:
         tr = self.cfg.train
         params = [p for p in part.parameters() if p.requires_grad]
         # The fused kernel (CPU and CUDA) updates each parameter in one pass; foreach runs a dozen
-        # elementwise kernels over the whole list and cost 5x the time in a CPU profile. Both need all
-        # DTensors on one mesh: TP on chosen modules mixes meshes, and then the plain loop runs.
-        one_mesh = _single_mesh(params)
+        # elementwise kernels over the whole list and cost 5x the time in a CPU profile. One kernel call
+        # needs all its DTensors on one mesh, and AdamW calls it once per parameter group: so one group
+        # per mesh (experts live on their own mesh under ep; TP on chosen modules mixes plain tensors in).
+        by_mesh: dict[Any, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_mesh.setdefault(p.device_mesh if isinstance(p, DTensor) else None, []).append(p)
         return torch.optim.AdamW(
-            params,
+            [{"params": group} for group in by_mesh.values()],
             lr=tr.lr,
             betas=(0.9, 0.95),
             eps=1e-8,
             weight_decay=tr.weight_decay,
-            fused=True if one_mesh else None,
-            foreach=None if one_mesh else False,
+            fused=True,
         )
 
     def _build_loader(self) -> data_mod.DataLoader:
@@ -487,8 +489,3 @@ class _NoTimer:
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-
-
-def _single_mesh(params: list[torch.nn.Parameter]) -> bool:
-    meshes = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
-    return len(meshes) <= 1
