@@ -99,6 +99,7 @@ SLOW_FILES_FIRST = (
     "test_smp_jobs.py",
     "test_training_correctness.py",
     "test_moe.py",
+    "test_smp_v2.py",
 )
 
 

@@ -205,6 +205,9 @@ def compat_python(spec: SlurmJob) -> str:
     return program if _PYTHON.match(PurePosixPath(program).name) else "python3"
 
 
+SMP_V2_PRELOAD = "hpkit.compat.smp_v2:install"
+
+
 def compat_step(spec: SlurmJob) -> str | None:
     """Shell that puts the shim first on the task's PYTHONPATH (spec `compat`), or None."""
     if not spec.compat:
@@ -214,10 +217,18 @@ def compat_step(spec: SlurmJob) -> str | None:
         f"hpkit: compat: {compat_python(spec)} cannot import hpkit where the task runs: install hpkit "
         "there (in the container image too), or drop compat from the spec"
     )
-    return (
+    step = (
         f"shim=$({python} -m hpkit.compat 2>/dev/null) || {{ echo {shell_quote(fix)} >&2; exit 1; }}; "
         'export PYTHONPATH="$shim${PYTHONPATH:+:$PYTHONPATH}"'
     )
+    if "smp_v2" in spec.compat:
+        # torch.sagemaker is a submodule of torch, which no PYTHONPATH entry can add to: hpkit.run_script
+        # installs the layer before the script runs. tsm.init() without a config reads the spec's parameters.
+        step += f"; export HPKIT_PRELOAD={SMP_V2_PRELOAD}"
+        if spec.smp_parameters:
+            config = json.dumps(spec.smp_parameters, sort_keys=True, separators=(",", ":"))
+            step += f"; export HPKIT_SMP_V2_CONFIG={shell_quote(config)}"
+    return step
 
 
 # Interpreter options that take the next word as their value (python -W ignore, -X dev).

@@ -7,17 +7,21 @@ would see run directly: `__name__ == "__main__"`, its own `__file__`, `sys.argv`
 its folder first on sys.path; its exit status, SystemExit and uncaught exceptions are its own.
 With HPKIT_LINE_LABEL=1 (torchrun jobs, whose ranks share their node's output pipe) each line the rank
 writes reaches the log whole and prefixed with its rank, as `srun --label` does (hpkit.line_label).
+With HPKIT_PRELOAD=module:function[,...] (a compat layer the job opted into, e.g. SMP v2's
+`hpkit.compat.smp_v2:install`) each function runs before the program, so that its imports find the layer.
 Standard library only besides those two, so it costs nothing at start-up.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import sys
 
 from hpkit import exit_settle, line_label
 
+PRELOAD_ENV = "HPKIT_PRELOAD"
 USAGE = "usage: python -m hpkit.run_script SCRIPT [ARGS...] | -m MODULE [ARGS...]"
 
 
@@ -28,6 +32,7 @@ def main(argv: list[str]) -> None:
         # Before anything else starts a thread: this forks the reader that labels the rank's lines.
         line_label.route_std_streams(line_label.rank_label(os.environ))
     exit_settle.install()
+    preload(os.environ.get(PRELOAD_ENV, ""))
     if argv[0] == "-m":
         # As `python -m MODULE`: the current directory first on sys.path (it already is: this module
         # was run with -m), argv[0] becomes the module's file once runpy has found it.
@@ -39,6 +44,16 @@ def main(argv: list[str]) -> None:
     # As `python SCRIPT`: the script's own folder, not ours or the current one, first on sys.path.
     sys.path[0] = os.path.dirname(os.path.realpath(script))
     runpy.run_path(script, run_name="__main__")
+
+
+def preload(hooks: str) -> None:
+    """Run each `module:function` named (by the rendered job, from its compat layers), in order."""
+    for hook in filter(None, (h.strip() for h in hooks.split(","))):
+        module, _, function = hook.partition(":")
+        if not module or not function:
+            sys.exit(f"hpkit.run_script: {PRELOAD_ENV}={hooks!r}: each entry must be module:function")
+        # Named by the job at run time, not imported here: the compat layers sit above this module.
+        getattr(importlib.import_module(module), function)()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from hpkit import slurm_options
+from hpkit.smp_params import v2_problems as smp_v2_problems
 from hpkit.validation import StrictModel, check_no_control_chars
 
 # Values that land in `#SBATCH` lines are parsed by sbatch, not by a shell, so they cannot be
@@ -27,7 +28,7 @@ _CHANNEL_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 _DIRECTIVE_PATH = re.compile(r"^[^\s\"'#\\]+$")
 
 VAR_LOG_MOUNT = "/var/log:/var/log"
-COMPAT_LAYERS = ("smp", "smddp")
+COMPAT_LAYERS = ("smp", "smp_v2", "smddp")
 HYPERPOD_LOG_DIR = "/var/log/aws/clusters"
 
 
@@ -182,16 +183,20 @@ class SlurmJob(StrictModel):
     sagemaker_env: SageMakerEnvSpec | None = Field(
         default=None, description="export SM_HOSTS, SM_CURRENT_HOST, SM_CHANNEL_* ... for SageMaker scripts"
     )
-    compat: list[Literal["smp", "smddp"]] = Field(
+    compat: list[Literal["smp", "smp_v2", "smddp"]] = Field(
         default_factory=list,
         description=(
-            "run SageMaker scripts unchanged: smp provides smdistributed.modelparallel.torch, smddp "
-            "smdistributed.dataparallel.torch, on hpkit's runtime (a real install of either still wins)"
+            "run SageMaker scripts unchanged: smp provides smdistributed.modelparallel.torch (SMP v1), smp_v2 "
+            "torch.sagemaker (SMP v2), smddp smdistributed.dataparallel.torch, on hpkit's runtime (a real "
+            "install of any of them still wins)"
         ),
     )
     smp_parameters: dict[str, Any] = Field(
         default_factory=dict,
-        description="the estimator's SMP parameters under SMP's names, for smp.init() (compat: [smp])",
+        description=(
+            "the estimator's SMP parameters under SMP's names, for smp.init() (compat: [smp]) or tsm.init() "
+            "(compat: [smp_v2])"
+        ),
     )
 
     @field_validator("name")
@@ -342,8 +347,8 @@ class SlurmJob(StrictModel):
         for entry in value:
             if entry not in COMPAT_LAYERS:
                 raise ValueError(
-                    f"{entry!r} is not a compat layer: use {' and/or '.join(COMPAT_LAYERS)} "
-                    "(smdistributed.modelparallel.torch, smdistributed.dataparallel.torch)"
+                    f"{entry!r} is not a compat layer: use {', '.join(COMPAT_LAYERS)} "
+                    "(smdistributed.modelparallel.torch, torch.sagemaker, smdistributed.dataparallel.torch)"
                 )
         return list(dict.fromkeys(value))  # each once, in the order given
 
@@ -397,7 +402,33 @@ class SlurmJob(StrictModel):
             raise ValueError(
                 f"mem: Slurm's --mem, --mem-per-cpu and --mem-per-gpu exclude each other: drop mem or {per_unit[0]}"
             )
+        self._smp_v2_fits()
         return self
+
+    def _smp_v2_fits(self) -> None:
+        """compat: [smp_v2]: the parameters tsm.init() would read, checked now rather than on every rank."""
+        if "smp_v2" not in self.compat:
+            return
+        if "smp" in self.compat:
+            raise ValueError(
+                "compat: smp (SMP v1) and smp_v2 (torch.sagemaker) exclude each other: keep the one the script imports"
+            )
+        params = self.smp_parameters
+        if problems := smp_v2_problems(params):
+            raise ValueError(f"smp_parameters: {problems[0]}")
+        world = self.world_size
+        tp = int(params.get("tensor_parallel_degree") or 1)
+        ep = int(params.get("expert_parallel_degree") or 1)
+        if world % tp:
+            raise ValueError(
+                f"smp_parameters.tensor_parallel_degree={tp} does not divide the job's {world} ranks: use a divisor"
+            )
+        shard = int(params.get("hybrid_shard_degree") or 0) or world // tp
+        if (world // tp) % shard or shard % ep:
+            raise ValueError(
+                f"smp_parameters: hybrid_shard_degree={shard} must divide the {world // tp} data-parallel ranks "
+                f"and be a multiple of expert_parallel_degree={ep}"
+            )
 
     @property
     def ranks_per_node(self) -> int:

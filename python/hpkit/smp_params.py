@@ -143,3 +143,96 @@ def lookup(name: str) -> SmpParameter | None:
 
 def unknown_advice(name: str) -> str:
     return f"unknown SMP parameter {name}: remove it (supported: {', '.join(sorted(SUPPORTED))})"
+
+
+# SMP v2 (`torch.sagemaker`): read by the importer and the shim's tsm.init (hpkit.compat.smp_v2).
+
+V2_DEGREES = (
+    "hybrid_shard_degree",
+    "tensor_parallel_degree",
+    "expert_parallel_degree",
+    "context_parallel_degree",
+)
+
+_V2_PARAMETERS = (
+    SmpParameter(
+        "hybrid_shard_degree",
+        "supported",
+        "FSDP2 shards over groups of this many data-parallel ranks and replicates across the groups "
+        "(0: shard over all of them)",
+        "parallelism.dp_shard",
+    ),
+    SmpParameter(
+        "tensor_parallel_degree",
+        "supported",
+        "torch-native tensor parallel (DTensor plans) on the attention and MLP of the transformed model",
+        "parallelism.tp",
+    ),
+    SmpParameter(
+        "expert_parallel_degree",
+        "supported",
+        "Mixtral's experts split over this many ranks, tokens sent to them by all-to-all",
+        "parallelism.ep",
+    ),
+    SmpParameter(
+        "context_parallel_degree",
+        "refused",
+        "torch's context parallel (torch.distributed.tensor.experimental.context_parallel) needs its SDPA "
+        "kernels on CUDA; run with context_parallel_degree 1 and shorter sequences, or hpkit train",
+        accepted=1,
+    ),
+    SmpParameter(
+        "sm_activation_offloading",
+        "supported",
+        "the forward's saved activations go to CPU memory (torch.autograd.graph.save_on_cpu)",
+    ),
+    SmpParameter(
+        "activation_loading_horizon",
+        "ignored",
+        "torch's save_on_cpu brings each activation back when backward needs it; there is no horizon to set",
+    ),
+    SmpParameter(
+        "allow_empty_shards",
+        "ignored",
+        "FSDP2 pads uneven shards itself, so a rank with an empty shard is always allowed",
+    ),
+    SmpParameter(
+        "fsdp_cache_flush_warnings",
+        "ignored",
+        "FSDP2 does not flush the CUDA cache between steps, so there is nothing to warn about",
+    ),
+    SmpParameter("random_seed", "supported", "the seed every rank's torch generator starts from"),
+    SmpParameter(
+        "moe",
+        "ignored",
+        "MoE is configured by the MoEConfig given to tsm.transform, as in SMP",
+    ),
+)
+
+SMP_V2_PARAMETERS: dict[str, SmpParameter] = {p.name: p for p in _V2_PARAMETERS}
+
+
+def v2_lookup(name: str) -> SmpParameter | None:
+    return SMP_V2_PARAMETERS.get(name)
+
+
+def v2_unknown_advice(name: str) -> str:
+    known = ", ".join(sorted(SMP_V2_PARAMETERS))
+    return f"{name!r} is not an SMP v2 parameter: use one of {known}"
+
+
+def v2_problems(params: dict[str, Any]) -> list[str]:
+    """One line per parameter that would stop `tsm.init`: unknown names, refused values, bad degrees."""
+    lines = []
+    for key, value in params.items():
+        known = v2_lookup(key)
+        if known is None:
+            lines.append(v2_unknown_advice(key))
+        elif known.refuses(value):
+            lines.append(f"{key}={value!r} is not supported by hpkit: {known.advice}")
+        elif key in V2_DEGREES or key == "random_seed":
+            # hybrid_shard_degree 0 means "shard over every data-parallel rank"; the other degrees start at 1.
+            least = 0 if key in ("hybrid_shard_degree", "random_seed") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                lines.append(f"{key}={value!r} must be a whole number, {least} or more")
+    return lines

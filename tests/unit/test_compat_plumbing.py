@@ -39,7 +39,7 @@ def test_a_bad_compat_entry_is_one_line_naming_the_field(value):
     assert len(message.splitlines()) == 1, message
     assert message.startswith("spec: compat: ")
     if isinstance(value, list):
-        assert "use smp and/or smddp" in message
+        assert "use smp, smp_v2, smddp" in message
 
 
 def test_smp_parameters_are_kept_as_given():

@@ -283,7 +283,8 @@ def _smp_estimator(parameters: dict) -> dict:
     return {
         "entry_point": "a.py",
         "instance_type": "ml.p4d.24xlarge",
-        "distribution": {"torch_distributed": {"enabled": True}, "smdistributed": smp},
+        # SMP v1 is launched by mpi (torch_distributed + modelparallel is SMP v2: test_compat_smp_v2.py).
+        "distribution": {"mpi": {"enabled": True}, "smdistributed": smp},
     }
 
 

@@ -120,8 +120,12 @@ class GroupedExperts(nn.Module):
         w1, w2, w3 = self._local(self.w1), self._local(self.w2), self._local(self.w3)
         if not tokens.shape[0]:
             # No token reached this rank's experts: keep their weights in the graph anyway, so that every
-            # rank's backward produces the same gradients (FSDP reduces them together).
-            return tokens.new_zeros((0, tokens.shape[-1])) + 0 * (w1.sum() + w2.sum() + w3.sum())
+            # rank's backward produces the same gradients (FSDP reduces them together), and keep the
+            # (empty) received rows in it too: without them the dispatch all-to-all's backward runs at
+            # another point of this rank's backward than of its peers', after the block's FSDP
+            # reduce-scatter instead of before, and the two collectives deadlock across the ranks.
+            zero = w1.sum() + w2.sum() + w3.sum() + tokens.sum()
+            return tokens.new_zeros((0, tokens.shape[-1])) + 0 * zero
         # unbind, not w1[e]: indexing's backward writes each expert's gradient into a zeroed copy of the
         # whole [E, ...] tensor (43 % of a CPU step in a profile); unbind's stacks the E gradients once.
         w1s, w2s, w3s = w1.unbind(0), w2.unbind(0), w3.unbind(0)

@@ -27,6 +27,8 @@ from hpkit.errors import SpecError
 from hpkit.sagemaker.estimator import Estimator
 from hpkit.smp_params import SMP_PIPELINES, unknown_advice
 from hpkit.smp_params import lookup as smp_lookup
+from hpkit.smp_params import v2_lookup as smp_v2_lookup
+from hpkit.smp_params import v2_problems as smp_v2_problems
 from hpkit.spec import JobSpec, ParallelismSpec
 from hpkit.validation import format_validation_error, parse_document
 
@@ -224,11 +226,16 @@ def _distribution(c: _Converter, gpus: int) -> tuple[str, int, dict[str, Any]]:
     smddp_on = c.enabled(smd.get("dataparallel"), "distribution.smdistributed.dataparallel")
     smp_on = c.enabled(smd.get("modelparallel"), "distribution.smdistributed.modelparallel")
 
-    if smp_on:
+    # SMP v2 (torch.sagemaker) is launched by torch_distributed and takes v2's parameters; v1 by mpi.
+    smp_v2 = smp_on and not mpi_on and (torch_on or _v2_parameters(smd["modelparallel"]))
+    if smp_v2:
+        extra.update(_modelparallel_v2(c, smd["modelparallel"]))
+    elif smp_on:
         extra.update(_modelparallel(c, smd["modelparallel"]))
     if smddp_on:
         extra["collectives"] = _dataparallel(c, smd["dataparallel"])
-    compat = [layer for layer, on in (("smp", smp_on), ("smddp", smddp_on)) if on]
+    layers = (("smp_v2", smp_v2), ("smp", smp_on and not smp_v2), ("smddp", smddp_on))
+    compat = [layer for layer, on in layers if on]
     if compat:
         extra["compat"] = compat
     if mpi_on:
@@ -350,6 +357,46 @@ def _modelparallel(c: _Converter, block: dict[str, Any]) -> dict[str, Any]:
         "(degrees from parallelism, the rest from smp_parameters); a real SMP install in the image still wins"
     )
     return extra
+
+
+def _v2_parameters(block: Any) -> bool:
+    params = block.get("parameters") if isinstance(block, dict) else None
+    v2_only = {
+        "hybrid_shard_degree",
+        "expert_parallel_degree",
+        "context_parallel_degree",
+        "sm_activation_offloading",
+    }
+    return isinstance(params, dict) and bool(v2_only & set(params))
+
+
+def _modelparallel_v2(c: _Converter, block: dict[str, Any]) -> dict[str, Any]:
+    field = "distribution.smdistributed.modelparallel"
+    params = block.get("parameters") or {}
+    if not isinstance(params, dict):
+        c.error(f"{field}.parameters", "expected a mapping of SMP v2 parameters")
+        return {}
+    for key in block:
+        if key not in ("enabled", "enable", "parameters"):
+            c.warn(f"{field}.{key}", "unknown modelparallel option, not carried over", "drop it")
+    # One table (hpkit.smp_params, v2 part) for the importer and tsm.init: what tsm.init refuses is refused here.
+    kept: dict[str, Any] = {}
+    for key, value in params.items():
+        where = f"{field}.parameters.{key}"
+        problems = smp_v2_problems({key: value})
+        if problems:
+            c.error(where, problems[0])
+            continue
+        kept[key] = value
+        known = smp_v2_lookup(key)
+        if known is not None and known.status == "ignored":
+            c.warn(where, f"SMP v2 parameter {key}={value!r} changes nothing here", known.advice)
+    c.notes.append(
+        f"{field}: compat: [smp_v2] runs the script's torch.sagemaker calls (tsm.init, transform, its FSDP, the "
+        "v2 checkpoint API) on torch-native FSDP2, tensor and expert parallel; smp_parameters is what tsm.init() "
+        "reads when the script passes no config; a real SMP v2 install in the image still wins"
+    )
+    return {"smp_parameters": kept} if kept else {}
 
 
 def _dataparallel(c: _Converter, block: dict[str, Any]) -> dict[str, Any]:
