@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from hpkit import smp_params
 from hpkit.compat.smp.unsupported import SmpExit
@@ -261,6 +262,18 @@ def _dims(config: SmpV2Config, world: int) -> ParallelDims:
     return ParallelDims(dp_replicate=dp // shard, dp_shard=shard // ep, tp=tp, pp=1, world_size=world, ep=ep)
 
 
+def _make_mesh(dims: ParallelDims, device_type: str) -> MeshCoords:
+    """The runtime's mesh, always with a dp_shard dimension: the script wraps the model in FSDP even where
+    nothing is sharded (tensor parallel over the whole world), and FSDP2 needs a data-parallel mesh beside tp."""
+    if dims.fsdp_enabled or ("dp_shard", 1) in dims.mesh_dims():
+        return make_mesh(dims, device_type)
+    sizes = [(n, size) for n, size in dims.mesh_dims() if size > 1]
+    at = 1 if sizes and sizes[0][0] == "dp_replicate" else 0
+    sizes.insert(at, ("dp_shard", 1))
+    mesh = init_device_mesh(device_type, tuple(s for _, s in sizes), mesh_dim_names=tuple(n for n, _ in sizes))
+    return MeshCoords(mesh=mesh, dims=dims, names=tuple(n for n, _ in sizes))
+
+
 def init(config: dict[str, Any] | str | os.PathLike | None = None) -> State:
     """SMP v2's `tsm.init`: read the parameters, start the process group if the script has not, build the mesh."""
     global _state
@@ -275,7 +288,7 @@ def init(config: dict[str, Any] | str | os.PathLike | None = None) -> State:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    coords = make_mesh(dims, device.type)
+    coords = _make_mesh(dims, device.type)
     if params.random_seed is not None:
         random.seed(params.random_seed)
         torch.manual_seed(params.random_seed)

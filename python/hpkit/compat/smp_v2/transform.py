@@ -10,6 +10,7 @@ experts (3-D weights) are split over the ep mesh, E / ep per rank, and tokens re
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Any
 
@@ -121,5 +122,19 @@ def transform(
 
         apply_ep(model, ep_mesh, state.coords)
     layers.mark(model, _decoder_layers(model))
+    if state.sm_activation_offloading:
+        _offload_activations(model)
     model._hpkit_tsm_transformed = True
     return model
+
+
+def _offload_activations(model: nn.Module) -> None:
+    """sm_activation_offloading: what the forward saves for backward waits in host memory (torch's save_on_cpu)."""
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def offloaded(*args: Any, **kwargs: Any) -> Any:
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return forward(*args, **kwargs)
+
+    model.forward = offloaded
