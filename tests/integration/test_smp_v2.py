@@ -150,6 +150,8 @@ def test_v2_script_matches_one_process(slurm_cluster, tmp_path, layout):
             4 // tp if not parameters.get("hybrid_shard_degree") else parameters["hybrid_shard_degree"]
         )
         assert q == [32 // tp // shard_group, 32], f"rank {rank}: q_proj holds {q}"
+        # FSDP.summon_full_params gathers the data-parallel shards; a tensor-parallel shard stays one.
+        assert r["summoned"] == [32 // tp, 32], r["summoned"]
         # One FSDP unit per decoder layer (the auto-wrap policy found SMP's TransformerLayer), and under ep
         # one per layer's experts (over the ranks that hold the same experts).
         assert r["fsdp_units"] == (4 if ep > 1 else 2), r

@@ -15,6 +15,7 @@ import argparse
 import functools
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max_steps", type=int, default=4)
     p.add_argument("--global_batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--hidden_size", type=int, default=32)
+    p.add_argument("--num_layers", type=int, default=2)
+    p.add_argument("--num_heads", type=int, default=4)
+    p.add_argument("--num_kv_heads", type=int, default=2)
+    p.add_argument("--intermediate_size", type=int, default=64)
+    p.add_argument("--vocab_size", type=int, default=128)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--grad_clip", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=1234)
@@ -52,13 +59,13 @@ def parse_args() -> argparse.Namespace:
 
 def model_config(args: argparse.Namespace):
     common = dict(
-        vocab_size=128,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
+        vocab_size=args.vocab_size,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,
+        max_position_embeddings=max(64, args.seq),
         tie_word_embeddings=False,
     )
     if args.model_type == "mixtral":
@@ -164,6 +171,7 @@ def main() -> None:
         write_layout(args, model, rank, dp_rank, local, tsm)
 
     for step in range(start, args.max_steps):
+        began = time.perf_counter()
         batch = global_batch(step, args, config.vocab_size)[dp_rank * local : (dp_rank + 1) * local]
         optimizer.zero_grad(set_to_none=True)
         if args.fp8:
@@ -177,10 +185,8 @@ def main() -> None:
         reduced = loss.detach().clone()
         dist.all_reduce(reduced)
         if rank == 0:
-            print(
-                json.dumps({"step": step, "loss": reduced.item() / world, "grad_norm": float(grad_norm)}),
-                flush=True,
-            )
+            record = {"step": step, "loss": reduced.item() / world, "grad_norm": float(grad_norm)}
+            print(json.dumps({**record, "time": time.perf_counter() - began}), flush=True)
         if args.checkpoint_dir and args.checkpoint_freq and (step + 1) % args.checkpoint_freq == 0:
             save_checkpoint(model, optimizer, step + 1, args.checkpoint_dir, FSDP)
     dist.barrier()
@@ -231,7 +237,13 @@ def write_layout(args, model, rank: int, dp_rank: int, local: int, tsm) -> None:
                 "sums": held.sum(dim=(1, 2)).tolist(),
                 "placements": [str(p) for p in m.gate_up_proj.placements],
             }
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    with FSDP.summon_full_params(model):
+        weight = model.model.layers[0].self_attn.q_proj.weight
+        summoned = list((weight.to_local() if hasattr(weight, "to_local") else weight).shape)
     out = {
+        "summoned": summoned,
         "rank": rank,
         "dp_rank": dp_rank,
         "rows": [dp_rank * local, (dp_rank + 1) * local],

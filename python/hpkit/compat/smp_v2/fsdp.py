@@ -187,9 +187,12 @@ class FullyShardedDataParallel(nn.Module):
             expert_mesh = getattr(sub, "_hpkit_expert_mesh", None)
             if expert_mesh is not None:
                 fully_shard(sub, mesh=expert_mesh, **options)
-        for unit in _policy_picks(auto_wrap_policy, module):
-            if not isinstance(unit, FSDPModule):
-                fully_shard(unit, mesh=mesh, **options)
+        units = [u for u in _policy_picks(auto_wrap_policy, module) if not isinstance(u, FSDPModule)]
+        for i, unit in enumerate(units):
+            # The last unit's weights are needed again at once by backward: keep them gathered (as FSDP1's
+            # root, and hpkit's own runtime, do), rather than free and all-gather them straight back.
+            last = {"reshard_after_forward": False} if i == len(units) - 1 else {}
+            fully_shard(unit, mesh=mesh, **{**options, **last})
         fully_shard(module, mesh=mesh, **options)
         module.__class__ = type(f"FullyShardedDataParallel[{type(module).__name__}]", (cls, type(module)), {})
         module._hpkit_fsdp_mesh = mesh
@@ -257,6 +260,22 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             _state_dict_type.reset(token)
             _full_options.reset(token_options)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def summon_full_params(
+        module: nn.Module, recurse: bool = True, writeback: bool = True, rank0_only: bool = False, **_: Any
+    ) -> Iterator[None]:
+        """Whole (data-parallel-gathered) parameters inside the block. Read-only here: FSDP2 gathers into
+        separate buffers, so in-place writes inside the block are not copied back to the shards."""
+        units = [m for m in module.modules() if isinstance(m, FSDPModule)] if recurse else [module]
+        for unit in units:
+            unit.unshard()
+        try:
+            yield
+        finally:
+            for unit in units:
+                unit.reshard()
 
     @staticmethod
     def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> dict:

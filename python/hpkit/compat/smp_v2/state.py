@@ -270,7 +270,9 @@ def _make_mesh(dims: ParallelDims, device_type: str) -> MeshCoords:
     sizes = [(n, size) for n, size in dims.mesh_dims() if size > 1]
     at = 1 if sizes and sizes[0][0] == "dp_replicate" else 0
     sizes.insert(at, ("dp_shard", 1))
-    mesh = init_device_mesh(device_type, tuple(s for _, s in sizes), mesh_dim_names=tuple(n for n, _ in sizes))
+    mesh = init_device_mesh(
+        device_type, tuple(s for _, s in sizes), mesh_dim_names=tuple(n for n, _ in sizes)
+    )
     return MeshCoords(mesh=mesh, dims=dims, names=tuple(n for n, _ in sizes))
 
 
