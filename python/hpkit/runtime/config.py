@@ -351,6 +351,32 @@ class CheckpointSpec(StrictModel):
     )
 
 
+class HangSpec(StrictModel):
+    """The hang watchdog (hpkit.runtime.hang_watchdog): a job whose ranks stop finishing steps is stopped in
+    seconds, with the culprit named and every rank's stacks on disk, instead of waiting out the collective
+    timeout."""
+
+    enabled: bool = Field(default=True, description="run the watchdog thread in every rank")
+    min_s: float = Field(
+        default=60.0,
+        ge=2,
+        description=(
+            "never call a hang before this many seconds without a finished step: above a data loader's or an "
+            "evaluation's pause, and ten times below the default collective timeout"
+        ),
+    )
+    factor: float = Field(
+        default=10.0,
+        ge=2,
+        description="and not before this many median step times (long steps get a longer limit)",
+    )
+    start_s: float = Field(
+        default=600.0,
+        ge=10,
+        description="the start-up load and first step may take this long before the watchdog judges them",
+    )
+
+
 class ResilienceSpec(StrictModel):
     """Preemption, time limits and lost peers: turn each into a resume from the last checkpoint."""
 
@@ -368,6 +394,7 @@ class ResilienceSpec(StrictModel):
         ge=10,
         description="a collective waiting this long on a dead peer ends the job instead of hanging it",
     )
+    hang: HangSpec = Field(default_factory=HangSpec)
     requeue_on_failure: bool | None = Field(
         default=None,
         description=(

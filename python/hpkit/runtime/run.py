@@ -22,6 +22,7 @@ from hpkit.runtime.checkpoint_record import CommitRecord
 from hpkit.runtime.collectives import decide
 from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed, node_name
+from hpkit.runtime.hang_watchdog import HangWatchdog
 from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
 from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths
@@ -77,16 +78,23 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
     last: StepResult | None = None
+    watchdog = _watchdog(cfg, launch, paths, say)
     try:
         with _stop_on_signals(trainer.request_stop):
             while trainer.step < cfg.train.steps:
                 last = trainer.train_step(checkpointer)
+                if watchdog is not None:
+                    watchdog.step_done(last.step, last.step_time_s)
                 summary.add(last, trainer.tokens_per_step)
                 if last.logged:
                     _check_finite(last)
                 report.step(last)
                 if checkpointer is not None:
+                    if watchdog is not None:
+                        watchdog.phase("save")
                     checkpointer.save(last.step, trainer.checkpoint_state(), forced=trainer.stop_requested)
+                    if watchdog is not None:
+                        watchdog.phase("step")
                 if trainer.stop_requested:
                     say(f"hpkit train: stopping at step {trainer.step} on signal {trainer.stop_signal}")
                     break
@@ -104,6 +112,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
             )
         )
     finally:
+        if watchdog is not None:
+            watchdog.stop()
         trainer.close()
         report.close()
     if last is None:
@@ -147,6 +157,24 @@ class Throughput:
             f"tflops_per_device={tflops:.3f} mfu={mfu} step_ms={self.seconds / max(1, self.steps) * 1000:.0f} "
             f"world={launch.world_size} layout={layout} device={device.type}"
         )
+
+
+def _watchdog(
+    cfg: RunConfig, launch: LaunchEnv, paths: RunPaths, say: Callable[[str], None]
+) -> HangWatchdog | None:
+    """The hang watchdog, started after the resume so that the first step's clock holds the start-up."""
+    hang = cfg.resilience.hang
+    if not hang.enabled or paths.hangs_dir is None:
+        return None
+    return HangWatchdog(
+        paths.hangs_dir,
+        launch.rank,
+        launch.world_size,
+        hang.min_s,
+        hang.factor,
+        hang.start_s,
+        say=say,
+    ).start()
 
 
 def _printer(enabled: bool) -> Callable[[str], None]:

@@ -51,6 +51,7 @@ class RunPaths:
     metrics_file: Path
     tensorboard_dir: Path
     checkpoint_dir: Path | None  # None: the spec saves no checkpoints
+    hangs_dir: Path | None = None  # the hang watchdog's heartbeats and stack dumps
 
 
 def run_paths(cfg: RunConfig, identity: RunIdentity, workdir: Path | None = None) -> RunPaths:
@@ -64,4 +65,6 @@ def run_paths(cfg: RunConfig, identity: RunIdentity, workdir: Path | None = None
         else out / f"{cfg.name}-{identity.run_id}.metrics.jsonl"
     )
     checkpoints = base / identity.expand(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
-    return RunPaths(metrics, out / "tensorboard" / f"{cfg.name}-{identity.run_id}", checkpoints)
+    return RunPaths(
+        metrics, out / "tensorboard" / f"{cfg.name}-{identity.run_id}", checkpoints, out / "hangs"
+    )

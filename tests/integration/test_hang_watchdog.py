@@ -1,0 +1,88 @@
+"""The hang watchdog in a real `hpkit train` run (torchrun, gloo, 2 ranks): a rank SIGSTOPped mid-run is named,
+with its node, from the heartbeats, every rank's stacks land in the hangs folder, and the run ends at once
+instead of waiting out the collective timeout (600 s by default)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+from _torchrun import REPO, torch_env
+
+MIN_S = 5.0
+
+
+def _config(tmp: Path) -> Path:
+    cfg = {
+        "name": "hang",
+        "output_dir": str(tmp / "out"),
+        "model": {"name": "debug", "dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "seq_len": 32},
+        "parallelism": {"dp_shard": 2},
+        "train": {"steps": 100000, "local_batch_size": 2, "log_every": 1, "tensorboard": False},
+        "resilience": {"hang": {"min_s": MIN_S, "factor": 10, "start_s": 120}, "collective_timeout_s": 600},
+    }
+    path = tmp / "hang.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _beats(out: Path) -> dict[int, dict]:
+    beats = {}
+    for path in (out / "hangs" / ".beats").glob("*/rank*.json"):
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        beats[beat["rank"]] = beat
+    return beats
+
+
+def test_a_stopped_rank_is_named_with_every_ranks_stacks(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    cmd += ["-m", "hpkit", "train", "--config", str(_config(tmp_path))]
+    proc = subprocess.Popen(
+        cmd,
+        env=torch_env(tmp_path / "tmp"),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out = tmp_path / "out"
+    try:
+        # The event: rank 1 has finished three steps (its heartbeat says so); then it is stopped.
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            beats = _beats(out)
+            if beats.get(1, {}).get("step", 0) >= 3 and 0 in beats:
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.05)
+        else:
+            raise AssertionError("rank 1 never reached step 3")
+        stopped_at = time.time()
+        os.kill(beats[1]["pid"], signal.SIGSTOP)
+        log, _ = proc.communicate(timeout=MIN_S + 60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    verdicts = list((out / "hangs").glob("*-step*/verdict.json"))
+    assert len(verdicts) == 1, log[-5000:]
+    verdict = json.loads(verdicts[0].read_text())
+    assert verdict["culprits"] == [1] and verdict["reason"] == "stopped", verdict
+    assert f"rank 1 on {beats[1]['node']}" in verdict["line"] and verdict["line"] in log, log[-3000:]
+    # Named within min_s + 10 s of the stop (the run's steps take well under a second here).
+    detected = verdicts[0].stat().st_mtime - stopped_at
+    assert detected <= MIN_S + 10, f"named after {detected:.1f} s"
+    for rank in (0, 1):
+        stacks = (verdicts[0].parent / f"rank{rank}.txt").read_text()
+        assert "most recent call first" in stacks, f"rank {rank}: {stacks[:500]}"
+    assert verdict["top_frames"].get("1"), verdict
+    assert proc.returncode != 0
