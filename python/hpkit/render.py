@@ -398,6 +398,7 @@ class RenderContext:
     world_size: int
     ranks_per_node: int
     nodes: int
+    hangs_dir: str
 
 
 def build_context(
@@ -436,6 +437,8 @@ def build_context(
         world_size=spec.world_size,
         ranks_per_node=spec.ranks_per_node,
         nodes=spec.nodes,
+        # Where hpkit train's watchdog writes (hpkit.runtime.run_identity.run_paths), from the job's directory.
+        hangs_dir=shell_quote(str(PurePosixPath(spec.output_dir) / "hangs")),
     )
 
 

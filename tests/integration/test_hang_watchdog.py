@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import yaml
 from _torchrun import REPO, torch_env
 
@@ -86,3 +87,47 @@ def test_a_stopped_rank_is_named_with_every_ranks_stacks(tmp_path):
         assert "most recent call first" in stacks, f"rank {rank}: {stacks[:500]}"
     assert verdict["top_frames"].get("1"), verdict
     assert proc.returncode != 0
+
+
+@pytest.mark.cluster
+def test_a_rank_stuck_in_python_is_named_and_the_step_restarts_in_the_allocation(slurm_cluster, tmp_path):
+    """On the local cluster (2 nodes x 1 rank): rank 1 sleeps in Python before step 12 while rank 0 waits in a
+    collective. The watchdog names rank 1 as behind in collectives, the job script restarts the step inside the
+    same job from the step-10 checkpoint (no requeue), and every step's loss equals an uninterrupted run's."""
+    from test_resilience import losses, submit, training_spec
+
+    from hpkit.slurm import CliBackend, JobState, wait
+
+    def spec(name: str) -> dict:
+        s = training_spec(name, tmp_path, steps=16, interval=5)
+        s["resilience"].update(
+            max_restarts=1, collective_timeout_s=300, hang={"min_s": MIN_S, "start_s": 120}
+        )
+        return s
+
+    faulty = spec("hang-python")
+    faulty["env"] = {"HPKIT_FAULT": "hang:rank=1,step=12"}
+    reference_id = submit(spec("hang-reference"), tmp_path, slurm_cluster)
+    job_id = submit(faulty, tmp_path, slurm_cluster)
+    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=400)
+    log = Path(info.stdout).read_text()
+    assert info.state == JobState.COMPLETED, log[-6000:]
+    assert "fault injected" in log and "hang:" in log
+    line = next(x for x in log.splitlines() if "hpkit: hang: rank 1 on " in x)
+    assert "has not entered the collective the other ranks wait in" in line, line
+    assert "restarting it in this allocation from the last checkpoint" in log, log[-4000:]
+    assert "requeue" not in log.split("restarting it in this allocation")[1].split("\n")[0]
+    verdict = next((tmp_path / "logs" / "hangs").glob(f"{job_id}-0-0-*-step12/verdict.json"))
+    assert json.loads(verdict.read_text())["culprits"] == [1]
+    for rank in (0, 1):
+        assert "most recent call first" in (verdict.parent / f"rank{rank}.txt").read_text()
+    assert "time.sleep" in json.dumps(json.loads(verdict.read_text())["top_frames"]) or "faults.py" in line
+    reference = wait(CliBackend(), reference_id, poll_s=0.5, timeout_s=400)
+    assert reference.state == JobState.COMPLETED
+    ref_losses = losses(tmp_path / "hang-reference.jsonl")
+    got = losses(tmp_path / "hang-python.jsonl")
+    assert sorted(got) == list(range(1, 17)) and sorted(ref_losses) == list(range(1, 17))
+    for step, value in ref_losses.items():
+        assert abs(got[step] - value) <= 1e-5, (step, got[step], value)
+    # The control run raised no hang.
+    assert not list((tmp_path / "logs" / "hangs").glob(f"{reference_id}-*-step*"))

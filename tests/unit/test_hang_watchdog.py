@@ -83,5 +83,11 @@ def test_top_frame_is_the_main_threads_innermost_frame():
         "Current thread 0x00007e (most recent call first):\n"
         '  File "/x/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
         '  File "/x/hpkit/runtime/trainer.py", line 400 in train_step\n'
+        '  File "<frozen runpy>", line 88 in _run_code\n'
     )
     assert top_frame(dump) == "/x/torch/distributed/c10d_logger.py:83 in wrapper"
+    # The handler may run on another thread: the main thread is still the one not started by threading.
+    other = dump.replace("Current thread 0x00007e", "Thread 0x00007e").replace(
+        "Thread 0x00007f", "Current thread 0x00007f"
+    )
+    assert top_frame(other) == "/x/torch/distributed/c10d_logger.py:83 in wrapper"

@@ -152,12 +152,12 @@ def top_frame(stacks: str) -> str:
     for line in stacks.splitlines():
         if line.startswith(MAIN_THREAD):
             return line.removeprefix(MAIN_THREAD).strip()
-    # A dump faulthandler wrote from a signal (a stopped rank): the signal ran on the main thread.
+    # A dump faulthandler wrote from a signal (a stopped rank): the main thread is the one whose stack does
+    # not start in threading.py (every other thread's does), whichever thread ran the handler.
     for block in stacks.split("\n\n"):
-        if block.lstrip().startswith("Current thread"):
-            frames = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
-            if frames and "hang_watchdog" not in frames[0]:
-                return _frame(frames[0])
+        frames = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("File ")]
+        if frames and "threading.py" not in frames[-1] and "hang_watchdog" not in frames[0]:
+            return _frame(frames[0])
     return ""
 
 

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from hpkit.errors import SpecError
 from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
+from hpkit.runtime import faults
 from hpkit.runtime.checkpoint import Checkpointer
 from hpkit.runtime.checkpoint_record import CommitRecord
 from hpkit.runtime.collectives import decide
@@ -79,9 +80,12 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
     last: StepResult | None = None
     watchdog = _watchdog(cfg, launch, paths, say)
+    fault = faults.from_env()
     try:
         with _stop_on_signals(trainer.request_stop):
             while trainer.step < cfg.train.steps:
+                if fault is not None:
+                    fault.before_step(launch.rank, trainer.step + 1)
                 last = trainer.train_step(checkpointer)
                 if watchdog is not None:
                     watchdog.step_done(last.step, last.step_time_s)
@@ -92,6 +96,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                 if checkpointer is not None:
                     if watchdog is not None:
                         watchdog.phase("save")
+                    if fault is not None and checkpointer.due(last.step):
+                        fault.before_save(launch.rank)
                     checkpointer.save(last.step, trainer.checkpoint_state(), forced=trainer.stop_requested)
                     if watchdog is not None:
                         watchdog.phase("step")
