@@ -100,6 +100,7 @@ SLOW_FILES_FIRST = (
     "test_training_correctness.py",
     "test_moe.py",
     "test_smp_v2.py",
+    "test_hang_recovery.py",
 )
 
 
