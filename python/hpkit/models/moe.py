@@ -20,6 +20,7 @@ tokens travel to the rank holding their expert and back with two all-to-alls.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,32 +138,45 @@ class GroupedExperts(nn.Module):
         return torch.cat(outs)
 
     def _expert_parallel(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep, local_experts = self.ep_size, self.n_experts // self.ep_size
-        # How many rows each rank sends me for each of my experts.
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts.contiguous(), group=self.ep_group)
-        by_source = received.view(ep, local_experts)
-        send_splits = counts.view(ep, local_experts).sum(1).tolist()
-        recv_splits = by_source.sum(1).tolist()
-        rows = AllToAll.apply(tokens, recv_splits, send_splits, self.ep_group)
-        # Rows arrive grouped by source rank, then expert: regroup them by expert to compute.
-        sizes = by_source.tolist()
-        starts, at = [], 0
-        for row in sizes:
-            starts.append([])
-            for n in row:
-                starts[-1].append(at)
-                at += n
-        order = torch.cat(
-            [
-                torch.arange(starts[s][e], starts[s][e] + sizes[s][e])
-                for e in range(local_experts)
-                for s in range(ep)
-            ]
-        ).to(rows.device)
-        computed = self._compute(rows.index_select(0, order), by_source.sum(0).tolist())
-        back = torch.empty_like(computed).index_copy(0, order, computed)
-        return AllToAll.apply(back, send_splits, recv_splits, self.ep_group)
+        return exchange_with_experts(tokens, counts, self.ep_size, self.ep_group, self._compute)
+
+
+def exchange_with_experts(
+    tokens: torch.Tensor,
+    counts: torch.Tensor,
+    ep: int,
+    group: dist.ProcessGroup,
+    compute: Callable[[torch.Tensor, list[int]], torch.Tensor],
+) -> torch.Tensor:
+    """Expert parallel's round trip: `tokens` (sorted by global expert, `counts[e]` rows for expert e) go to
+    the ranks that hold their experts, `compute(rows grouped by local expert, rows per local expert)` runs
+    there, and the results come back in `tokens`' order. Autograd flows both ways (AllToAll)."""
+    local_experts = counts.numel() // ep
+    # How many rows each rank sends me for each of my experts.
+    received = torch.empty_like(counts)
+    dist.all_to_all_single(received, counts.contiguous(), group=group)
+    by_source = received.view(ep, local_experts)
+    send_splits = counts.view(ep, local_experts).sum(1).tolist()
+    recv_splits = by_source.sum(1).tolist()
+    rows = AllToAll.apply(tokens, recv_splits, send_splits, group)
+    # Rows arrive grouped by source rank, then expert: regroup them by expert to compute.
+    sizes = by_source.tolist()
+    starts, at = [], 0
+    for row in sizes:
+        starts.append([])
+        for n in row:
+            starts[-1].append(at)
+            at += n
+    order = torch.cat(
+        [
+            torch.arange(starts[s][e], starts[s][e] + sizes[s][e])
+            for e in range(local_experts)
+            for s in range(ep)
+        ]
+    ).to(rows.device)
+    computed = compute(rows.index_select(0, order), by_source.sum(0).tolist())
+    back = torch.empty_like(computed).index_copy(0, order, computed)
+    return AllToAll.apply(back, send_splits, recv_splits, group)
 
 
 class FeedForwardSwiGLU(nn.Module):

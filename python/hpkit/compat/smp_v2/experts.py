@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hpkit.compat.smp_v2.state import bad_config
-from hpkit.models.moe import AllToAll, ScaleGrad
+from hpkit.models.moe import ScaleGrad, exchange_with_experts
 
 
 def _local(weight: torch.Tensor, ep: int) -> torch.Tensor:
@@ -58,30 +58,7 @@ class ExpertParallelForward:
         return torch.cat(outs)
 
     def _exchange(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        ep, local_experts = self.ep_size, self.num_experts // self.ep_size
-        received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts.contiguous(), group=self.ep_group)
-        by_source = received.view(ep, local_experts)
-        send_splits = counts.view(ep, local_experts).sum(1).tolist()
-        recv_splits = by_source.sum(1).tolist()
-        rows = AllToAll.apply(tokens, recv_splits, send_splits, self.ep_group)
-        # Rows arrive grouped by source rank, then expert: regroup them by expert to compute.
-        sizes = by_source.tolist()
-        starts, at = [], 0
-        for row in sizes:
-            starts.append([])
-            for n in row:
-                starts[-1].append(at)
-                at += n
-        regroup = [
-            torch.arange(starts[s][e], starts[s][e] + sizes[s][e])
-            for e in range(local_experts)
-            for s in range(ep)
-        ]
-        index = torch.cat(regroup).to(rows.device)
-        computed = self._compute(rows.index_select(0, index), by_source.sum(0).tolist())
-        back = torch.empty_like(computed).index_copy(0, index, computed)
-        return AllToAll.apply(back, send_splits, recv_splits, self.ep_group)
+        return exchange_with_experts(tokens, counts, self.ep_size, self.ep_group, self._compute)
 
 
 def _experts_modules(model: nn.Module) -> list[nn.Module]:
