@@ -248,7 +248,7 @@ class HangWatchdog:
                 print(f"hpkit: hang watchdog: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 continue
             if verdict is not None:
-                self._on_hang(verdict)
+                self._on_hang(verdict, beats)
                 return
 
     def _write_beat(self) -> None:
@@ -268,7 +268,7 @@ class HangWatchdog:
                 continue  # being replaced: the next round reads it
         return beats
 
-    def _on_hang(self, verdict: Verdict) -> None:
+    def _on_hang(self, verdict: Verdict, beats_read: list[Beat]) -> None:
         out = self.folder / f"{self.beats_dir.name}-step{verdict.step + 1}"
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"rank{self.rank}.txt", "w", encoding="utf-8") as f:
@@ -277,7 +277,7 @@ class HangWatchdog:
             )
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
-        beats = {b.rank: b for b in self._read_beats()}
+        beats = {b.rank: b for b in beats_read}
         for culprit in verdict.culprits:
             beat = beats.get(culprit)
             if verdict.reason == "stopped" and beat is not None and beat.node == self.node:

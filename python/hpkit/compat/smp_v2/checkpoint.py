@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -31,10 +30,6 @@ from hpkit.runtime.checkpoint_record import (
 )
 
 WHERE = "tsm.checkpoint"
-
-
-def _barrier(process_group: dist.ProcessGroup | None) -> None:
-    dist.barrier(group=process_group)
 
 
 def _path(checkpoint_id: str | os.PathLike | None) -> Path:
@@ -64,17 +59,13 @@ def save(
     if is_coordinator:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
-    _barrier(process_group)
+    dist.barrier(group=process_group)
     dcp.save(state_dict, checkpoint_id=str(tmp), process_group=process_group)
-    _barrier(process_group)
+    dist.barrier(group=process_group)
     if is_coordinator:
-        step = (
-            int(state_dict.get("total_steps", state_dict.get("step", 0)) or 0)
-            if isinstance(state_dict, dict)
-            else 0
-        )
+        step = int(state_dict.get("total_steps", state_dict.get("step", 0)) or 0)
         _commit(tmp, final, step, dist.get_world_size(process_group))
-    _barrier(process_group)
+    dist.barrier(group=process_group)
 
 
 def async_save(
@@ -115,8 +106,3 @@ def load(
     final = _path(checkpoint_id)
     _verify(final, process_group, coordinator_rank)
     dcp.load(state_dict, checkpoint_id=str(final), process_group=process_group)
-
-
-def torch_save_full(state_dict: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(state_dict, path)

@@ -35,10 +35,11 @@ class TorchSagemakerFinder(importlib.abc.MetaPathFinder):
         if fullname != PREFIX and not fullname.startswith(PREFIX + "."):
             return None
         name = TARGET + fullname[len(PREFIX) :]
-        if importlib.util.find_spec(name) is None:
+        found = importlib.util.find_spec(name)
+        if found is None:
             return None
-        real = importlib.import_module(name)
-        spec = importlib.machinery.ModuleSpec(fullname, _Alias(name), is_package=hasattr(real, "__path__"))
-        if hasattr(real, "__path__"):
-            spec.submodule_search_locations = []
+        package = found.submodule_search_locations is not None
+        spec = importlib.machinery.ModuleSpec(fullname, _Alias(name), is_package=package)
+        if package:
+            spec.submodule_search_locations = []  # submodules come through this finder, never a path
         return spec
