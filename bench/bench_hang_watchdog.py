@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _sides import REPO, alternate, ratio_line, run_env
+
 SEQ, LOCAL_BATCH, PROCS = 256, 4, 2
 
 
@@ -47,8 +46,7 @@ def run(enabled: bool, steps: int, out: Path) -> float:
     }
     path = out / "config.json"
     path.write_text(json.dumps(cfg))
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(out))
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO / "python"), env.get("PYTHONPATH")) if x)
+    env = run_env(out)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={PROCS}"]
     subprocess.run(
         [*cmd, "-m", "hpkit", "train", "--config", str(path)],
@@ -67,24 +65,11 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=20)
     args = p.parse_args()
-    on: list[float] = []
-    off: list[float] = []
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        for rnd in range(args.rounds):
-            for enabled in (True, False) if rnd % 2 == 0 else (False, True):
-                out = tmp / f"{enabled}-{rnd}"
-                out.mkdir()
-                (on if enabled else off).append(run(enabled, args.steps, out))
-                print(
-                    f"round {rnd + 1} watchdog {'on ' if enabled else 'off'} {(on if enabled else off)[-1]:8,.0f} tokens/s",
-                    flush=True,
-                )
-    per_round = [a / b for a, b in zip(on, off, strict=True)]
-    print(
-        f"on / off: ratio of medians {statistics.median(on) / statistics.median(off):.3f}, per round "
-        f"{', '.join(f'{r:.3f}' for r in per_round)} (median {statistics.median(per_round):.3f})"
+    results = alternate(
+        {"on": lambda out: run(True, args.steps, out), "off": lambda out: run(False, args.steps, out)},
+        args.rounds,
     )
+    print(ratio_line("on", results["on"], "off", results["off"]))
     return 0
 
 

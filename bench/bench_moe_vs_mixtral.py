@@ -15,15 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _sides import REPO, alternate, ratio_line, run_env
+
 SEQ, LOCAL_BATCH, LR, WARMUP, WD, CLIP, AUX = 256, 8, 8e-4, 2, 0.1, 1.0, 0.01
 SHAPE = {"dim": 256, "n_layers": 6, "n_heads": 16, "ffn_dim": 768, "vocab_size": 2048}
 EXPERTS, TOP_K = 8, 2
@@ -63,7 +62,7 @@ def hpkit_side(steps: int, out: Path) -> list[float]:
     path.write_text(json.dumps(cfg))
     subprocess.run(
         [sys.executable, "-m", "hpkit", "train", "--config", str(path)],
-        env=_env(out),
+        env=run_env(out),
         check=True,
         stdout=subprocess.DEVNULL,
         cwd=REPO,
@@ -75,7 +74,7 @@ def hpkit_side(steps: int, out: Path) -> list[float]:
 def mixtral_side(steps: int, out: Path) -> list[float]:
     done = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "--mixtral-loop", str(steps)],
-        env=_env(out),
+        env=run_env(out),
         check=True,
         capture_output=True,
         text=True,
@@ -122,12 +121,6 @@ def mixtral_loop(steps: int) -> None:
     print(json.dumps(times))
 
 
-def _env(tmp: Path) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp))
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO / "python"), env.get("PYTHONPATH")) if x)
-    return env
-
-
 def tokens_per_s(step_times: list[float]) -> float:
     return LOCAL_BATCH * SEQ / statistics.median(step_times[2:])
 
@@ -146,24 +139,14 @@ def main() -> int:
     except ImportError:
         print("bench_moe_vs_mixtral: needs transformers (pip install 'hpkit[train,hf]' transformers)")
         return 2
-    results: dict[str, list[float]] = {"hpkit": [], "mixtral": []}
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        for rnd in range(args.rounds):
-            # Alternate which side goes first, so that neither always follows the other.
-            order = ("hpkit", "mixtral") if rnd % 2 == 0 else ("mixtral", "hpkit")
-            for side in order:
-                out = tmp / f"{side}-{rnd}"
-                out.mkdir()
-                times = hpkit_side(args.steps, out) if side == "hpkit" else mixtral_side(args.steps, out)
-                results[side].append(tokens_per_s(times))
-                print(f"round {rnd + 1} {side:8s} {results[side][-1]:8,.0f} tokens/s", flush=True)
-    h, m = results["hpkit"], results["mixtral"]
-    per_round = [a / b for a, b in zip(h, m, strict=True)]
-    print(
-        f"hpkit / Mixtral: ratio of medians {statistics.median(h) / statistics.median(m):.3f}, "
-        f"per round {', '.join(f'{r:.3f}' for r in per_round)} (median {statistics.median(per_round):.3f})"
+    results = alternate(
+        {
+            "hpkit": lambda out: tokens_per_s(hpkit_side(args.steps, out)),
+            "mixtral": lambda out: tokens_per_s(mixtral_side(args.steps, out)),
+        },
+        args.rounds,
     )
+    print(ratio_line("hpkit", results["hpkit"], "Mixtral", results["mixtral"]))
     return 0
 
 

@@ -19,15 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from _sides import REPO, alternate, ratio_line, run_env
+
 SCRIPT = REPO / "tests/integration/sagemaker_scripts/smp_v2_train.py"
 DIM, LAYERS, HEADS, FFN, VOCAB, SEQ, GLOBAL_BATCH, PROCS = 256, 4, 8, 768, 2048, 256, 8, 2
 SHAPE_ARGS = [
@@ -35,12 +34,6 @@ SHAPE_ARGS = [
     *("--num_kv_heads", str(HEADS), "--intermediate_size", str(FFN), "--vocab_size", str(VOCAB)),
     *("--seq", str(SEQ), "--global_batch", str(GLOBAL_BATCH), "--lr", "3e-4"),
 ]
-
-
-def _env(tmp: Path, **extra: str) -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=str(tmp), **extra)
-    env["PYTHONPATH"] = os.pathsep.join(x for x in (str(REPO / "python"), env.get("PYTHONPATH")) if x)
-    return env
 
 
 def _torchrun(*args: str) -> list[str]:
@@ -51,14 +44,14 @@ def smp_v2_side(steps: int, out: Path) -> list[float]:
     cmd = _torchrun(
         "-m", "hpkit.run_script", str(SCRIPT), "--hybrid_shard_degree", "2", "--max_steps", str(steps)
     )
-    env = _env(out, HPKIT_PRELOAD="hpkit.compat.smp_v2:install")
+    env = run_env(out, HPKIT_PRELOAD="hpkit.compat.smp_v2:install")
     done = subprocess.run([*cmd, *SHAPE_ARGS], env=env, capture_output=True, text=True, check=True, cwd=out)
     return [json.loads(line)["time"] for line in done.stdout.splitlines() if line.startswith('{"step"')]
 
 
 def fsdp2_side(steps: int, out: Path) -> list[float]:
     cmd = _torchrun(str(Path(__file__).resolve()), "--fsdp2-loop", str(steps))
-    done = subprocess.run(cmd, env=_env(out), capture_output=True, text=True, check=True, cwd=out)
+    done = subprocess.run(cmd, env=run_env(out), capture_output=True, text=True, check=True, cwd=out)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -93,7 +86,7 @@ def hpkit_side(steps: int, out: Path) -> list[float]:
     path = out / "config.json"
     path.write_text(json.dumps(cfg))
     cmd = _torchrun("-m", "hpkit", "train", "--config", str(path))
-    subprocess.run(cmd, env=_env(out), check=True, stdout=subprocess.DEVNULL, cwd=REPO)
+    subprocess.run(cmd, env=run_env(out), check=True, stdout=subprocess.DEVNULL, cwd=REPO)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows if "event" not in r]
 
@@ -166,24 +159,12 @@ def main() -> int:
     except ImportError:
         print("bench_smp_v2: needs transformers (pip install 'hpkit[train,hf]')")
         return 2
-    names = list(SIDES)
-    results: dict[str, list[float]] = {name: [] for name in names}
-    with tempfile.TemporaryDirectory() as tmp_name:
-        tmp = Path(tmp_name)
-        for rnd in range(args.rounds):
-            order = names[rnd % len(names) :] + names[: rnd % len(names)]  # rotate who goes first
-            for side in order:
-                out = tmp / f"{side}-{rnd}"
-                out.mkdir()
-                results[side].append(tokens_per_s(SIDES[side](args.steps, out)))
-                print(f"round {rnd + 1} {side:7s} {results[side][-1]:8,.0f} tokens/s", flush=True)
+    results = alternate(
+        {name: (lambda out, side=side: tokens_per_s(side(args.steps, out))) for name, side in SIDES.items()},
+        args.rounds,
+    )
     for other in ("fsdp2", "hpkit"):
-        a, b = results["smp_v2"], results[other]
-        per_round = [x / y for x, y in zip(a, b, strict=True)]
-        print(
-            f"smp_v2 / {other}: ratio of medians {statistics.median(a) / statistics.median(b):.3f}, per round "
-            f"{', '.join(f'{r:.3f}' for r in per_round)} (median {statistics.median(per_round):.3f})"
-        )
+        print(ratio_line("smp_v2", results["smp_v2"], other, results[other]))
     return 0
 
 
