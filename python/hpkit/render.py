@@ -71,15 +71,26 @@ def whole_node_cpus(spec: SlurmJob) -> int | None:
     return max(row.vcpus // spec.ranks_per_node, 1)
 
 
-def sbatch_directives(spec: SlurmJob) -> list[Directive]:
+def tasks_per_node(spec: SlurmJob) -> int:
+    """Slurm tasks per node: torchrun starts one agent per node that forks the ranks; srun starts every rank."""
+    return 1 if spec.launcher == "torchrun" else spec.ranks_per_node
+
+
+def sbatch_directives(spec: SlurmJob, spare_nodes: int = 0) -> list[Directive]:
+    """`spare_nodes`: nodes allocated beyond the ones a step runs on (resilience.spare_nodes)."""
     out = Path(spec.output_dir)
     whole = whole_node_cpus(spec) if spec.cpus_per_task is None else None
     cpus_per_rank = spec.cpus_per_task or whole
     directives = [
         Directive("job-name", spec.name),
-        Directive("nodes", str(spec.nodes)),
-        # torchrun starts one agent per node that forks the ranks; srun starts every rank itself.
-        Directive("ntasks-per-node", str(1 if spec.launcher == "torchrun" else spec.ranks_per_node)),
+        Directive(
+            "nodes",
+            str(spec.nodes + spare_nodes),
+            why=f"{spec.nodes} node(s) for the step and {spare_nodes} spare (resilience.spare_nodes)"
+            if spare_nodes
+            else None,
+        ),
+        Directive("ntasks-per-node", str(tasks_per_node(spec))),
         Directive("output", str(out / "%x-%j.out")),
     ]
     if spec.launcher == "torchrun":
@@ -148,7 +159,12 @@ def resilience_directives(spec: JobSpec) -> list[Directive]:
         # itself, and the script's next run resumes. Without it Slurm ends such a job as NODE_FAIL; the
         # script can still requeue itself after USR1 (it turns the flag on just for that).
         Directive("requeue" if spec.resilience.requeues_on_failure() else "no-requeue"),
-    ]
+    ] + (
+        # A lost node must not end the allocation: the next step runs on the others and a spare.
+        [Directive("no-kill", why="spare nodes: the job keeps its allocation when one of its nodes dies")]
+        if spec.resilience.spare_nodes
+        else []
+    )
 
 
 # sinfo's short node states (%t) that mean a node is gone: down, failing, or not answering
@@ -399,6 +415,10 @@ class RenderContext:
     ranks_per_node: int
     nodes: int
     hangs_dir: str
+    spare_nodes: int
+    step_tasks: int
+    tasks_per_node: int
+    replace_bad_nodes: bool
 
 
 def build_context(
@@ -409,7 +429,13 @@ def build_context(
         version=__version__,
         script_name=shell_quote(script_name),
         spec_path=shell_quote(spec_path) if spec_path else None,
-        directives=[d.line() for d in (*sbatch_directives(spec), *resilience_directives(spec))],
+        directives=[
+            d.line()
+            for d in (
+                *sbatch_directives(spec, spec.resilience.spare_nodes),
+                *resilience_directives(spec),
+            )
+        ],
         env=[(key, shell_quote(value)) for key, value in sorted(spec.env.items())] + line_label_env(spec),
         launcher=spec.launcher,
         srun_options=srun_options(spec),
@@ -439,6 +465,10 @@ def build_context(
         nodes=spec.nodes,
         # Where hpkit train's watchdog writes (hpkit.runtime.run_identity.run_paths), from the job's directory.
         hangs_dir=shell_quote(str(PurePosixPath(spec.output_dir) / "hangs")),
+        spare_nodes=spec.resilience.spare_nodes,
+        step_tasks=spec.nodes * tasks_per_node(spec),
+        tasks_per_node=tasks_per_node(spec),
+        replace_bad_nodes=spec.resilience.replace_bad_nodes,
     )
 
 

@@ -8,6 +8,7 @@ the spare third node lets the requeued job run without the lost one.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -26,7 +27,9 @@ from hpkit.slurm import CliBackend, JobState
 
 pytestmark = [pytest.mark.cluster, pytest.mark.dist]
 
-SLURMD_TIMEOUT_S = 10
+# Long enough that a recovery on a spare node, which must not wait for slurmctld to mark the lost node
+# DOWN, is told apart from one that does (test_a_lost_node_is_replaced_by_a_spare_inside_the_job).
+SLURMD_TIMEOUT_S = 30
 COLLECTIVE_TIMEOUT_S = 20
 # slurmctld pings every SlurmdTimeout/3 and declares a silent node DOWN SlurmdTimeout after its last
 # answer; then it requeues the job. Twice that, and room for a loaded machine.
@@ -126,12 +129,41 @@ def wait_for_first_commit(ckpt_dir: Path, timeout: float) -> None:
     pytest.fail(f"no checkpoint committed in {ckpt_dir} after {timeout:.0f} s")
 
 
+def first_step_after_restart(metrics: Path, starts_before: int) -> dict:
+    """The first step record that a run started after the first `starts_before` runs wrote."""
+    starts = 0
+    for line in metrics.read_text().splitlines():
+        record = json.loads(line)
+        if record.get("event") == "start":
+            starts += 1
+        elif starts > starts_before and "loss" in record:
+            return record
+    raise AssertionError(f"no step logged by a run after the first {starts_before} in {metrics}")
+
+
+def starts_in(metrics: Path) -> int:
+    return sum(json.loads(line).get("event") == "start" for line in metrics.read_text().splitlines())
+
+
+# kill -> first step logged by the resumed run, per path, for the spare-node test to compare with.
+RECOVERY_S: dict[str, float] = {}
+
+
 # The batch host's loss takes the batch script with it: only Slurm itself can requeue then.
 @pytest.mark.parametrize("lost", ["worker", "batch-host"])
 def test_a_lost_node_requeues_the_job_and_it_resumes_to_the_same_losses(
     three_nodes, reference_losses, tmp_path, lost
 ):
-    env, backend = three_nodes, CliBackend()
+    RECOVERY_S[lost] = requeue_after_node_loss(three_nodes, reference_losses, tmp_path, lost)
+
+
+def requeue_after_node_loss(
+    env: dict[str, str], reference_losses: dict[int, float], tmp_path: Path, lost: str
+) -> float:
+    """A node of a job without spares lost at the first checkpoint commit: Slurm requeues the job, which
+    resumes to the reference losses. Returns the seconds from the kill to the resumed run's first step."""
+    backend = CliBackend()
+    tmp_path.mkdir(exist_ok=True)
     spec = training_spec("lost", tmp_path, STEPS, interval=INTERVAL)
     spec["resilience"].update(max_restarts=2, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     job = submit(spec, tmp_path, env)
@@ -142,8 +174,9 @@ def test_a_lost_node_requeues_the_job_and_it_resumes_to_the_same_losses(
     first_nodes = hostnames(fields["NodeList"], env)
     batch_host = fields["BatchHost"]
     lost_node = batch_host if lost == "batch-host" else next(n for n in first_nodes if n != batch_host)
+    starts_before = starts_in(metrics)
     victims = kill_node(env, job, lost_node)
-    killed_at = time.monotonic()
+    killed_at, killed_wall = time.monotonic(), time.time()
     assert victims, f"no processes of job {job} on {lost_node}"
 
     try:
@@ -178,6 +211,59 @@ def test_a_lost_node_requeues_the_job_and_it_resumes_to_the_same_losses(
 
     saved_step = int(re.search(r"resumed from \S+ at step (\d+)", log).group(1))
     assert saved_step >= INTERVAL and stopped_at - saved_step <= INTERVAL, (saved_step, stopped_at)
+    got = losses(metrics)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in reference_losses.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), f"step {step}"
+    recovery_s = first_step_after_restart(metrics, starts_before)["time"] - killed_wall
+    print(f"kill -> the resumed run's first step {recovery_s:.1f} s (requeue path)")
+    return recovery_s
+
+
+def test_a_lost_node_is_replaced_by_a_spare_inside_the_job(three_nodes, reference_losses, tmp_path):
+    """resilience.spare_nodes: 1 on three nodes: the node of rank 0 (and of the rendezvous store) is lost at
+    the first checkpoint commit, and the job goes on on the other step node and the spare: same job, no
+    requeue, no wait for slurmctld to mark the node DOWN, and the reference losses."""
+    env, backend = three_nodes, CliBackend()
+    spec = training_spec("spare", tmp_path, STEPS, interval=INTERVAL)
+    spec["resilience"].update(max_restarts=2, spare_nodes=1, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    job = submit(spec, tmp_path, env)
+    metrics = tmp_path / "spare.jsonl"
+
+    wait_for_first_commit(tmp_path / "spare-ckpt", 240)
+    info = backend.info(job)
+    placed = re.search(r"hpkit: steps run on (\S+) (\S+); spare node\(s\): (\S+)", job_log(info))
+    assert placed, job_log(info)
+    rank0_node, other_node, spare = placed.groups()
+    # The spare is the batch host: a step node's loss never takes the batch script with it.
+    assert spare == job_fields(job, env)["BatchHost"]
+    starts_before = starts_in(metrics)
+    victims = kill_node(env, job, rank0_node)
+    killed_wall = time.time()
+    assert victims, f"no processes of job {job} on {rank0_node}"
+    try:
+        info = wait_for(lambda: (i := backend.info(job)).state.finished and i, 300, "the job to end")
+    finally:
+        subprocess.run(["slurmd", "-N", rank0_node, "-f", env["SLURM_CONF"]], env=env, check=False)
+    log = job_log(info)
+    print("\n".join(line for line in log.splitlines() if line.startswith(("hpkit", "srun"))))
+    assert info.state == JobState.COMPLETED, log
+    # Inside the same job: Slurm never requeued it, and its script ran once.
+    assert job_fields(job, env)["Restarts"] == "0" and len(job_log_nodelists(log)) == 1, log
+    assert f"hpkit: node {rank0_node} is out of the job's steps; spare {spare} takes its place" in log, log
+    assert re.search(rf"hpkit: \S+ restarting the step on {spare},{other_node} in this allocation", log), log
+    assert "requeue" not in log.replace("--requeue", ""), log
+
+    recovery_s = first_step_after_restart(metrics, starts_before)["time"] - killed_wall
+    if "worker" not in RECOVERY_S:  # this test run alone: measure the requeue path here too
+        RECOVERY_S["worker"] = requeue_after_node_loss(env, reference_losses, tmp_path / "requeue", "worker")
+    requeue_s = RECOVERY_S["worker"]
+    print(
+        f"kill -> next step: spare {recovery_s:.1f} s, requeue {requeue_s:.1f} s, ratio {recovery_s / requeue_s:.2f}"
+    )
+    assert recovery_s <= 30 and recovery_s < SLURMD_TIMEOUT_S, recovery_s
+    assert recovery_s <= 0.5 * requeue_s, (recovery_s, requeue_s)
+
     got = losses(metrics)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, loss in reference_losses.items():

@@ -395,6 +395,23 @@ class ResilienceSpec(StrictModel):
         description="a collective waiting this long on a dead peer ends the job instead of hanging it",
     )
     hang: HangSpec = Field(default_factory=HangSpec)
+    spare_nodes: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description=(
+            "allocate this many nodes beyond `nodes`: when a node is lost or found bad (a hang's culprit, a "
+            "node that no longer starts a task) the next attempt runs on the others plus a spare, inside "
+            "the same job, from the last checkpoint (counted against max_restarts)"
+        ),
+    )
+    replace_bad_nodes: bool = Field(
+        default=False,
+        description=(
+            "on SageMaker HyperPod, also ask for a bad node's replacement (scontrol update node=NODE "
+            'state=fail reason="Action:Replace")'
+        ),
+    )
     requeue_on_failure: bool | None = Field(
         default=None,
         description=(
@@ -409,6 +426,11 @@ class ResilienceSpec(StrictModel):
             raise ValueError(
                 "requeue_on_failure: true needs a restart budget: set max_restarts > 0, "
                 "or drop requeue_on_failure"
+            )
+        if self.spare_nodes and self.max_restarts == 0:
+            raise ValueError(
+                f"spare_nodes: {self.spare_nodes} needs a restart budget to use them: set max_restarts > 0, "
+                "or drop spare_nodes"
             )
         return self
 

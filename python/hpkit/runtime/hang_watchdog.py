@@ -291,6 +291,10 @@ class HangWatchdog:
                 if path.exists():
                     frames[r] = top_frame(path.read_text(encoding="utf-8", errors="replace"))
             verdict = Verdict(**{**asdict(verdict), "top_frames": frames})
+            # For the job script (plain shell, no JSON) to leave the culprits' nodes out of the next
+            # step when it has spares; written first, since verdict.json's appearance is the signal.
+            culprit_nodes = sorted({verdict.nodes[r] for r in verdict.culprits if r in verdict.nodes})
+            (out / "culprit_nodes").write_text("".join(f"{n}\n" for n in culprit_nodes), encoding="utf-8")
             (out / "verdict.json").write_text(
                 json.dumps({**asdict(verdict), "line": verdict.line(), "stacks": str(out)}, indent=1),
                 encoding="utf-8",
