@@ -297,7 +297,34 @@ def test_node_fail_from_slurmctld_alone_names_the_node():
     assert v.evidence[0] == why.Evidence("/c/log/slurmctld.log", 1, log.strip())
 
 
+SLURMD_OOM = """\
+[2026-11-25T11:24:55.808] [19810.0] debug:  StepId=19810.0 memory used:199548928 limit:104857600 B
+[2026-11-25T11:24:55.808] [19810.0] error: StepId=19810.0 exceeded memory limit (199548928 > 104857600), being killed
+[2026-11-25T11:24:55.810] [19810.batch] error: Exceeded job memory limit
+[2026-11-25T11:24:55.820] [19810.0] error: StepId=19810.0 exceeded memory limit (199548928 > 104857600), being killed
+"""
+
+
 def test_out_of_memory_names_the_record_node_and_rank():
+    repeated = OOM.replace(
+        "srun: Job step", "slurmstepd-node1: error: Exceeded job memory limit\nsrun: Job step"
+    )
+    slurmd = scan_slurm_log(SLURMD_OOM.splitlines(True), "/c/log/slurmd-node1.log", "19810", "node1")
+    assert [f.detail for f in slurmd] == [
+        "StepId=19810.0 exceeded memory limit (199548928 > 104857600), being killed",
+        "Exceeded job memory limit",
+        "StepId=19810.0 exceeded memory limit (199548928 > 104857600), being killed",
+    ]
+    v = decide(facts(repeated, [record("FAILED", exit_code="137:0")], extra=slurmd, torchrun=False))
+    # each record once per source, the job's output first, slurmd's log next, then the killed task
+    assert [(e.source, e.line) for e in v.evidence[:5]] == [
+        ("/w/logs/job.out", 2),
+        ("/w/logs/job.out", 3),
+        ("/c/log/slurmd-node1.log", 2),
+        ("/c/log/slurmd-node1.log", 3),
+        ("/w/logs/job.out", 6),
+    ]
+    assert_cited(v, repeated)
     v = decide(facts(OOM, [record("FAILED", exit_code="137:0")], torchrun=False))
     assert v.kind == why.OUT_OF_MEMORY and v.node == "node1" and v.rank == 0
     assert v.summary == (

@@ -360,7 +360,12 @@ def _out_of_memory(found: _Found, record: SlurmRecord | None, torchrun: bool | N
     record_text = first.detail if first else "Slurm says OUT_OF_MEMORY"
     where = " on " + node if node else ""
     who = f" (rank {rank})" if rank is not None else ""
-    return _Call(OUT_OF_MEMORY, f"out of memory{where}{who}: {record_text}", _ev(*oom[:4], task), rank, node)
+    # The same record comes from the job's output and slurmd's log, often twice: one line per source and text.
+    shown = list({(f.evidence[0].source, f.detail): f for f in oom[::-1]}.values())  # each pair's first
+    shown.sort(key=oom.index)
+    return _Call(
+        OUT_OF_MEMORY, f"out of memory{where}{who}: {record_text}", _ev(*shown[:4], task), rank, node
+    )
 
 
 def _time_limit(found: _Found, record: SlurmRecord | None, _torchrun: bool | None) -> _Call | None:
