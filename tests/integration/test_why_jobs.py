@@ -4,10 +4,11 @@ The cluster (4 nodes) enforces memory (slurm/dev MEMORY_KILL=1: jobacct_gather/l
 job's --mem) and declares a silent node DOWN after 10 s. The lost node's job runs alone on node3-4; every other
 job excludes them. Each fault is the real thing: a Python exception on rank 2 of a torch.distributed program
 (through hpkit.run_script), kill -9 of a training rank once its heartbeat shows steps, a program over its
---mem, slurmd and the job's processes on a node killed together, a rank stuck in Python (HPKIT_FAULT hang)
-with no restart left, a 1-minute time limit on a plain sbatch job (not hpkit's), scancel, and the USR1 that
-Slurm sends before a preemption (as test_resilience.py delivers it). For every verdict, each evidence line is
-read back from the file and line it names (or the command it names) and must be there.
+--mem, slurmd and a training job's processes on a node killed together (the surviving rank's "Connection ... by
+peer" must not be the verdict), a rank stuck in Python (HPKIT_FAULT hang) with no restart left, a 1-minute time
+limit on a plain sbatch job (not hpkit's), scancel, and the USR1 that Slurm sends before a preemption (as
+test_resilience.py delivers it). For every verdict, each evidence line is read back from the file and line it
+names (or the command it names) and must be there.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_node_loss import job_fields, job_processes_on, kill_node
+from test_node_loss import job_fields, kill_node
 from test_resilience import TINY_MODEL, submit, wait_for
 
 from _clusters import slot
@@ -91,15 +92,17 @@ def training(name: str, work: Path, **resilience) -> dict:
     )
 
 
-def beat(work: Path, name: str, rank: int) -> dict | None:
-    for path in (work / "logs" / "hangs" / ".beats").glob(f"*/rank{rank}.json"):
+def beats(work: Path) -> list[dict]:
+    """The training ranks' heartbeats (hpkit.runtime.hang_watchdog) that show three steps done."""
+    found = []
+    for path in (work / "logs" / "hangs" / ".beats").glob("*/rank*.json"):
         try:
             data = json.loads(path.read_text())
         except (OSError, ValueError):
             continue
         if data.get("step", 0) >= 3:
-            return data
-    return None
+            found.append(data)
+    return found
 
 
 def state(job: str, env) -> dict[str, str]:
@@ -189,11 +192,7 @@ def _run_all(env, tmp_path_factory, started):
             "env": {"HPKIT_FAULT": "hang:rank=1,step=6"},
         },
         "oom": spec("oom", work, mem="200M", command=[python, str(work / "over_memory.py")]),
-        "node_loss": {
-            **spec("node_loss", work, nodes=2, command=["sleep", "600"]),
-            "exclude": None,
-            "nodelist": OTHERS,
-        },
+        "node_loss": {**training("node_loss", work / "node_loss"), "exclude": None, "nodelist": OTHERS},
         "cancel": spec("cancel", work, command=["sleep", "600"]),
         "preempt": spec("preempt", work, command=["sleep", "600"], resilience={"max_restarts": 1}),
         "completed": spec("completed", work, command=[python, "-c", "print('all done')"]),
@@ -212,19 +211,19 @@ def _run_all(env, tmp_path_factory, started):
     killed_beat: dict = {}
     lost_node = ""
     while pending and time.monotonic() < deadline:
-        if "sigkill" in pending and (b := beat(workdirs["sigkill"], "sigkill", 1)):
-            os.kill(b["pid"], 9)  # the rank itself, once its heartbeat shows steps
-            killed_beat.update(b)
+        if "sigkill" in pending and (b := [b for b in beats(workdirs["sigkill"]) if b["rank"] == 1]):
+            os.kill(b[0]["pid"], 9)  # the rank itself, once its heartbeat shows steps
+            killed_beat.update(b[0])
             pending.discard("sigkill")
             events["sigkill"] = time.monotonic() - started
-        if "node_loss" in pending:
-            fields = state(jobs["node_loss"], env)
-            if fields["JobState"] == "RUNNING":
-                lost_node = next(n for n in ("node3", "node4") if n != fields["BatchHost"])
-                if job_processes_on(jobs["node_loss"], lost_node):
-                    assert kill_node(env, jobs["node_loss"], lost_node)
-                    pending.discard("node_loss")
-                    events["node_loss"] = time.monotonic() - started
+        if "node_loss" in pending and (b := beats(workdirs["node_loss"])):
+            batch_host = state(jobs["node_loss"], env)["BatchHost"]
+            # The node that is not the batch host dies (its slurmd, its steps, its ranks) once its rank trains.
+            if lost := [x["node"] for x in b if x["node"] != batch_host]:
+                lost_node = lost[0]
+                assert kill_node(env, jobs["node_loss"], lost_node)
+                pending.discard("node_loss")
+                events["node_loss"] = time.monotonic() - started
         for name in ("cancel", "preempt"):
             if name in pending and step_started(jobs[name], env):
                 if name == "cancel":
@@ -331,6 +330,10 @@ def test_a_lost_node_is_a_node_failure_naming_it(ended):
     v = verdict_of(ended, "node_loss")
     assert (v["kind"], v["node"], v["state"]) == ("node_failure", ended["lost"], "NODE_FAIL"), v
     assert any(e["source"].endswith("slurmctld.log") and "on failed node" in e["text"] for e in v["evidence"])
+    # The surviving rank's error is in the log, and is not the verdict: it follows from the lost node.
+    log = ended["workdirs"]["node_loss"] / "logs" / f"node_loss-{ended['jobs']['node_loss']}.out"
+    assert "by peer" in log.read_text(), log.read_text()[-3000:]
+    assert not any("by peer" in e["text"] for e in v["evidence"])
 
 
 def test_a_hang_names_the_culprit_and_its_stacks_not_the_exit_75(ended):

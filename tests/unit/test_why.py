@@ -1,5 +1,6 @@
-"""`hpkit why`: the rule (hpkit.jobs.why.decide) and the line scanners (hpkit.jobs.why_scan) on log snippets
-taken from real jobs on the local cluster (torch 2.13, Slurm 22.05), trimmed."""
+"""`hpkit why`: the rule (hpkit.jobs.why.decide) and the line scanners (hpkit.jobs.why_scan) on log snippets in
+the exact formats of real jobs on the local cluster (torch 2.13, Slurm 22.05): the exception, SIGKILL, hang,
+OOM and cancel ones are such jobs' logs trimmed; the others are assembled from lines those jobs print."""
 
 from __future__ import annotations
 
