@@ -25,6 +25,7 @@ OFFSETS = {
     "polling": (30, 900),
     "forgotten": (40, 1200),
     "dev-cluster": (50, 1500),
+    "why": (60, 1800),  # 200 job ids: the next worker's slots start at 2000
 }
 
 

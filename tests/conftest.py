@@ -89,6 +89,7 @@ def pytest_make_collect_report(collector):
 SLOW_FILES_FIRST = (
     "test_image_build.py",
     "test_node_loss.py",
+    "test_why_jobs.py",
     "test_slurm_polling.py",
     "test_training_resume.py",
     "test_resilience.py",

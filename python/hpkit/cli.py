@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "wait": ("hpkit.commands.jobs", "wait for a job to end, showing progress"),
     "logs": ("hpkit.commands.jobs", "print (or follow) a job's output"),
     "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
+    "why": ("hpkit.commands.why", "say why a job ended, with the log lines that show it"),
     "train": ("hpkit.commands.train", "run the training loop (inside a job)"),
     "data": ("hpkit.commands.data", "prepare token data: text/JSONL/Parquet -> token shards (hpkit[data])"),
     "ckpt": (

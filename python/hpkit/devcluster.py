@@ -34,12 +34,14 @@ def client_env(
     base: Mapping[str, str] | None = None,
     slurmd_timeout: int | None = None,
     min_job_age: int | None = None,
+    memory_kill: bool = False,
 ) -> dict[str, str]:
     """The environment for slurm/dev's scripts and the cluster's clients (sbatch, squeue, its jobs).
 
     `base` (default: this process's environment) is copied, not changed. `slurmd_timeout`: seconds
     before a silent node is declared DOWN; `min_job_age`: seconds the controller keeps an ended job
-    (slurm/dev's defaults where None).
+    (slurm/dev's defaults where None); `memory_kill`: schedule memory and kill a step over its job's --mem
+    (slurm/dev/up.sh's MEMORY_KILL).
     """
     env = dict(os.environ if base is None else base)
     env.update(
@@ -56,6 +58,8 @@ def client_env(
         env["SLURMD_TIMEOUT"] = str(slurmd_timeout)
     if min_job_age is not None:
         env["MIN_JOB_AGE"] = str(min_job_age)
+    if memory_kill:
+        env["MEMORY_KILL"] = "1"
     return env
 
 

@@ -13,6 +13,10 @@
 #                          (default: 30; node-loss tests lower it on their own cluster)
 #   MIN_JOB_AGE            seconds the controller keeps an ended job (default: 600; a test of
 #                          forgotten jobs lowers it on its own cluster)
+#   MEMORY_KILL            1: memory is scheduled (CR_CPU_Memory, 1 GiB per CPU, the default per
+#                          CPU asked for) and enforced: jobacct_gather/linux reads each step's memory
+#                          every second and kills a step over its job's --mem (OverMemoryKill), as a
+#                          cluster without cgroups does. Default 0: memory is neither (2 GiB nodes)
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -23,6 +27,7 @@ port=${HPKIT_DEV_PORT:-6817}
 first_job_id=${FIRST_JOB_ID:-1}
 slurmd_timeout=${SLURMD_TIMEOUT:-30}
 min_job_age=${MIN_JOB_AGE:-600}
+memory_kill=${MEMORY_KILL:-0}
 
 die() { echo "cluster-up: $*" >&2; exit 1; }
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, not '$nodes'"
@@ -33,6 +38,7 @@ fi
 [[ $first_job_id =~ ^[1-9][0-9]*$ ]] || die "FIRST_JOB_ID must be a positive integer, not '$first_job_id'"
 [[ $slurmd_timeout =~ ^[1-9][0-9]*$ ]] || die "SLURMD_TIMEOUT must be a positive integer, not '$slurmd_timeout'"
 [[ $min_job_age =~ ^[1-9][0-9]*$ ]] || die "MIN_JOB_AGE must be a positive integer, not '$min_job_age'"
+[[ $memory_kill =~ ^[01]$ ]] || die "MEMORY_KILL must be 0 or 1, not '$memory_kill'"
 for cmd in munged slurmctld slurmd scontrol sinfo; do
   command -v "$cmd" >/dev/null || die "$cmd not found: install Debian's slurm-wlm and munge (make system-deps)"
 done
@@ -47,14 +53,27 @@ export SLURM_CONF=$conf
 
 # A running cluster keeps its config: rewriting it under live daemons would split their view.
 if ! alive "$dir/run/slurmctld.pid"; then
+  select_params="SelectTypeParameters=CR_CPU"$'\n'
+  jobacct="JobAcctGatherType=jobacct_gather/none"$'\n'
+  memory=2048
+  if ((memory_kill)); then
+    select_params="SelectTypeParameters=CR_CPU_Memory"$'\n'"DefMemPerCPU=1024"$'\n'
+    jobacct="JobAcctGatherType=jobacct_gather/linux"$'\n'"JobAcctGatherParams=OverMemoryKill"$'\n'"JobAcctGatherFrequency=task=1"$'\n'
+    memory=$((cpus * 1024))
+  fi
   node_lines=""
   for ((i = 1; i <= nodes; i++)); do
     mkdir -p "$dir/spool/node$i" "$dir/tmp/node$i"
-    node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((port + i)) CPUs=$cpus RealMemory=2048 State=UNKNOWN"$'\n'
+    node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((port + i)) CPUs=$cpus RealMemory=$memory State=UNKNOWN"$'\n'
   done
   sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" "$here/slurm.conf.in" >"$conf.tmp"
-  # The node lines hold newlines, which sed's replacement cannot carry portably.
-  awk -v nodes="$node_lines" '{ if ($0 == "@NODES@") printf "%s", nodes; else print }' "$conf.tmp" >"$conf"
+  # The node and accounting lines hold newlines, which sed's replacement cannot carry portably.
+  awk -v nodes="$node_lines" -v select_params="$select_params" -v jobacct="$jobacct" '{
+    if ($0 == "@NODES@") printf "%s", nodes
+    else if ($0 == "@SELECT_PARAMS@") printf "%s", select_params
+    else if ($0 == "@JOBACCT_GATHER@") printf "%s", jobacct
+    else print
+  }' "$conf.tmp" >"$conf"
   rm -f "$conf.tmp"
   sed -e "s|@DIR@|$dir|g" "$here/task-prolog.sh" >"$dir/etc/task-prolog.sh"
   chmod 0755 "$dir/etc/task-prolog.sh"

@@ -38,3 +38,8 @@ def test_a_cluster_that_cannot_start_is_one_line_naming_the_setting(tmp_path):
         "the local cluster did not come up: cluster-up: NODES must be a positive integer, not '0'"
     )
     assert not (tmp_path / "c").exists()
+
+
+def test_memory_kill_is_opt_in(tmp_path):
+    assert "MEMORY_KILL" not in devcluster.client_env(tmp_path / "c", 7917, 9000, base={})
+    assert devcluster.client_env(tmp_path / "c", 7917, 9000, base={}, memory_kill=True)["MEMORY_KILL"] == "1"

@@ -13,4 +13,5 @@
 - files: where a job's spec, metrics and checkpoints are, from the controller or the submit note (`locate`);
 - index: the notes `submit` leaves for jobs the controller has forgotten;
 - path: the PATH a job gets, and the programs it must find on it.
+- why: why a job ended (`hpkit why`): the rule; why_scan turns log lines into findings, why_gather reads them.
 """

@@ -1,0 +1,303 @@
+"""What `hpkit why` reads, and from where: the I/O half (hpkit.jobs.why_scan parses, hpkit.jobs.why decides).
+
+In order: Slurm's record (`scontrol show job` while slurmctld remembers the job; the job-completion log when
+JobCompType=jobcomp/filetxt; sacct where accounting is kept), the note `hpkit submit` left (hpkit.jobs.index),
+the job's script (the controller's Command, else the note's), its output file(s) (StdOut/StdErr, else the
+script's --output/--error, else slurm-JOBID.out in its working directory), hpkit's files beside them (the
+hang watchdog's verdict.json folders, the runs file, the metrics file), and the slurmctld and slurmd logs
+where this machine can read them. Whatever cannot be read is named in the verdict, not an error; only a
+job that nothing knows is one.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+from hpkit.errors import HpkitError
+from hpkit.jobs.files import files_for, spec_of_script
+from hpkit.jobs.index import recall
+from hpkit.jobs.why import Facts, Finding, SlurmRecord, Verdict, decide
+from hpkit.jobs.why_scan import (
+    scan_hang_verdict,
+    scan_jobcomp,
+    scan_metrics,
+    scan_output,
+    scan_runs_file,
+    scan_sacct,
+    scan_scontrol,
+    scan_slurm_log,
+)
+from hpkit.slurm import expand_output_pattern
+
+CLI_TIMEOUT_S = 30
+_HANG_DIR = re.compile(r"^(\d+)-(\d+)-(\d+)-[^/]*-step\d+$")
+
+
+def explain(job_id: str, env: Mapping[str, str] | None = None) -> Verdict:
+    """The verdict for a job: `gather` then `decide`."""
+    return decide(gather(job_id, env))
+
+
+class _Reader:
+    def __init__(self, env: Mapping[str, str] | None):
+        self.env = dict(env) if env is not None else None
+        self.unreadable: list[str] = []
+
+    def command(self, args: list[str]) -> tuple[int, str, str] | None:
+        """(exit status, stdout, stderr), or None when the program is missing or does not answer."""
+        if shutil.which(args[0]) is None:
+            self.unreadable.append(f"{args[0]}: not found here (no Slurm client on PATH)")
+            return None
+        try:
+            done = subprocess.run(args, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=self.env)
+        except subprocess.TimeoutExpired:
+            self.unreadable.append(f"{' '.join(args)}: no answer in {CLI_TIMEOUT_S} s")
+            return None
+        except OSError as exc:
+            self.unreadable.append(f"{' '.join(args)}: {exc.strerror or exc}")
+            return None
+        return done.returncode, done.stdout, done.stderr
+
+    def lines(self, path: Path, what: str) -> Iterator[str] | None:
+        """The file's lines as they are read (logs can be large), or None, noted, when it cannot be read."""
+        try:
+            handle = open(path, encoding="utf-8", errors="replace")  # noqa: SIM115 (closed by the generator)
+        except OSError as exc:
+            self.unreadable.append(f"{what} {path}: {exc.strerror or exc}")
+            return None
+
+        def read() -> Iterator[str]:
+            with handle:
+                yield from handle
+
+        return read()
+
+    def text(self, path: Path, what: str) -> str | None:
+        lines = self.lines(path, what)
+        return None if lines is None else "".join(lines)
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1].strip() if lines else ""
+
+
+def gather(job_id: str, env: Mapping[str, str] | None = None) -> Facts:
+    """Everything readable about the job. Raises HpkitError for a malformed id or a job nothing knows."""
+    job_id = job_id.strip()
+    if not job_id.isdigit():
+        raise HpkitError(f"{job_id!r} is not a Slurm job id (a number such as 1234)")
+    read = _Reader(env)
+    records: list[SlurmRecord] = []
+    findings: list[Finding] = []
+    controller: dict[str, str] = {}
+
+    shown = read.command(["scontrol", "show", "job", job_id])
+    if shown is not None:
+        status, out, err = shown
+        if status == 0 and out.strip():
+            record, controller = scan_scontrol(out, f"scontrol show job {job_id}")
+            records.append(record)
+        elif "Invalid job id" in err:
+            read.unreadable.append(
+                f"scontrol show job {job_id}: slurmctld no longer remembers the job (it forgets ended jobs after MinJobAge)"
+            )
+        else:
+            read.unreadable.append(f"scontrol show job {job_id}: {_last_line(err) or f'exit {status}'}")
+    config = _config(read)
+
+    jobcomp = _jobcomp(read, config, job_id)
+    if jobcomp:
+        records.append(jobcomp[-1])
+    sacct_record, sacct_findings = _sacct(read, job_id)
+    if sacct_record is not None:
+        records.append(sacct_record)
+    findings += sacct_findings
+
+    name = next((r.name for r in records if r.name), None)
+    note = recall(job_id, name)
+    if not records and note is None:
+        raise HpkitError(
+            f"job {job_id} is unknown: slurmctld does not remember it, no job-completion log or sacct has it, "
+            "and hpkit submit left no note of it" + _why_not(read.unreadable)
+        )
+    script = _path(controller.get("Command")) or (Path(note.script) if note else None)
+    workdir = (
+        _path(controller.get("WorkDir"))
+        or (Path(note.workdir) if note else None)
+        or next((_path(r.workdir) for r in records if _path(r.workdir)), None)
+    )
+    script_text = read.text(script, "job script") if script is not None else None
+    if script is None:
+        read.unreadable.append("job script: none on record (slurmctld names none, hpkit submit left no note)")
+    job_name = name or (note.name if note else "")
+
+    outputs = _outputs(controller, script_text, workdir, job_id, job_name)
+    if not outputs:
+        read.unreadable.append("job output: no output file on record")
+    for output in outputs:
+        lines = read.lines(output, "job output")
+        if lines is not None:
+            findings += scan_output(lines, str(output))
+
+    restarts = next((r.restarts for r in records if r.restarts is not None), None)
+    if script_text is not None and workdir is not None:
+        findings += _hpkit_files(read, job_id, script, script_text, workdir, restarts)
+    nodes = next((r.nodes for r in records if r.nodes and r.nodes not in ("(null)", "None assigned")), "")
+    findings += _slurm_logs(read, config, job_id, nodes)
+    torchrun = None if script_text is None else bool(re.search(r"^\s*srun .*\btorchrun\b", script_text, re.M))
+    return Facts(job_id, records, findings, list(dict.fromkeys(read.unreadable)), torchrun)
+
+
+def _why_not(unreadable: list[str]) -> str:
+    return f" ({'; '.join(unreadable)})" if unreadable else ""
+
+
+def _path(value: str | None) -> Path | None:
+    return Path(value) if value and value.startswith("/") else None
+
+
+def _config(read: _Reader) -> dict[str, str]:
+    shown = read.command(["scontrol", "show", "config"])
+    if shown is None or shown[0] != 0:
+        if shown is not None:
+            read.unreadable.append(f"scontrol show config: {_last_line(shown[2]) or f'exit {shown[0]}'}")
+        return {}
+    config = {}
+    for line in shown[1].splitlines():
+        key, sep, value = line.partition("=")
+        if sep:
+            config[key.strip()] = value.strip()
+    return config
+
+
+def _jobcomp(read: _Reader, config: Mapping[str, str], job_id: str) -> list[SlurmRecord]:
+    kind, location = config.get("JobCompType", ""), config.get("JobCompLoc", "")
+    if not config:
+        return []
+    if kind != "jobcomp/filetxt" or not location.startswith("/"):
+        read.unreadable.append(
+            f"job-completion log: JobCompType={kind or 'none'} is not a text file hpkit reads"
+        )
+        return []
+    lines = read.lines(Path(location), "job-completion log")
+    return [] if lines is None else scan_jobcomp(lines, location, job_id)
+
+
+def _sacct(read: _Reader, job_id: str) -> tuple[SlurmRecord | None, list[Finding]]:
+    args = ["sacct", "-j", job_id, "-P", "-n", "-o", "JobID,State,ExitCode,NodeList,End"]
+    done = read.command(args)
+    if done is None:
+        return None, []
+    status, out, err = done
+    if status != 0:
+        read.unreadable.append(f"sacct: {_last_line(err) or f'exit {status}'}")
+        return None, []
+    record, found = scan_sacct(out, f"sacct -j {job_id}", job_id)
+    if record is None:
+        read.unreadable.append(f"sacct: no record of job {job_id}")
+    return record, found
+
+
+def _outputs(
+    controller: Mapping[str, str], script: str | None, workdir: Path | None, job_id: str, name: str
+) -> list[Path]:
+    paths = [p for p in (_path(controller.get("StdOut")), _path(controller.get("StdErr"))) if p]
+    if not paths and script is not None:
+        values = {"job_id": job_id, "name": name, "current_working_directory": str(workdir or ".")}
+        for option in ("output", "error"):
+            pattern = _sbatch_option(script, option)
+            path = expand_output_pattern(pattern, values) if pattern else None
+            if path:
+                paths.append(Path(path))
+    if not paths and workdir is not None:
+        paths.append(workdir / f"slurm-{job_id}.out")  # sbatch's default
+    return list(dict.fromkeys(paths))
+
+
+def _sbatch_option(script: str, option: str) -> str | None:
+    short = {"output": "o", "error": "e"}[option]
+    for line in script.splitlines():
+        match = re.match(rf"#SBATCH\s+(?:--{option}[= ]|-{short}\s*)(\S+)", line)
+        if match:
+            return match.group(1).strip("'\"")
+    return None
+
+
+def _script_word(script: str, variable: str, job_id: str) -> str | None:
+    """A `variable=WORD` line of hpkit's job script, as the shell reads it ($SLURM_JOB_ID filled in)."""
+    for line in script.splitlines():
+        if line.startswith(f"{variable}="):
+            try:
+                words = shlex.split(line[len(variable) + 1 :])
+            except ValueError:
+                return None
+            return words[0].replace("$SLURM_JOB_ID", job_id) if len(words) == 1 else None
+    return None
+
+
+def _hpkit_files(
+    read: _Reader, job_id: str, script: Path | None, script_text: str, workdir: Path, restarts: int | None
+) -> list[Finding]:
+    found: list[Finding] = []
+    hangs = _script_word(script_text, "hangs_dir", job_id)
+    if hangs:
+        folder = workdir / hangs
+        for path in sorted(folder.glob(f"{job_id}-*-step*/verdict.json")):
+            match = _HANG_DIR.match(path.parent.name)
+            text = read.text(path, "hang verdict")
+            finding = (
+                scan_hang_verdict(text, str(path), int(match.group(2)) if match else None) if text else None
+            )
+            if finding is not None:
+                found.append(finding)
+    runs = _script_word(script_text, "runs_file", job_id)
+    if runs:
+        path = workdir / runs
+        if path.exists():
+            lines = read.lines(path, "runs file")
+            found += scan_runs_file(lines, str(path)) if lines is not None else []
+    spec = spec_of_script(script) if script is not None else None
+    files = files_for(job_id, spec, workdir, restarts or 0) if spec is not None else None
+    if files is not None and files.metrics_path.exists():
+        lines = read.lines(files.metrics_path, "metrics file")
+        found += scan_metrics(lines, str(files.metrics_path)) if lines is not None else []
+    return found
+
+
+def _slurm_logs(read: _Reader, config: Mapping[str, str], job_id: str, nodes: str) -> list[Finding]:
+    if not config:
+        return []
+    found: list[Finding] = []
+    ctld = config.get("SlurmctldLogFile", "")
+    if ctld.startswith("/"):
+        lines = read.lines(Path(ctld), "slurmctld log")
+        found += scan_slurm_log(lines, ctld, job_id) if lines is not None else []
+    else:
+        read.unreadable.append("slurmctld log: SlurmctldLogFile is not set (syslog)")
+    slurmd = config.get("SlurmdLogFile", "")
+    if not slurmd.startswith("/"):
+        read.unreadable.append("slurmd logs: SlurmdLogFile is not set (syslog)")
+        return found
+    if "%n" not in slurmd and "%h" not in slurmd:
+        # One name for every node's log: the file here is this host's, which names no node of the job.
+        lines = read.lines(Path(slurmd), "slurmd log")
+        return found + (scan_slurm_log(lines, slurmd, job_id) if lines is not None else [])
+    for node in _hostnames(read, nodes):
+        path = Path(slurmd.replace("%n", node).replace("%h", node))
+        lines = read.lines(path, f"slurmd log of {node}")
+        if lines is not None:
+            found += scan_slurm_log(lines, str(path), job_id, node)
+    return found
+
+
+def _hostnames(read: _Reader, nodes: str) -> list[str]:
+    if not nodes:
+        return []
+    done = read.command(["scontrol", "show", "hostnames", nodes])
+    return done[1].split() if done is not None and done[0] == 0 else []

@@ -1,0 +1,494 @@
+"""Lines to findings for `hpkit why` (hpkit.jobs.why has the rule): one function per kind of source, each pure.
+
+The lines they know:
+- the job's output: hpkit's job script lines (slurm/templates/train.sbatch.j2: a run's first line, node failure,
+  requeue, hang restart, "training program failed on healthy nodes", USR1, budget spent), the ranks' output
+  labelled `R: ` (srun --label, hpkit.line_label) and `[rankR]: ` (torch), Python tracebacks, torchrun's
+  ChildFailedError block, srun's per-task lines, slurmstepd's `*** JOB|STEP ... CANCELLED AT ... ***`, and
+  memory-limit records;
+- slurmctld's and slurmd's logs (the lines naming the job), the job-completion log (jobcomp/filetxt),
+  `scontrol show job`, sacct, the hang watchdog's verdict.json, the runs file and the metrics file.
+
+A requeued job appends each run to one output file: only the last run's lines (from its "hpkit: job N
+(restart K ...)" line) count, since an earlier run's end is not the job's; likewise a step restarted after a
+hang starts over at the script's "restarting it in this allocation" line.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal as signals
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+
+from hpkit.jobs.why import (
+    CANCEL_RECORD,
+    CANCEL_REQUEST,
+    FAULT,
+    HANG_END,
+    HANG_LINE,
+    HANG_RESTARTED,
+    HANG_VERDICT,
+    LAST_STEP,
+    LAUNCHER_ROOT,
+    NODE_LOST,
+    OOM_RECORD,
+    PREEMPT_RECORD,
+    PROGRAM_FAILED,
+    REQUEUE,
+    REQUEUED_AFTER_NODE,
+    RUN_START,
+    TASK_FAILED,
+    TIME_LIMIT_RECORD,
+    TRACEBACK,
+    TRAIN_DONE,
+    TRAIN_STOPPED,
+    USR1,
+    Evidence,
+    Finding,
+    SlurmRecord,
+)
+from hpkit.metrics_records import EndEvent, StartEvent, StepRecord, parse_record
+from hpkit.slurm import parse_scontrol_record
+
+# `R: ` as srun --label and hpkit.line_label write it (right-aligned), then torch's own `[rankR]: `.
+_SRUN_LABEL = re.compile(r"^\s*(\d+): ")
+_TORCH_LABEL = re.compile(r"^\[rank(\d+)\]:\s?")
+_FRAME = re.compile(r'^\s+File "(.+)", line (\d+), in (.+)$')
+# An exception line: a class name (CamelCase, maybe dotted: torch.distributed.DistBackendError), then its message.
+_EXCEPTION = re.compile(r"^((?:[A-Za-z_]\w*\.)*[A-Z]\w*)(?::\s?(.*))?$")
+# Errors a rank raises because another rank or the launcher failed first, not by itself.
+_FOLLOW_ON = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|DistNetworkError|DistBackendError|"
+    r"SignalException|ChildFailedError|KeyboardInterrupt|Rendezvous\w*Error|timed out|Timeout|"
+    r"NCCL communicator was aborted|Socket Timeout|ECONNRESET|EPIPE|ProcessGroup\w* is aborted",
+    re.IGNORECASE,
+)
+_RUN = re.compile(r"^hpkit: job (\d+) \(restart (\d+) of at most (\d+)\) on (\S+),")
+_SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
+_SRUN_NODE_FAIL = re.compile(r"^srun: error: Node failure on (\S+)")
+_STEPD = re.compile(
+    r"\*\*\* (JOB|STEP) (\S+) ON (\S+) CANCELLED AT (\S+)(?: DUE TO ([A-Z][A-Z ]*?[A-Z]))?(?:,| \*\*\*)"
+)
+_OOM = re.compile(
+    r"exceeded (?:job |step )?memory limit|oom-kill|oom_kill|Out of memory: Kill|Memory cgroup out of memory|"
+    r"OUT_OF_MEMORY|\bOOM failure",
+    re.IGNORECASE,
+)
+_STEPD_NODE = re.compile(r"slurmstepd-([^:\s]+):")
+_HANG = re.compile(r"^hpkit: hang: .*?; stacks of every rank in (\S+)$")
+_HANG_WHO = re.compile(r"rank (\d+) on (\S+?)[ ,]")
+_HANG_END = re.compile(r"^hpkit: the step hung \((.+)\) and the restart budget .* is spent")
+_HANG_RESTART = re.compile(r"^hpkit: the step hung \((.+)\): restarting it")
+_NODE_GONE = re.compile(r"^hpkit: the step ended \(exit (\d+)\) after node\(s\) (\S+) stopped answering")
+_NODE_IGNORED = re.compile(r"^hpkit: Slurm did not act on the lost node\(s\) (\S+):")
+_REQUEUED_NODE = re.compile(
+    r"^hpkit: restart (\d+): Slurm requeued the job after a node failure: node\(s\) (\S+)"
+)
+_REQUEUE = re.compile(r"^hpkit: requeueing job \d+ \((restart \d+ of \d+)\)")
+_PROGRAM_FAILED = re.compile(r"^hpkit: the training program failed on healthy nodes \((exit \d+)\)")
+_FAULT = re.compile(r"^hpkit: fault injected \(HPKIT_FAULT\): (\w+) on rank (\d+) before step (\d+)")
+_STOPPED = re.compile(r"^hpkit train: (stopping at step (\d+) on signal (\d+))")
+_ROOT_FIELD = re.compile(r"^\s*(\w+)\s*: (.*)$")
+# srun names a task's signal with strsignal(): "Killed", "Terminated", "Segmentation fault (core dumped)".
+_SIGNAL_BY_TEXT = {
+    text: int(sig)
+    for sig in signals.Signals
+    if (text := signals.strsignal(sig)) and not text.startswith("Unknown")
+}
+
+
+def _label(line: str) -> tuple[int | None, str, str]:
+    """(rank, label key, content): the rank a line is labelled with, torch's label over srun's."""
+    rank = None
+    key = ""
+    match = _SRUN_LABEL.match(line)
+    if match:
+        rank, key, line = int(match.group(1)), match.group(1), line[match.end() :]
+    match = _TORCH_LABEL.match(line)
+    if match:
+        rank, key, line = int(match.group(1)), f"{key}/{match.group(1)}", line[match.end() :]
+    return rank, key, line
+
+
+@dataclass
+class _OpenTraceback:
+    rank: int | None
+    frame: Evidence | None = None
+    where: str = ""
+    skipped: int = 0
+
+
+@dataclass
+class _OpenRoot:
+    fields: dict[str, tuple[str, Evidence]] = field(default_factory=dict)
+
+
+def scan_output(lines: Iterable[str], source: str) -> list[Finding]:
+    """The findings of a job's output file (stdout or stderr), from its last run only."""
+    found: list[Finding] = []
+    open_tracebacks: dict[str, _OpenTraceback] = {}
+    root: _OpenRoot | None = None
+    for number, raw in enumerate(lines, 1):
+        line = raw.rstrip("\r\n")
+        ev = Evidence(source, number, line)
+        rank, key, content = _label(line)
+        run = _RUN.match(content)
+        if run:
+            found, open_tracebacks, root = [], {}, None
+            found.append(Finding(RUN_START, (ev,), detail=run.group(4), restart=int(run.group(2))))
+            continue
+        if root is not None:
+            if content.startswith("=") and root.fields:
+                found.append(_root_finding(root))
+                root = None
+            else:
+                field_match = _ROOT_FIELD.match(content)
+                if field_match:
+                    root.fields.setdefault(field_match.group(1), (field_match.group(2).strip(), ev))
+                continue
+        if content.strip() == "Root Cause (first observed failure):":
+            root = _OpenRoot()
+            continue
+        if content == "Traceback (most recent call last):":
+            open_tracebacks[key] = _OpenTraceback(rank)
+            continue
+        if key in open_tracebacks and _traceback_line(open_tracebacks, key, content, ev, found):
+            continue
+        new = _line_findings(rank, content, ev)
+        if any(f.kind == HANG_RESTARTED for f in new):
+            # A new attempt of the step in the same allocation: what the hung one printed is over.
+            found = [f for f in found if f.kind in (RUN_START, HANG_RESTARTED)]
+            open_tracebacks, root = {}, None
+        found.extend(new)
+    return found
+
+
+def _traceback_line(
+    open_tracebacks: dict[str, _OpenTraceback], key: str, content: str, ev: Evidence, found: list[Finding]
+) -> bool:
+    """Feed one line to an open traceback; True when the line belonged to it."""
+    tb = open_tracebacks[key]
+    frame = _FRAME.match(content)
+    if frame:
+        tb.frame, tb.where = ev, f"{frame.group(1)}:{frame.group(2)}"
+        return True
+    if not content.strip() or content[0] in " \t":
+        return True
+    exception = _EXCEPTION.match(content)
+    if exception is None:
+        tb.skipped += 1
+        if tb.skipped > 50:
+            del open_tracebacks[key]
+        return False
+    del open_tracebacks[key]
+    detail = content.strip()
+    evidence = (ev, tb.frame) if tb.frame is not None else (ev,)
+    found.append(
+        Finding(
+            TRACEBACK,
+            evidence,
+            rank=tb.rank,
+            detail=detail,
+            where=tb.where,
+            follow_on=bool(_FOLLOW_ON.search(detail)),
+        )
+    )
+    return True
+
+
+def _root_finding(root: _OpenRoot) -> Finding:
+    fields = root.fields
+    rank = _leading_int(fields.get("rank", ("", None))[0])
+    exit_code = _leading_int(fields.get("exitcode", ("", None))[0])
+    sig = -exit_code if exit_code is not None and exit_code < 0 else None
+    evidence = [fields[k][1] for k in ("rank", "exitcode") if k in fields]
+    if sig is not None and "traceback" in fields:
+        evidence.append(fields["traceback"][1])
+    return Finding(
+        LAUNCHER_ROOT,
+        tuple(evidence),
+        rank=rank,
+        node=fields.get("host", ("", None))[0] or None,
+        signal=sig,
+        exit_code=exit_code if sig is None else None,
+    )
+
+
+def _leading_int(text: str) -> int | None:
+    match = re.match(r"\s*(-?\d+)", text)
+    return int(match.group(1)) if match else None
+
+
+def _line_findings(rank: int | None, content: str, ev: Evidence) -> list[Finding]:
+    """Everything but tracebacks and torchrun's block: srun, slurmstepd, memory, hpkit's own lines."""
+    task = _SRUN_TASK.match(content)
+    if task:
+        outcome = task.group(3).strip()
+        first = int(re.split(r"[,\-]", task.group(2))[0])
+        code = re.match(r"Exited with exit code (\d+)", outcome)
+        sig = _SIGNAL_BY_TEXT.get(outcome.removesuffix(" (core dumped)"))
+        return [
+            Finding(
+                TASK_FAILED,
+                (ev,),
+                rank=first,
+                node=task.group(1),
+                signal=sig,
+                exit_code=int(code.group(1)) if code else None,
+                follow_on=sig == signals.SIGTERM,
+            )
+        ]
+    node_fail = _SRUN_NODE_FAIL.match(content)
+    if node_fail:
+        return [Finding(NODE_LOST, (ev,), node=node_fail.group(1))]
+    out = _stepd_findings(content, ev)
+    if _OOM.search(content):
+        node = _STEPD_NODE.search(content)
+        out.append(
+            Finding(OOM_RECORD, (ev,), node=node.group(1) if node else None, detail=_oom_text(content))
+        )
+    if content.startswith("hpkit"):
+        out += _hpkit_findings(content, ev)
+    return out
+
+
+def _oom_text(content: str) -> str:
+    match = _STEPD_NODE.search(content)
+    text = content[match.end() :] if match else content
+    return text.strip().removeprefix("error:").strip()
+
+
+def _stepd_findings(content: str, ev: Evidence) -> list[Finding]:
+    match = _STEPD.search(content)
+    if match is None:
+        return []
+    what, _, node, when, reason = match.groups()
+    if reason == "TIME LIMIT":
+        return [Finding(TIME_LIMIT_RECORD, (ev,), node=node, when=when)]
+    if reason == "PREEMPTION":
+        return [Finding(PREEMPT_RECORD, (ev,), when=when)]
+    if reason == "NODE FAILURE":
+        return [Finding(NODE_LOST, (ev,), when=when)]  # `ON node` is where it was printed, not the lost node
+    if reason is None and what == "JOB":
+        return [Finding(CANCEL_RECORD, (ev,), node=node, when=when)]
+    return []  # a step cancelled by srun --kill-on-bad-exit or by the job's own end: a consequence
+
+
+def _hpkit_findings(content: str, ev: Evidence) -> list[Finding]:
+    if match := _HANG.match(content):
+        who = _HANG_WHO.search(content) if "the culprit cannot be told" not in content else None
+        rank, node = (int(who.group(1)), who.group(2)) if who else (None, None)
+        text = content.split("; stacks of every rank in ")[0]
+        return [Finding(HANG_LINE, (ev,), rank=rank, node=node, detail=text, where=match.group(1))]
+    if match := _HANG_END.match(content):
+        return [Finding(HANG_END, (ev,), where=match.group(1))]
+    if match := _HANG_RESTART.match(content):
+        return [Finding(HANG_RESTARTED, (ev,), where=match.group(1))]
+    if match := _NODE_GONE.match(content):
+        return [Finding(NODE_LOST, (ev,), node=match.group(2), exit_code=int(match.group(1)))]
+    if match := _NODE_IGNORED.match(content):
+        return [Finding(NODE_LOST, (ev,), node=match.group(1))]
+    if match := _REQUEUED_NODE.match(content):
+        return [Finding(REQUEUED_AFTER_NODE, (ev,), node=match.group(2), restart=int(match.group(1)))]
+    if content.startswith("hpkit: USR1 received"):
+        return [Finding(USR1, (ev,))]
+    if match := _REQUEUE.match(content):
+        return [Finding(REQUEUE, (ev,), detail=match.group(1))]
+    if match := _PROGRAM_FAILED.match(content):
+        return [Finding(PROGRAM_FAILED, (ev,), detail=match.group(1))]
+    if match := _FAULT.match(content):
+        return [Finding(FAULT, (ev,), rank=int(match.group(2)), detail=match.group(1))]
+    if match := _STOPPED.match(content):
+        return [Finding(TRAIN_STOPPED, (ev,), detail=match.group(1), signal=int(match.group(3)))]
+    if content.startswith("hpkit train: done "):
+        return [Finding(TRAIN_DONE, (ev,))]
+    return []
+
+
+def _mentions(line: str, job_id: str) -> bool:
+    return bool(re.search(rf"(?:JobId=|StepId=|\[|job ){re.escape(job_id)}(?![\d])", line))
+
+
+def scan_slurm_log(lines: Iterable[str], source: str, job_id: str, node: str | None = None) -> list[Finding]:
+    """slurmctld's log, or slurmd's of `node`: the lines that name the job."""
+    found: list[Finding] = []
+    for number, raw in enumerate(lines, 1):
+        if job_id not in raw or not _mentions(raw, job_id):
+            continue
+        line = raw.rstrip("\r\n")
+        ev = Evidence(source, number, line)
+        if match := re.search(r"REQUEST_KILL_JOB JobId=\d+ uid (\d+)", line):
+            found.append(Finding(CANCEL_REQUEST, (ev,), uid=int(match.group(1)), when=_log_time(line)))
+        elif "Time limit exhausted for JobId=" in line:
+            found.append(Finding(TIME_LIMIT_RECORD, (ev,), when=_log_time(line)))
+        elif match := re.search(r"Killing JobId=\d+ on failed node (\S+)", line):
+            found.append(Finding(NODE_LOST, (ev,), node=match.group(1)))
+        elif re.search(r"preempt", line, re.IGNORECASE):
+            found.append(Finding(PREEMPT_RECORD, (ev,)))
+        elif _OOM.search(line):
+            found.append(Finding(OOM_RECORD, (ev,), node=node, detail=_oom_text(_LOG_PREFIX.sub("", line))))
+    return found
+
+
+_LOG_PREFIX = re.compile(r"^(?:\[[^\]]*\]\s*)+")
+
+
+def _log_time(line: str) -> str:
+    match = re.match(r"\[([^\]]+)\]", line)
+    return match.group(1) if match else ""
+
+
+def scan_jobcomp(lines: Iterable[str], source: str, job_id: str) -> list[SlurmRecord]:
+    """The job-completion log (jobcomp/filetxt): one line per run of the job, oldest first."""
+    prefix = f"JobId={job_id} "
+    records = []
+    for number, raw in enumerate(lines, 1):
+        if raw.startswith(prefix):
+            line = raw.rstrip("\r\n")
+            fields = parse_scontrol_record(line)
+            records.append(
+                SlurmRecord(
+                    source=source,
+                    state=fields.get("JobState", "").split()[0] if fields.get("JobState") else "",
+                    exit_code=fields.get("ExitCode", ""),
+                    time_limit=fields.get("TimeLimit", ""),
+                    end=fields.get("EndTime", ""),
+                    nodes=fields.get("NodeList", ""),
+                    name=fields.get("Name", ""),
+                    workdir=fields.get("WorkDir", ""),
+                    evidence=(Evidence(source, number, line),),
+                )
+            )
+    if len(records) > 1:  # each earlier line is a run that was requeued
+        records[-1] = replace(records[-1], restarts=len(records) - 1)
+    return records
+
+
+def scan_scontrol(text: str, source: str) -> tuple[SlurmRecord, dict[str, str]]:
+    """`scontrol show job N` (several lines of Key=Value): the record, and every field."""
+    fields: dict[str, str] = {}
+    where: dict[str, Evidence] = {}
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line:
+            continue
+        parsed = parse_scontrol_record(line)
+        for key in parsed:
+            where.setdefault(key, Evidence(source, None, line))
+        fields.update(parsed)
+    restarts = fields.get("Restarts", "")
+    evidence = tuple(dict.fromkeys(where[k] for k in ("JobState", "ExitCode") if k in where))
+    record = SlurmRecord(
+        source=source,
+        state=fields.get("JobState", ""),
+        exit_code=fields.get("ExitCode", ""),
+        reason=fields.get("Reason", ""),
+        restarts=int(restarts) if restarts.isdigit() else None,
+        nodes=fields.get("NodeList", ""),
+        time_limit=fields.get("TimeLimit", ""),
+        end=fields.get("EndTime", ""),
+        name=fields.get("JobName", ""),
+        workdir=fields.get("WorkDir", ""),
+        evidence=evidence,
+    )
+    return record, fields
+
+
+def scan_sacct(text: str, source: str, job_id: str) -> tuple[SlurmRecord | None, list[Finding]]:
+    """`sacct -j N -P -n -o JobID,State,ExitCode,NodeList,End`: the job's line, and its steps' words."""
+    record = None
+    found: list[Finding] = []
+    for raw in text.splitlines():
+        cols = raw.strip().split("|")
+        if len(cols) < 5 or cols[0].split(".")[0].split("+")[0] != job_id:
+            continue
+        ev = Evidence(source, None, raw.strip())
+        state = cols[1]
+        if match := re.match(r"CANCELLED by (\d+)", state):
+            found.append(Finding(CANCEL_REQUEST, (ev,), uid=int(match.group(1)), when=cols[4]))
+        if state.startswith("OUT_OF_MEMORY") and "." in cols[0]:
+            found.append(
+                Finding(OOM_RECORD, (ev,), node=cols[3] or None, detail=f"step {cols[0]}: OUT_OF_MEMORY")
+            )
+        if "." not in cols[0]:
+            record = SlurmRecord(
+                source=source,
+                state=state.split()[0] if state else "",
+                exit_code=cols[2],
+                nodes=cols[3],
+                end=cols[4],
+                evidence=(ev,),
+            )
+    return record, found
+
+
+def scan_hang_verdict(text: str, source: str, restart: int | None = None) -> Finding | None:
+    """The watchdog's verdict.json (hpkit.runtime.hang_watchdog): culprit, node, top frame, stacks folder."""
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("line"), str):
+        return None
+    number = next(
+        (i for i, raw in enumerate(text.splitlines(), 1) if raw.lstrip().startswith('"line":')),
+        None,
+    )
+    line = text.splitlines()[number - 1] if number else json.dumps(data["line"])
+    culprits = data.get("culprits") or []
+    rank = int(culprits[0]) if len(culprits) == 1 else None
+    nodes = data.get("nodes") or {}
+    node = nodes.get(str(rank)) if rank is not None and isinstance(nodes, dict) else None
+    return Finding(
+        HANG_VERDICT,
+        (Evidence(source, number, line),),
+        rank=rank,
+        node=node,
+        detail=data["line"],
+        where=str(data.get("stacks", "")),
+        restart=restart,
+    )
+
+
+def scan_runs_file(lines: Iterable[str], source: str) -> list[Finding]:
+    """The runs file the job script keeps (`nodes LIST`, `requeued-by-hpkit K`)."""
+    found = []
+    for number, raw in enumerate(lines, 1):
+        line = raw.rstrip("\r\n")
+        if match := re.fullmatch(r"requeued-by-hpkit (\d+)", line):
+            found.append(
+                Finding(REQUEUE, (Evidence(source, number, line),), detail=f"restart {match.group(1)}")
+            )
+    return found
+
+
+def scan_metrics(lines: Iterable[str], source: str) -> list[Finding]:
+    """The metrics JSONL: its last run's end record, or its last step when the run did not end by itself."""
+    last_step: Finding | None = None
+    end: Finding | None = None
+    for number, raw in enumerate(lines, 1):
+        try:
+            data = json.loads(raw)
+            record = (
+                parse_record(data) if isinstance(data, dict) and isinstance(data.get("step"), int) else None
+            )
+        except (ValueError, TypeError, KeyError):
+            continue
+        ev = Evidence(source, number, raw.rstrip("\r\n"))
+        if isinstance(record, StartEvent):
+            last_step, end = None, None
+        elif isinstance(record, StepRecord):
+            last_step = Finding(LAST_STEP, (ev,), detail=f"step {record.step}")
+        elif isinstance(record, EndEvent):
+            if record.stopped_by_signal is None:
+                end = Finding(TRAIN_DONE, (ev,), detail=f"step {record.step}")
+            else:
+                end = Finding(
+                    TRAIN_STOPPED,
+                    (ev,),
+                    detail=f"stopping at step {record.step} on signal {record.stopped_by_signal}",
+                    signal=record.stopped_by_signal,
+                )
+    return [f for f in (end, last_step if end is None else None) if f is not None]
