@@ -21,6 +21,11 @@ from hpkit.validation import parse_document
 # Every stand-in appends its argv to $CALLS, so a case can assert what the script asked of Slurm.
 FAKE_SCONTROL = """#!/bin/bash
 echo "scontrol $*" >>"$CALLS"
+# USR1_AT_SETUP: Slurm's warning signal reaches the batch shell (the parent of the $(...) this runs in)
+# while it is still setting up, before the step starts.
+if [[ -n ${USR1_AT_SETUP:-} && "$1 $2" == "show hostnames" ]]; then
+  kill -USR1 "$(ps -o ppid= -p "$PPID" | tr -d ' ')"
+fi
 case "$1 $2" in
   "show hostnames") printf 'node1\\nnode2\\n' ;;
   "show node") echo 'NodeName=node1 NodeAddr=10.0.0.1' ;;
@@ -233,6 +238,13 @@ def test_usr1_requeues_through_hpkit_and_marks_the_requeue_as_its_own(tmp_path, 
         assert turned_on not in run.calls
     else:
         assert run.calls.index(turned_on) < requeue
+
+
+def test_a_usr1_during_set_up_is_passed_on_to_the_step_not_fatal(tmp_path):
+    run = run_script(tmp_path, {"max_restarts": 2}, USR1_AT_SETUP="1")
+    assert run.returncode == 0, run.log
+    assert "hpkit: USR1 received: asking the ranks to checkpoint and stop" in run.log
+    assert "scontrol requeue 42" in run.calls
 
 
 def test_without_requeue_on_failure_a_node_failure_ends_the_job(tmp_path):
