@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from hpkit.runtime.hang_watchdog import Beat, attempt_id, decide, top_frame
 
 NOW = 1000.0
@@ -91,3 +95,135 @@ def test_top_frame_is_the_main_threads_innermost_frame():
         "Thread 0x00007f", "Current thread 0x00007f"
     )
     assert top_frame(other) == "/x/torch/distributed/c10d_logger.py:83 in wrapper"
+
+
+# Per process group, as the flight recorder compares: four ranks, FSDP groups {0,2} {1,3}, TP groups {0,1} {2,3}.
+WORLD = [0, 1, 2, 3]
+PAIRS = {"w": WORLD, "dp0": [0, 2], "dp1": [1, 3], "tp0": [0, 1], "tp1": [2, 3]}
+
+
+def grouped(
+    rank: int, entered: dict[str, int], ops: dict[str, str] | None = None, at: dict[str, float] | None = None
+):
+    groups = {
+        name: [
+            members,
+            entered.get(name, 10),
+            (ops or {}).get(name, "gloo:all_reduce"),
+            (at or {}).get(name, 900.0),
+        ]
+        for name, members in PAIRS.items()
+        if rank in members
+    }
+    return beat(rank, groups=groups, collectives=sum(g[1] for g in groups.values()))
+
+
+def test_the_rank_others_wait_for_and_that_waits_for_nobody_is_behind():
+    # Rank 1 sleeps; 0 waits for it in tp0, 3 in dp1, and 2 waits for 3 in tp1: the chain ends at 1, even
+    # though 2's wait in tp1 started first (3 was slow to get there) and totals alone would not say.
+    beats = [
+        grouped(0, {"tp0": 11}, at={"tp0": 905}),
+        grouped(1, {}),
+        grouped(2, {"tp1": 11}, at={"tp1": 901}),
+        grouped(3, {"dp1": 11}, at={"dp1": 906}),
+    ]
+    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+    assert verdict is not None and (verdict.culprits, verdict.reason) == ([1], "behind"), verdict
+    assert "rank 1 on node1" in verdict.line() and "has not entered" in verdict.line()
+
+
+def test_a_rank_that_left_a_collective_out_is_found_from_the_wait_that_began_first():
+    # Rank 1 skipped the loss all-reduce on the world group (the others are in it since t=900) and went on
+    # to the next step's all-gather in dp1 (t=903), where rank 3, stuck in the all-reduce, never comes: the
+    # waits run in a circle, and its totals equal everyone's.
+    beats = [
+        grouped(0, {"w": 11}, at={"w": 900}),
+        grouped(1, {"dp1": 11}, at={"dp1": 903}),
+        grouped(2, {"w": 11}, at={"w": 900.2}),
+        grouped(3, {"w": 11}, at={"w": 900.1}),
+    ]
+    assert len({b.collectives for b in beats}) == 1
+    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+    assert verdict is not None and (verdict.culprits, verdict.reason, verdict.group) == ([1], "skipped", "w")
+    assert "left out a collective" in verdict.line()
+
+
+def test_at_equal_counts_the_rank_in_a_different_collective_is_named():
+    beats = [grouped(r, {}) for r in WORLD]
+    beats[2] = grouped(2, {}, ops={"w": "gloo:all_gather"})
+    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+    assert verdict is not None and (verdict.culprits, verdict.reason) == ([2], "mismatch")
+    tie = [grouped(0, {}), grouped(1, {}, ops={"tp0": "gloo:broadcast"})] + [grouped(r, {}) for r in (2, 3)]
+    verdict = decide(tie, NOW, min_s=10, factor=10, world=4)
+    assert verdict is not None and verdict.reason == "unknown" and verdict.culprits == [0, 1]
+
+
+def test_a_frozen_node_is_named_as_a_node_and_a_freezing_rank_is_waited_for():
+    beats = [beat(r, beat_at=NOW - 8) if r < 2 else beat(r) for r in WORLD]
+    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+    assert verdict is not None and verdict.culprits == [0, 1] and verdict.frozen_nodes() == ["node1"]
+    assert "node node1 froze" in verdict.line()
+    one = [beat(0, beat_at=NOW - 8)] + [beat(r) for r in (1, 2, 3)]
+    assert decide(one, NOW, min_s=10, factor=10, world=4).frozen_nodes() == []
+    # A beat 2-5 s old: the rank may be freezing now; no verdict until it is fresh or stale.
+    late = [beat(0, beat_at=NOW - 3)] + [beat(r) for r in (1, 2, 3)]
+    assert decide(late, NOW, min_s=10, factor=10, world=4) is None
+
+
+def test_newest_ops_reads_the_flight_recorders_newest_collective_per_group():
+    from hpkit.runtime.hang_watchdog import newest_ops
+
+    entries = [
+        {
+            "collective_seq_id": 4,
+            "process_group": ["0", "default_pg"],
+            "profiling_name": "gloo:all_reduce",
+            "time_created_ns": 5_000_000_000,
+        },
+        {
+            "collective_seq_id": 5,
+            "process_group": ["0", "default_pg"],
+            "profiling_name": "gloo:all_gather",
+            "time_created_ns": 6_000_000_000,
+        },
+        {
+            "collective_seq_id": 0,
+            "p2p_seq_id": 3,
+            "process_group": ["0", "default_pg"],
+            "profiling_name": "send",
+        },
+        {
+            "collective_seq_id": 2,
+            "process_group": ["1", "undefined"],
+            "profiling_name": "gloo:broadcast",
+            "time_created_ns": 7_000_000_000,
+        },
+    ]
+    got = newest_ops(json.dumps({"entries": entries}))
+    assert got == {"0": ("gloo:all_gather", 6.0), "1": ("gloo:broadcast", 7.0)}
+    assert newest_ops("") == {} and newest_ops("not json") == {}
+
+
+def test_faults_parse_the_skip_kind_and_log_when_they_fire(tmp_path, monkeypatch):
+    import torch.distributed as dist
+
+    from hpkit.runtime import faults
+
+    log = tmp_path / "faults.jsonl"
+    monkeypatch.setenv("HPKIT_FAULT_LOG", str(log))
+    monkeypatch.setenv("HPKIT_STEP_ATTEMPT", "0")
+    monkeypatch.setenv("SLURM_RESTART_COUNT", "0")
+    calls = []
+    monkeypatch.setattr(dist, "all_reduce", lambda t, *a, **k: calls.append(k) or "work")
+    fault = faults.Fault.parse("skip:rank=1,step=3")
+    fault.before_step(0, 3)  # another rank: nothing
+    fault.before_step(1, 2)  # another step: nothing
+    assert dist.all_reduce("t", async_op=True) == "work" and not log.exists()
+    fault.before_step(1, 3)
+    assert dist.all_reduce("t", async_op=True) == "work"  # an async one is left alone
+    assert dist.all_reduce("t") is None  # the first blocking one is skipped, and logged
+    assert dist.all_reduce("t") == "work"  # then the real one is back
+    record = json.loads(log.read_text())
+    assert (record["kind"], record["rank"], record["step"]) == ("skip", 1, 3) and record["at"] > 0
+    with pytest.raises(ValueError, match="skip"):
+        faults.Fault.parse("freeze:rank=1")

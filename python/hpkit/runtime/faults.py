@@ -5,6 +5,11 @@ and torchft's injectors do). Off unless the variable is set.
     HPKIT_FAULT="hang:rank=1,step=12"          rank 1 sleeps in Python before step 12 (the others wait in a collective)
     HPKIT_FAULT="slow_save:seconds=20"         every rank's checkpoint save takes 20 s longer
     HPKIT_FAULT="exit:rank=2,step=5,code=3"    rank 2 exits with 3 before step 5
+    HPKIT_FAULT="skip:rank=1,step=12"          rank 1 skips the first blocking all-reduce of step 12 (a rank
+                                               that leaves out a collective: the others wait in it, it goes on)
+
+`HPKIT_FAULT_LOG=FILE` appends one JSON line per fault fired (`{"kind", "rank", "step", "at"}`, `at` in Unix
+seconds, taken just before the fault acts): the drills measure detection from these raw timestamps.
 
 A fault fires on the first attempt of a job only (HPKIT_STEP_ATTEMPT and SLURM_RESTART_COUNT 0), so that the
 restarted step shows the recovery, not the fault again; `attempts=all` makes it fire on every attempt.
@@ -12,12 +17,16 @@ restarted step shows the recovery, not the fault again; `attempts=all` makes it 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
 from dataclasses import dataclass
+from typing import Any
 
 ENV = "HPKIT_FAULT"
+LOG_ENV = "HPKIT_FAULT_LOG"
+KINDS = ("hang", "slow_save", "exit", "skip")
 
 
 @dataclass(frozen=True)
@@ -33,8 +42,8 @@ class Fault:
     def parse(cls, text: str) -> Fault:
         kind, _, rest = text.partition(":")
         fields: dict[str, str] = dict(item.split("=", 1) for item in rest.split(",") if "=" in item)
-        if kind not in ("hang", "slow_save", "exit"):
-            raise ValueError(f"{ENV}={text!r}: the kind must be hang, slow_save or exit")
+        if kind not in KINDS:
+            raise ValueError(f"{ENV}={text!r}: the kind must be one of {', '.join(KINDS)}")
         return cls(
             kind=kind,
             rank=int(fields["rank"]) if "rank" in fields else None,
@@ -54,13 +63,17 @@ class Fault:
         return self.every_attempt or first
 
     def before_step(self, rank: int, step: int) -> None:
-        if self.kind not in ("hang", "exit") or self.step != step or not self._armed(rank):
+        if self.kind not in ("hang", "exit", "skip") or self.step != step or not self._armed(rank):
             return
         print(
             f"hpkit: fault injected ({ENV}): {self.kind} on rank {rank} before step {step}",
             file=sys.stderr,
             flush=True,
         )
+        if self.kind == "skip":
+            _skip_next_all_reduce(lambda: _log(self.kind, rank, step))
+            return
+        _log(self.kind, rank, step)
         if self.kind == "exit":
             os._exit(self.code)
         while True:  # a rank stuck in Python: it never reaches the step's collectives
@@ -69,6 +82,30 @@ class Fault:
     def before_save(self, rank: int) -> None:
         if self.kind == "slow_save" and self._armed(rank):
             time.sleep(self.seconds)
+
+
+def _log(kind: str, rank: int, step: int) -> None:
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"kind": kind, "rank": rank, "step": step, "at": time.time()}) + "\n")
+
+
+def _skip_next_all_reduce(fired: Any) -> None:
+    """Make this rank's next blocking `dist.all_reduce` return at once without communicating (a code path
+    that leaves out a collective on one rank), then put the real one back."""
+    import torch.distributed as dist
+
+    real = dist.all_reduce
+
+    def skipped(tensor: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("async_op"):
+            return real(tensor, *args, **kwargs)  # only a blocking call is left out: no Work to fake
+        dist.all_reduce = real
+        fired()
+        return None
+
+    dist.all_reduce = skipped
 
 
 def from_env() -> Fault | None:

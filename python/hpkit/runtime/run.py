@@ -23,7 +23,7 @@ from hpkit.runtime.checkpoint_record import CommitRecord
 from hpkit.runtime.collectives import decide
 from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed, node_name
-from hpkit.runtime.hang_watchdog import HangWatchdog
+from hpkit.runtime.hang_watchdog import HangWatchdog, enable_flight_recorder
 from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
 from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths
@@ -37,6 +37,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 def run(cfg: RunConfig) -> int:
     quiet_known_warnings()
+    if cfg.resilience.hang.enabled:
+        # The watchdog compares each rank's newest collectives from the flight recorder, which must be on
+        # before the process groups are made.
+        enable_flight_recorder()
     # A collective stuck on a dead peer fails after this long instead of hanging the job.
     with distributed(
         timeout_s=cfg.resilience.collective_timeout_s,
@@ -79,7 +83,7 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
     last: StepResult | None = None
-    watchdog = _watchdog(cfg, launch, paths, say)
+    watchdog = _watchdog(cfg, launch, paths)
     fault = faults.from_env()
     try:
         with _stop_on_signals(trainer.request_stop):
@@ -165,9 +169,7 @@ class Throughput:
         )
 
 
-def _watchdog(
-    cfg: RunConfig, launch: LaunchEnv, paths: RunPaths, say: Callable[[str], None]
-) -> HangWatchdog | None:
+def _watchdog(cfg: RunConfig, launch: LaunchEnv, paths: RunPaths) -> HangWatchdog | None:
     """The hang watchdog, started after the resume so that the first step's clock holds the start-up."""
     hang = cfg.resilience.hang
     if not hang.enabled or paths.hangs_dir is None:
@@ -179,7 +181,6 @@ def _watchdog(
         hang.min_s,
         hang.factor,
         hang.start_s,
-        say=say,
     ).start()
 
 

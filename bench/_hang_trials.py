@@ -1,0 +1,188 @@
+"""One hang drill: a real `hpkit train` on two "nodes" of two ranks each (two torchrun agents on this host, each
+with its own SLURMD_NODENAME, FSDP x TP over gloo), a fault injected on one rank or one node, and the watchdog's
+verdict read back. The bench (bench_hang_detection.py) repeats it per fault type; the integration test
+(tests/integration/test_hang_culprits.py) runs one of each kind it checks.
+
+Faults, and where their timestamp comes from:
+- `sigstop`: SIGSTOP to one rank's process (the drill's clock, just before the signal);
+- `sleep`: the rank sleeps in Python before a step (HPKIT_FAULT hang, its own log line's clock);
+- `skip`: the rank leaves out the step's loss all-reduce and goes on (HPKIT_FAULT skip, its log line's clock);
+- `frozen-node`: SIGSTOP to every process of one node, its torchrun agent included (the drill's clock).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from _sides import REPO, run_env
+
+NODES = ("nodeA", "nodeB")
+PER_NODE = 2
+FAULT_STEP = 6
+FAULTS = ("sigstop", "sleep", "skip", "frozen-node")
+
+
+@dataclass
+class Trial:
+    fault: str
+    target: int  # the rank (or, for frozen-node, the node index) the fault hits
+    injected_at: float = 0.0
+    verdict: dict | None = None
+    verdict_at: float = 0.0
+    log: str = ""
+
+    @property
+    def expected(self) -> list[int]:
+        if self.fault == "frozen-node":
+            return [self.target * PER_NODE + i for i in range(PER_NODE)]
+        return [self.target]
+
+    @property
+    def correct(self) -> bool:
+        if self.verdict is None:
+            return False
+        nodes = {int(r): n for r, n in self.verdict["nodes"].items()}
+        named = all(f"rank {r} on {nodes[r]}" in self.verdict["line"] for r in self.expected)
+        return self.verdict["culprits"] == self.expected and named
+
+    @property
+    def detection_s(self) -> float:
+        return self.verdict_at - self.injected_at
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _config(out: Path, min_s: float, checkpoint_every: int | None) -> Path:
+    cfg: dict = {
+        "name": "drill",
+        "output_dir": str(out),
+        "model": {"name": "debug", "dim": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 256, "seq_len": 32},
+        "parallelism": {"dp_shard": 2, "tp": 2},
+        "train": {"steps": 1_000_000, "local_batch_size": 2, "log_every": 1, "tensorboard": False},
+        "resilience": {"hang": {"min_s": min_s, "factor": 10, "start_s": 120}, "collective_timeout_s": 600},
+    }
+    if checkpoint_every:
+        cfg["checkpoint"] = {"interval": checkpoint_every, "keep": 2, "dir": str(out / "ckpt")}
+    path = out / "drill.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def launch(out: Path, min_s: float, env_extra: dict[str, str], checkpoint_every: int | None = None):
+    """Start both agents; returns their Popen objects (each the leader of its own process group)."""
+    out.mkdir(parents=True, exist_ok=True)
+    config = _config(out, min_s, checkpoint_every)
+    port = _free_port()
+    agents = []
+    for i, node in enumerate(NODES):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i)]
+        cmd += ["--nproc-per-node", str(PER_NODE), "--master-addr", "127.0.0.1", "--master-port", str(port)]
+        cmd += ["-m", "hpkit", "train", "--config", str(config)]
+        env = run_env(out, SLURMD_NODENAME=node, **env_extra)
+        log = open(out / f"{node}.log", "w")  # noqa: SIM115 (closed with the process)
+        agents.append(
+            subprocess.Popen(
+                cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        )
+    return agents
+
+
+def beats(out: Path) -> dict[int, dict]:
+    found = {}
+    for path in (out / "hangs" / ".beats").glob("*/rank*.json"):
+        try:
+            beat = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        found[beat["rank"]] = beat
+    return found
+
+
+def _tree(pid: int) -> list[int]:
+    """pid and its descendants, from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def stop_all(agents) -> None:
+    for agent in agents:
+        for pid in _tree(agent.pid):
+            for sig in (signal.SIGKILL, signal.SIGCONT):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+    for agent in agents:
+        agent.wait(timeout=30)
+
+
+def _wait_verdict(out: Path, deadline: float) -> Path | None:
+    while time.time() < deadline:
+        found = list((out / "hangs").glob("*-step*/verdict.json"))
+        if found:
+            return found[0]
+        time.sleep(0.05)
+    return None
+
+
+def run_trial(trial: Trial, out: Path, min_s: float, timeout_s: float = 240) -> Trial:
+    fault_log = out / "faults.jsonl"
+    env: dict[str, str] = {"HPKIT_FAULT_LOG": str(fault_log)}
+    if trial.fault == "sleep":
+        env["HPKIT_FAULT"] = f"hang:rank={trial.target},step={FAULT_STEP}"
+    elif trial.fault == "skip":
+        env["HPKIT_FAULT"] = f"skip:rank={trial.target},step={FAULT_STEP}"
+    agents = launch(out, min_s, env)
+    deadline = time.time() + timeout_s
+    try:
+        if trial.fault in ("sleep", "skip"):
+            while time.time() < deadline and not (fault_log.exists() and fault_log.read_text().strip()):
+                time.sleep(0.05)
+            trial.injected_at = json.loads(fault_log.read_text().splitlines()[0])["at"]
+        else:
+            # The event: every rank has finished FAULT_STEP - 1 steps (their heartbeats say so).
+            while time.time() < deadline:
+                seen = beats(out)
+                if len(seen) == 2 * PER_NODE and min(b["step"] for b in seen.values()) >= FAULT_STEP - 1:
+                    break
+                time.sleep(0.05)
+            else:
+                raise TimeoutError("the ranks never reached the fault step")
+            if trial.fault == "sigstop":
+                pids = [seen[trial.target]["pid"]]
+            else:
+                pids = _tree(agents[trial.target].pid)
+            trial.injected_at = time.time()
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+        found = _wait_verdict(out, deadline)
+        if found is not None:
+            trial.verdict_at = found.stat().st_mtime
+            trial.verdict = json.loads(found.read_text())
+    finally:
+        stop_all(agents)
+        trial.log = "".join((out / f"{n}.log").read_text(errors="replace") for n in NODES)
+    return trial
