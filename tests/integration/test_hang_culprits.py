@@ -70,4 +70,5 @@ def test_a_frozen_node_holding_rank_0_is_named_by_a_rank_on_the_other_node(drill
     assert verdict["no_stacks"] == [0, 1]
     for rank in (2, 3):
         assert "most recent call first" in (folder / f"rank{rank}.txt").read_text()
-    assert next(p.name for p in (folder / ".writer").iterdir()) in ("rank2", "rank3")
+    attempt = folder.name.rsplit("-step", 1)[0]
+    assert [p.name for p in (folder.parent / ".writers" / attempt).iterdir()] in (["rank2"], ["rank3"])

@@ -396,7 +396,7 @@ class HangWatchdog:
         suspect = now - self._beat.step_end > min(SUSPECT_S, self.min_s / 2)
         self._beat.groups = group_collectives(with_ops=suspect)
         self._beat.collectives = sum(int(g[1]) for g in self._beat.groups.values())
-        self._beat.beat_at = now
+        self._beat.beat_at = time.time()
         path = self.beats_dir / f"rank{self.rank}.json"
         tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(asdict(self._beat)), encoding="utf-8")
@@ -412,6 +412,9 @@ class HangWatchdog:
         return beats
 
     def _on_hang(self, verdict: Verdict, beats_read: list[Beat]) -> None:
+        # Claimed at once, before the slow part: a stopped culprit that a node-mate continues (below) wakes
+        # up and judges too, from its own view, and must not be the one whose verdict is written.
+        writer = self._claim()
         out = self.folder / f"{self.beats_dir.name}-step{verdict.step + 1}"
         out.mkdir(parents=True, exist_ok=True)
         # The flight-recorder trace first, the stacks last, each whole when it appears: the verdict's
@@ -433,7 +436,7 @@ class HangWatchdog:
             if verdict.reason == "stopped" and beat is not None and beat.node == self.node:
                 self._dump_stopped(beat, out)
         self.verdict = verdict
-        if self._claim(out):
+        if writer:
             # The others' stack files land first: every rank that still beats writes its own at once.
             live = {r for r in verdict.nodes if not (verdict.reason == "stopped" and r in verdict.culprits)}
             deadline = time.time() + 2 * BEAT_S
@@ -457,13 +460,15 @@ class HangWatchdog:
             time.sleep(3 * BEAT_S)
         self._exit(HANG_EXIT)
 
-    def _claim(self, out: Path) -> bool:
-        """True for the one rank that writes the verdict: the first live one to get here."""
+    def _claim(self) -> bool:
+        """True for the one rank of this attempt that writes the verdict: the first live one to judge."""
+        claims = self.folder / ".writers"
+        claims.mkdir(parents=True, exist_ok=True)
         try:
-            (out / ".writer").mkdir()
+            (claims / self.beats_dir.name).mkdir()
         except FileExistsError:
             return False
-        (out / ".writer" / f"rank{self.rank}").touch()
+        (claims / self.beats_dir.name / f"rank{self.rank}").touch()
         return True
 
     def _dump_stopped(self, beat: Beat, out: Path) -> None:
