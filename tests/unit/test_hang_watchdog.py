@@ -132,20 +132,24 @@ def test_the_rank_others_wait_for_and_that_waits_for_nobody_is_behind():
     assert "rank 1 on node1" in verdict.line() and "has not entered" in verdict.line()
 
 
-def test_a_rank_that_left_a_collective_out_is_found_from_the_wait_that_began_first():
-    # Rank 1 skipped the loss all-reduce on the world group (the others are in it since t=900) and went on
-    # to the next step's all-gather in dp1 (t=903), where rank 3, stuck in the all-reduce, never comes: the
-    # waits run in a circle, and its totals equal everyone's.
-    beats = [
-        grouped(0, {"w": 11}, at={"w": 900}),
-        grouped(1, {"dp1": 11}, at={"dp1": 903}),
-        grouped(2, {"w": 11}, at={"w": 900.2}),
-        grouped(3, {"w": 11}, at={"w": 900.1}),
-    ]
-    assert len({b.collectives for b in beats}) == 1
-    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
-    assert verdict is not None and (verdict.culprits, verdict.reason, verdict.group) == ([1], "skipped", "w")
-    assert "left out a collective" in verdict.line()
+def test_a_rank_that_left_a_collective_out_is_found_though_its_totals_match():
+    # Rank 1 skipped the loss all-reduce on the world group (the others are in it) and went on to the next
+    # step's all-gather in dp1, where rank 3, stuck in the all-reduce, never comes: the waits run in a
+    # circle, and its totals equal everyone's. It is the rank three others wait for, and the one whose step
+    # ended, even when its all-gather began before any peer reached the all-reduce (t=899.5 < 900).
+    for skipper_at in (903.0, 899.5):
+        beats = [
+            grouped(0, {"w": 11}, at={"w": 900}),
+            grouped(1, {"dp1": 11}, at={"dp1": skipper_at}),
+            grouped(2, {"w": 11}, at={"w": 902}),
+            grouped(3, {"w": 11}, at={"w": 900.1}),
+        ]
+        beats[1].step = 6
+        assert len({b.collectives for b in beats}) == 1
+        verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+        assert verdict is not None, skipper_at
+        assert (verdict.culprits, verdict.reason, verdict.group) == ([1], "skipped", "w"), skipper_at
+        assert "left out a collective" in verdict.line()
 
 
 def test_at_equal_counts_the_rank_in_a_different_collective_is_named():

@@ -18,7 +18,9 @@ already need) and applies the same rule, so they agree without a collective, whi
     fewer; the ranks that others wait for and that wait for nobody never reached the collective (a Python
     sleep, a deadlock, a dead NFS read);
   - skipped: waits that run in a circle (rank A waits in group G for B, B waits in group H for A) come from a
-    rank that left a collective out and went on to the next; the group whose wait started first names it;
+    rank that left a collective out and went on to the next: the rank the most others wait for, then the one
+    with the most steps finished (the skip let it finish its step), then the one behind in the wait that
+    began first;
   - mismatch: members at the same count whose newest collectives differ (an all-reduce against an
     all-gather): the minority is named;
   - else no rank is singled out and the line names every candidate.
@@ -262,8 +264,24 @@ def blame(beats: list[Beat]) -> tuple[list[int], str, str]:
         if sinks:
             group = next((g for _, g, behind in sorted(pending) if set(behind) & set(sinks)), "")
             return sinks, "behind", group
-        _, group, behind = min(pending)
-        return behind, "skipped", group
+        # A circle: one rank left a collective out and went on to the next, where it waits for a peer that
+        # waits in the left-out one. The skipper is waited for by the most ranks (everyone else in the group
+        # it skipped in), has finished the most steps (the skip let it finish its step), and, last, is
+        # behind in the wait that began first (not always: a fast skipper may reach its next collective
+        # before the slowest peer reached the skipped one).
+        step = {b.rank: b.step for b in beats}
+        waiters: dict[int, set[int]] = {}
+        for r, targets in waits_for.items():
+            for t in targets:
+                waiters.setdefault(t, set()).add(r)
+        first_wait = {}
+        for at, name, behind in sorted(pending, reverse=True):
+            for r in behind:
+                first_wait[r] = (at, name)
+        score = {r: (len(waiters[r]), step.get(r, 0), -first_wait[r][0]) for r in waiters}
+        best = max(score.values())
+        culprits = sorted(r for r, sc in score.items() if sc == best)
+        return culprits, "skipped", first_wait[culprits[0]][1]
     for name, seen in sorted(groups.items()):
         ops = Counter(op for _, op, _ in seen.values() if op)
         if len(ops) < 2:
