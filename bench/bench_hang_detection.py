@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import multiprocessing
 import os
 import statistics
@@ -30,8 +31,9 @@ from _hang_trials import FAULTS, NODES, PER_NODE, Trial, beats, launch, run_tria
 
 
 def percentile(values: list[float], q: float) -> float:
+    """Nearest rank: the smallest value with at least q of the values at or below it."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * len(ordered) + 0.5) - 1))]
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def trials(fault: str, count: int, min_s: float, root: Path) -> list[Trial]:
