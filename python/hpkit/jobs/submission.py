@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hpkit.errors import HpkitError
+from hpkit.errors import HpkitError, SpecError
 from hpkit.jobs.index import JobNote, remember
 from hpkit.oci import check_container
 from hpkit.render import render
@@ -73,7 +73,10 @@ def prepare(spec_file: str | Path) -> Submission:
 
     spec = load_document(JobSpec, spec_file)
     # An OCI bundle or mount source that is not there would fail every node at job start: say so now.
-    check_container(spec.container)
+    try:
+        check_container(spec.container)
+    except SpecError as exc:
+        raise SpecError(f"{spec_file}: {exc}") from None
     out_dir = (job_workdir(spec) / spec.output_dir).resolve()
     # A snapshot of the spec travels with the job: editing the YAML after submitting must not
     # change a job that is still pending.
