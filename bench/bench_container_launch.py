@@ -3,7 +3,8 @@
 The same job spec (`hpkit train`, a tiny model, 2 nodes x 2 ranks, torchrun) is submitted with `hpkit submit`
 to a private local Slurm cluster (slurm/dev/up.sh: its own port, directory and job ids, with oci.conf for
 runc), once as it is and once with a `container: {runtime: oci, image: BUNDLE}` block, alternating which goes
-first. The clock runs from just before `hpkit submit` starts until the first `step 1 |` line shows up in the
+first, after one untimed run of each side (the image's files are read from disk the first time, while the
+host's torch is in the page cache already on a machine that runs tests). The clock runs from just before `hpkit submit` starts until the first `step 1 |` line shows up in the
 job's output, so the container side pays for writing the job's bundle, runc and the image's start-up check
 (warn, once per node). Target: container / host <= 1.15. Not in `make bench` (it needs the image):
 
@@ -49,6 +50,7 @@ def _parse() -> argparse.Namespace:
         "--bundle", required=True, help="the CPU image as an OCI bundle (hpkit image export --oci)"
     )
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs of each side first (default: 1)")
     p.add_argument("--port", default="7737")
     p.add_argument("--first-job-id", default="22000")
     return p.parse_args()
@@ -80,6 +82,10 @@ def main() -> int:
     times: dict[str, list[float]] = {"container": [], "host": []}
     try:
         with private_cluster("hpkit-bench-oci-", args.port, args.first_job_id) as (work, env):
+            for i in range(args.warmup):
+                for side in ("container", "host"):
+                    seconds = _time_to_first_step(side, work / f"{side}-warmup-{i}", env, bundle)
+                    print(f"warm-up {side:9s} {seconds:6.2f} s (not counted)", flush=True)
             for i in range(args.rounds):
                 for side in ("container", "host") if i % 2 == 0 else ("host", "container"):
                     times[side].append(_time_to_first_step(side, work / f"{side}-{i}", env, bundle))

@@ -25,6 +25,7 @@ VAR_LOG = "/var/log"
 # Slurm 22.05 merges the image's environment under the step's, so the host's PATH would win inside the
 # container: the image's PATH travels under this name and the task puts it back (render.oci_path_step).
 IMAGE_PATH_VAR = "HPKIT_IMAGE_PATH"
+CPU_SHARES = 1024  # the kernel's weight of one process (cgroup v1 cpu.shares, v2 cpu.weight 100)
 DEFAULT_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 # What a container needs besides its image: /proc, the host's devices (GPUs included), /sys read-only and a
@@ -108,8 +109,14 @@ def job_config(
     workdir: str | None,
     uid: int | None = None,
     gid: int | None = None,
+    processes: int = 1,
 ) -> dict[str, Any]:
-    """The config.json of one job's bundle, from the exported image's."""
+    """The config.json of one job's bundle, from the exported image's.
+
+    `processes`: how many busy processes the container holds (a node's ranks and torchrun's agent). runc puts
+    the container in a cgroup of its own, which the kernel weighs as one process against the node's others
+    (cpu.shares 1024): its CPU weight is set to what its processes would weigh outside it.
+    """
     config = json.loads((image / CONFIG).read_text(encoding="utf-8"))
     config["root"] = {"path": str(image_root(image)), "readonly": True}
     process = config.setdefault("process", {})
@@ -133,6 +140,9 @@ def job_config(
     for name in HOST_FILES:
         if os.path.isfile(name) and (image_etc / name.lstrip("/")).is_file():
             wanted.insert(0, {"destination": name, "type": "bind", "source": name, "options": ["bind", "ro"]})
+    config.setdefault("linux", {}).setdefault("resources", {})["cpu"] = {
+        "shares": CPU_SHARES * max(1, processes)
+    }
     taken = {m["destination"] for m in wanted}
     config["mounts"] = [m for m in config.get("mounts", []) if m.get("destination") not in taken] + wanted
     return config
@@ -161,7 +171,7 @@ def image_root(image: Path) -> Path:
 
 
 def write_job_bundle(
-    out: Path, image: Path, mounts: list[str], var_log: bool, workdir: str | None
+    out: Path, image: Path, mounts: list[str], var_log: bool, workdir: str | None, processes: int = 1
 ) -> dict[str, Any]:
     """The job's bundle: its config.json, and a root whose top-level folders are the image's, bound read-only.
 
@@ -169,7 +179,7 @@ def write_job_bundle(
     rootfs holds only mount points (and the image's top-level links, bin -> usr/bin), so one exported image
     serves every job at no copying cost, and the spec's mount points can be made in it.
     """
-    config = job_config(image, mounts, var_log, workdir)
+    config = job_config(image, mounts, var_log, workdir, processes=processes)
     source = Path(config["root"]["path"])
     root = out / ROOTFS
     root.mkdir(parents=True, exist_ok=True)
@@ -216,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mount", action="append", default=[], help="src:dst[:flags], as in the spec")
     parser.add_argument("--var-log", action="store_true", help="bind the host's /var/log")
     parser.add_argument("--workdir", default=None)
+    parser.add_argument(
+        "--processes", type=int, default=1, help="busy processes per container (its CPU weight)"
+    )
     args = parser.parse_args(argv)
     image = Path(args.image)
     if problem := bundle_problem(image):
@@ -228,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    write_job_bundle(Path(args.out), image, args.mount, args.var_log, args.workdir)
+    write_job_bundle(Path(args.out), image, args.mount, args.var_log, args.workdir, args.processes)
     return 0
 
 

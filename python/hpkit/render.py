@@ -397,6 +397,8 @@ def oci_bundle_words(spec: SlurmJob) -> list[str]:
         words += ["--mount", shell_quote(mount)]
     if container.workdir:
         words += ["--workdir", shell_quote(container.workdir)]
+    # The node's ranks and torchrun's agent: the container's CPU weight (hpkit.oci.job_config).
+    words += ["--processes", str(spec.ranks_per_node + 1)]
     return words
 
 

@@ -79,8 +79,12 @@ def test_oci_needs_torchrun_and_an_absolute_bundle_path() -> None:
 def test_job_bundle_binds_the_image_read_only_and_adds_the_spec(tmp_path: Path) -> None:
     image_dir = _bundle(tmp_path)
     out = tmp_path / "job"
-    config = oci.write_job_bundle(out, image_dir, ["/data:/data:ro"], var_log=True, workdir="/data")
+    config = oci.write_job_bundle(
+        out, image_dir, ["/data:/data:ro"], var_log=True, workdir="/data", processes=3
+    )
     assert config["root"] == {"path": "rootfs", "readonly": True}
+    # runc's cgroup weighs as one process: the container gets its 3 busy processes' weight.
+    assert config["linux"]["resources"]["cpu"] == {"shares": 3 * 1024}
     assert (out / "rootfs/bin").is_symlink() and (out / "rootfs/usr").is_dir()
     assert not any((out / "rootfs/usr").iterdir()), "the job's root holds mount points only"
     mounts = {m["destination"]: m for m in config["mounts"]}
@@ -120,7 +124,7 @@ def test_render_writes_the_bundle_then_runs_srun_in_it() -> None:
     assert 'srun_args+=(--container="$oci_bundle")' in script
     assert "--container-image" not in script
     assert 'export PATH="${HPKIT_IMAGE_PATH:-$PATH}"' in script
-    assert "--nproc-per-node=2" in script
+    assert "--nproc-per-node=2" in script and "--processes 3 --out" in script
 
 
 def test_runtime_notes_say_what_oci_cannot_do() -> None:
