@@ -16,10 +16,11 @@ export SLURM_CONF := $(DEV_CLUSTER_DIR)/etc/slurm.conf
 # Short and outside the checkout: munge's socket path must fit in a sockaddr_un (108 bytes).
 TEST_TMP ?= /tmp/hpkit-test
 
-.PHONY: help setup system-deps venv demo test test-gpu test-unit lint cluster-up cluster-down bench bench-anchor clean
+.PHONY: help setup system-deps venv demo demo-container test test-gpu test-unit lint cluster-up cluster-down bench bench-anchor clean
 
 help:
 	@echo "make demo         install, start the local Slurm cluster, run a 2-node training job"
+	@echo "make demo-container  the same job inside the CPU image (Slurm's OCI containers, runc; root)"
 	@echo "make test         install and run the whole test suite (lint included)"
 	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2)"
 	@echo "make cluster-down stop it"
@@ -63,6 +64,11 @@ cluster-down:
 
 demo: setup cluster-up
 	$(BIN)/hpkit submit slurm/jobs/demo.yaml --wait --follow
+
+# The demo job inside the CPU image: builds it (podman's Docker API where no engine answers), exports it as an
+# OCI bundle (OCI_BUNDLE, default .dev-cluster/images/hpkit-cpu) and runs it with container.runtime: oci.
+demo-container: setup cluster-up image-test-deps
+	BIN=$(BIN) scripts/demo-container.sh
 
 lint: venv
 	$(BIN)/ruff check python tests bench

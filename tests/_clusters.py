@@ -5,7 +5,7 @@ clusters whose job ids meet would also meet on rendezvous ports. Every cluster t
 ports `base + 100 * worker + offset` and job ids `base + 2000 * worker + offset`, where `worker` is the
 pytest-xdist worker (gw0, gw1, ...; 0 without xdist) and the bases are HPKIT_TEST_CLUSTER_PORT /
 HPKIT_TEST_FIRST_JOB_ID (two checkouts on one host set their own). Offsets leave each cluster 10 ports
-(a controller and up to 9 nodes) and 300 job ids.
+(a controller and up to 9 nodes) and 300 job ids (the last two, which submit few jobs, 100 each).
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ OFFSETS = {
     "polling": (30, 900),
     "forgotten": (40, 1200),
     "dev-cluster": (50, 1500),
-    "why": (60, 1800),  # 200 job ids: the next worker's slots start at 2000
+    "why": (60, 1800),  # 100 job ids
+    "oci": (70, 1900),  # 100 job ids: the next worker's slots start at 2000
 }
 
 

@@ -88,6 +88,7 @@ def pytest_make_collect_report(collector):
 # pytest-xdist's workers do not end on one long file while the others idle.
 SLOW_FILES_FIRST = (
     "test_image_build.py",
+    "test_oci_jobs.py",
     "test_node_loss.py",
     "test_why_jobs.py",
     "test_slurm_polling.py",

@@ -13,13 +13,14 @@ import os
 import platform
 import re
 import shutil
+import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpkit import __version__
+from hpkit import __version__, oci
 from hpkit.errors import HpkitError
 
 VERSIONS_FILE = "docker/versions.env"
@@ -316,6 +317,76 @@ def import_base(client: Any, tarball: Path, ref: str = BASE_TAG) -> str:
         raise ImageError(
             f"the engine refused to import {tarball}: {_one_line(str(exc.explanation or exc))}"
         ) from None
+
+
+# --- OCI bundles (Slurm's own containers) ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    image_id: str
+    bundle: Path
+    seconds: float
+
+
+def export_oci(client: Any, ref: str, bundle: Path) -> ExportResult:
+    """Write image `ref` as an OCI bundle: bundle/rootfs (its file system) and bundle/config.json (runc's).
+
+    The file system is the engine's export of a container created (never started) from the image; the config
+    carries the image's environment, command and working directory (hpkit.oci.runtime_config). A bundle
+    already there is replaced only once the new one is complete.
+    """
+    import docker.errors
+
+    started = time.monotonic()
+    try:
+        image = client.images.get(ref)
+    except docker.errors.ImageNotFound:
+        raise ImageError(f"no image {ref} in the engine: build it first (make image-cpu)") from None
+    if bundle.exists() and not bundle.is_dir():
+        raise ImageError(f"{bundle} is a file: give a directory for the bundle")
+    if bundle.is_dir() and any(bundle.iterdir()) and not (bundle / oci.CONFIG).is_file():
+        raise ImageError(
+            f"{bundle} holds other files and is not an OCI bundle: give an empty or new directory"
+        )
+    bundle.mkdir(parents=True, exist_ok=True)
+    partial = bundle / f".{oci.ROOTFS}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir()
+    container = client.containers.create(image.id, command=["true"])
+    try:
+        untar = subprocess.Popen(
+            ["tar", "-x", "--numeric-owner", "-p", "-f", "-", "-C", str(partial)], stdin=subprocess.PIPE
+        )
+        assert untar.stdin is not None
+        try:
+            for chunk in container.export():
+                untar.stdin.write(chunk)
+        finally:
+            untar.stdin.close()
+            status = untar.wait()
+        if status != 0:
+            raise ImageError(f"unpacking {ref}'s file system into {partial} failed (tar exit {status})")
+    except docker.errors.APIError as exc:
+        raise ImageError(
+            f"the engine could not export {ref}: {_one_line(str(exc.explanation or exc))}"
+        ) from None
+    finally:
+        container.remove(force=True)
+    config = image.attrs.get("Config") or {}
+    runtime = oci.runtime_config(
+        env=list(config.get("Env") or []),
+        args=[*(config.get("Entrypoint") or []), *(config.get("Cmd") or [])],
+        cwd=config.get("WorkingDir") or "/",
+    )
+    old = bundle / f".{oci.ROOTFS}.old"
+    if (bundle / oci.ROOTFS).exists():
+        shutil.rmtree(old, ignore_errors=True)
+        (bundle / oci.ROOTFS).rename(old)
+    partial.rename(bundle / oci.ROOTFS)
+    oci.write_json(bundle / oci.CONFIG, runtime)
+    shutil.rmtree(old, ignore_errors=True)
+    return ExportResult(str(image.id), bundle, time.monotonic() - started)
 
 
 # --- the CPU wheelhouse -----------------------------------------------------------------------------------

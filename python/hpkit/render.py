@@ -19,6 +19,7 @@ import jinja2
 
 from hpkit import __version__
 from hpkit.catalog import lookup
+from hpkit.oci import IMAGE_PATH_VAR
 from hpkit.rendezvous import port_shell_expression
 from hpkit.slurm_job import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, SlurmJob
 from hpkit.spec import JobSpec
@@ -289,6 +290,18 @@ def startup_check_step(container: ContainerSpec | None) -> str | None:
     )
 
 
+def oci_path_step(container: ContainerSpec | None) -> str | None:
+    """Shell that gives a task in a Slurm OCI container the image's PATH (runtime oci), or None.
+
+    Slurm 22.05 puts the step's environment over the image's, so the host's PATH would hide the image's
+    programs: the job's bundle carries the image's PATH as HPKIT_IMAGE_PATH (hpkit.oci.job_config). A host
+    TMPDIR that is not mounted in the container is dropped (/tmp is the container's own).
+    """
+    if container is None or container.runtime != "oci":
+        return None
+    return f'export PATH="${{{IMAGE_PATH_VAR}:-$PATH}}"; [ -d "${{TMPDIR:-/tmp}}" ] || unset TMPDIR'
+
+
 def task_wrapper(steps: list[str]) -> list[str]:
     """`bash -c 'STEPS; exec "$@"' hpkit-task` before a task's program (quoted words), or nothing."""
     return ["bash", "-c", shell_quote("; ".join([*steps, 'exec "$@"'])), "hpkit-task"] if steps else []
@@ -297,6 +310,8 @@ def task_wrapper(steps: list[str]) -> list[str]:
 def launch_words(spec: SlurmJob) -> list[str]:
     """The program each srun task runs, before the user's command (already shell-quoted words)."""
     steps = []
+    if image_path := oci_path_step(spec.container):
+        steps.append(image_path)
     if exports := task_exports(spec):
         steps.append(f"export {' '.join(exports)}")
     if compat := compat_step(spec):
@@ -370,6 +385,42 @@ def container_mounts(container: ContainerSpec) -> list[str]:
     return mounts
 
 
+def oci_bundle_words(spec: SlurmJob) -> list[str]:
+    """`python3 -m hpkit.oci bundle ...` without --out: the job's bundle from the exported image (runtime oci)."""
+    container = spec.container
+    if container is None or container.runtime != "oci":
+        return []
+    words = ["python3", "-m", "hpkit.oci", "bundle", "--image", shell_quote(container.image)]
+    if container.mount_var_log:
+        words.append("--var-log")
+    for mount in container.mounts:
+        words += ["--mount", shell_quote(mount)]
+    if container.workdir:
+        words += ["--workdir", shell_quote(container.workdir)]
+    # The node's ranks and torchrun's agent: the container's CPU weight (hpkit.oci.job_config).
+    words += ["--processes", str(spec.ranks_per_node + 1)]
+    return words
+
+
+def runtime_notes(spec: SlurmJob) -> list[str]:
+    """One line for each thing the spec asks that its container runtime cannot do (printed at render time)."""
+    container = spec.container
+    if container is None or container.runtime != "oci":
+        return []
+    notes = []
+    if spec.sagemaker_env is not None:
+        notes.append(
+            "container.runtime oci: Slurm 22.05 passes no SLURMD_NODENAME into the container, so SM_CURRENT_HOST "
+            "is empty there"
+        )
+    if spec.gpus_per_node:
+        notes.append(
+            "container.runtime oci: the job's bundle binds the host's /dev, but no NVIDIA hook adds the driver's "
+            "libraries: the image must carry the ones matching the nodes' driver"
+        )
+    return notes
+
+
 def threads_expression(spec: SlurmJob) -> str:
     """Shell arithmetic for OMP_NUM_THREADS: the node's CPUs shared among its ranks.
 
@@ -400,6 +451,9 @@ class RenderContext:
     container_mounts: str | None
     container_workdir: str | None
     hyperpod_log_mount: str | None
+    container_runtime: str | None
+    oci_bundle: str | None
+    oci_bundle_dir: str | None
     threads: str
     master_port: str
     signal_grace_s: int
@@ -449,6 +503,9 @@ def build_context(
         hyperpod_log_mount=shell_quote(f"{HYPERPOD_LOG_DIR}:{HYPERPOD_LOG_DIR}")
         if container and container.mount_var_log
         else None,
+        container_runtime=container.runtime if container else None,
+        oci_bundle=" ".join(oci_bundle_words(spec)) or None,
+        oci_bundle_dir=_job_path(str(PurePosixPath(spec.output_dir) / "oci-bundles")),
         threads=threads_expression(spec),
         master_port=port_shell_expression(),
         signal_grace_s=spec.signal_grace_s,

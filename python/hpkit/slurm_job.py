@@ -33,9 +33,21 @@ HYPERPOD_LOG_DIR = "/var/log/aws/clusters"
 
 
 class ContainerSpec(StrictModel):
-    """A pyxis/enroot container for every task of the job."""
+    """A container for every task of the job: pyxis/enroot (HyperPod) or Slurm's own OCI containers (runc)."""
 
-    image: str = Field(description="Registry reference (nvcr.io#nvidia/pytorch:24.07-py3) or a .sqsh path")
+    runtime: Literal["pyxis", "oci"] = Field(
+        default="pyxis",
+        description=(
+            "pyxis: srun --container-image (enroot; HyperPod); oci: Slurm's srun --container=BUNDLE, run by the "
+            "runtime in the cluster's oci.conf (runc)"
+        ),
+    )
+    image: str = Field(
+        description=(
+            "pyxis: registry reference (nvcr.io#nvidia/pytorch:24.07-py3) or a .sqsh path; oci: an OCI bundle "
+            "directory (rootfs + config.json, `hpkit image export --oci DIR`) on every node"
+        )
+    )
     mounts: list[str] = Field(default_factory=list, description="extra src:dst[:flags] bind mounts")
     mount_var_log: bool = Field(
         default=True,
@@ -402,6 +414,18 @@ class SlurmJob(StrictModel):
             raise ValueError(
                 f"mem: Slurm's --mem, --mem-per-cpu and --mem-per-gpu exclude each other: drop mem or {per_unit[0]}"
             )
+        if self.container is not None and self.container.runtime == "oci":
+            if self.launcher != "torchrun":
+                raise ValueError(
+                    f"launcher: {self.launcher} cannot run in container.runtime oci: Slurm 22.05's OCI containers "
+                    "run one task per node and give it none of Slurm's per-task variables (SLURM_PROCID): use "
+                    "launcher: torchrun, which starts the node's ranks inside the container"
+                )
+            if not self.container.image.startswith("/"):
+                raise ValueError(
+                    f"container.image: {self.container.image!r}: with runtime oci give the absolute path of an OCI "
+                    "bundle directory on the nodes (make one with: hpkit image export --oci DIR IMAGE)"
+                )
         self._smp_v2_fits()
         return self
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Bring up a real Slurm cluster on this one machine: munged, slurmctld and N emulated nodes
 # (one `slurmd -N nodeN` each, on its own port). All state lives under one directory.
-# Idempotent: daemons already running from this directory are left as they are.
+# Idempotent: daemons already running from this directory are left as they are. etc/oci.conf lets steps
+# run in Slurm's OCI containers (srun --container=BUNDLE, run by runc); steps that ask for none do not use it.
 #
 #   HPKIT_DEV_CLUSTER_DIR  state directory            (default: <repo>/.dev-cluster)
 #   NODES                  emulated nodes             (default: 2)
@@ -75,6 +76,8 @@ if ! alive "$dir/run/slurmctld.pid"; then
     else print
   }' "$conf.tmp" >"$conf"
   rm -f "$conf.tmp"
+  # Slurm's OCI containers (--container=BUNDLE) run by runc: only a step that asks for one uses it.
+  sed -e "s|@DIR@|$dir|g" "$here/oci.conf.in" >"$dir/etc/oci.conf"
   sed -e "s|@DIR@|$dir|g" "$here/task-prolog.sh" >"$dir/etc/task-prolog.sh"
   chmod 0755 "$dir/etc/task-prolog.sh"
 fi

@@ -43,3 +43,14 @@ def test_a_cluster_that_cannot_start_is_one_line_naming_the_setting(tmp_path):
 def test_memory_kill_is_opt_in(tmp_path):
     assert "MEMORY_KILL" not in devcluster.client_env(tmp_path / "c", 7917, 9000, base={})
     assert devcluster.client_env(tmp_path / "c", 7917, 9000, base={}, memory_kill=True)["MEMORY_KILL"] == "1"
+
+
+def test_oci_conf_runs_runc_per_node_job_step_and_task():
+    """slurm/dev/up.sh writes oci.conf beside slurm.conf; nodes share one host, so ids name all four."""
+    text = (devcluster.DEV_DIR / "oci.conf.in").read_text()
+    lines = dict(line.split("=", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    assert set(lines) == {"RunTimeQuery", "RunTimeKill", "RunTimeDelete", "RunTimeRun"}
+    for value in lines.values():
+        assert value.startswith('"runc --root=@DIR@/run/runc ') and "%n.%j.%s.%t" in value
+    assert lines["RunTimeRun"].endswith(' -b %b"')
+    assert 'oci.conf.in" >"$dir/etc/oci.conf"' in (devcluster.DEV_DIR / "up.sh").read_text()

@@ -1,4 +1,4 @@
-"""`hpkit image build | tags | import-base`: the training images through the Docker Engine API."""
+"""`hpkit image build | tags | import-base | export`: the training images through the Docker Engine API."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from hpkit.image import (
     build,
     checkout_versions,
     connect,
+    export_oci,
     image_tags,
     import_base,
     prepare_build,
@@ -58,6 +59,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     i = sub.add_parser("import-base", help="import a root file system tarball as the CPU image's base")
     i.add_argument("tarball", type=Path)
     i.add_argument("--tag", default=BASE_TAG, help="default: %(default)s")
+
+    e = sub.add_parser(
+        "export", help="write an image as an OCI bundle (rootfs + config.json) for container.runtime: oci"
+    )
+    e.add_argument("--oci", type=Path, required=True, metavar="DIR", help="the bundle directory to write")
+    e.add_argument("image", nargs="?", help=f"the image (default: {DEFAULT_REPO}:cpu, from make image-cpu)")
     return parser
 
 
@@ -97,5 +104,13 @@ def main(argv: list[str], prog: str = "hpkit image") -> int:
     if args.action == "import-base":
         image_id = import_base(connect(), args.tarball.resolve(), args.tag)
         print(f"imported {args.tarball} as {args.tag} ({image_id[:19]})")
+        return 0
+    if args.action == "export":
+        ref = args.image or f"{DEFAULT_REPO}:cpu"
+        result = export_oci(connect(), ref, args.oci.resolve())
+        print(
+            f"exported {ref} ({result.image_id[:19]}) as the OCI bundle {result.bundle} in {result.seconds:.0f} s; "
+            f"use it with container: {{runtime: oci, image: {result.bundle}}}"
+        )
         return 0
     return 2

@@ -74,11 +74,13 @@ def main(argv: list[str], prog: str = "hpkit") -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from hpkit.jobs.submission import write_new
-    from hpkit.render import render
+    from hpkit.render import render, runtime_notes
     from hpkit.spec import JobSpec
     from hpkit.validation import load_document
 
     spec = load_document(JobSpec, args.spec)
+    for note in runtime_notes(spec):
+        print(f"hpkit render: note: {note}", file=sys.stderr)
     name = args.output or f"{spec.name}.sbatch"
     script = render(spec, script_name=name, spec_path=str(Path(args.spec).resolve()))
     if args.output:
@@ -91,9 +93,12 @@ def _render(args: argparse.Namespace) -> int:
 
 def _submit(args: argparse.Namespace) -> int:
     from hpkit.jobs.submission import give_job_path, prepare, submit
+    from hpkit.render import runtime_notes
     from hpkit.slurm import get_backend
 
     submission = prepare(args.spec)
+    for note in runtime_notes(submission.spec):
+        print(f"hpkit submit: note: {note}", file=sys.stderr)
     give_job_path(submission)
     if args.dry_run:
         print(f"dry run: wrote {submission.script}")

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from hpkit.errors import HpkitError
+from hpkit.errors import HpkitError, SpecError
 from hpkit.jobs.index import JobNote, remember
+from hpkit.oci import check_container
 from hpkit.render import render
 from hpkit.slurm import Backend, get_backend
 from hpkit.spec import JobSpec
@@ -71,6 +72,11 @@ def prepare(spec_file: str | Path) -> Submission:
     import yaml
 
     spec = load_document(JobSpec, spec_file)
+    # An OCI bundle or mount source that is not there would fail every node at job start: say so now.
+    try:
+        check_container(spec.container)
+    except SpecError as exc:
+        raise SpecError(f"{spec_file}: {exc}") from None
     out_dir = (job_workdir(spec) / spec.output_dir).resolve()
     # A snapshot of the spec travels with the job: editing the YAML after submitting must not
     # change a job that is still pending.
@@ -84,14 +90,17 @@ def prepare(spec_file: str | Path) -> Submission:
 
 def give_job_path(submission: Submission) -> None:
     """sbatch exports this process's environment to the job: give it the launcher of the environment that
-    submits it, and refuse here (HpkitError) rather than fail on every node. Container jobs and specs that
-    set env.PATH are left as they are."""
+    submits it, and refuse here (HpkitError) rather than fail on every node. Specs that set env.PATH are left
+    as they are, and so are container jobs, but for Slurm's OCI containers, whose batch script writes the
+    job's bundle with this environment's hpkit (the tasks' programs are the image's)."""
     spec = submission.spec
-    if spec.container is not None or "PATH" in spec.env:
+    if "PATH" in spec.env or (spec.container is not None and spec.container.runtime != "oci"):
         return
     from hpkit.jobs.path import check_programs, job_path, required_programs
 
     os.environ["PATH"] = job_path(os.environ)
+    if spec.container is not None:
+        return
     check_programs(required_programs(spec.launcher, spec.command), os.environ["PATH"], job_workdir(spec))
 
 

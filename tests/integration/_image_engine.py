@@ -1,0 +1,125 @@
+"""The image tests' container engine, shared by test_image_build.py and test_oci_jobs.py.
+
+A podman service of the test's own (socket, config and image storage under the test's TMPDIR), the base image
+made with mmdebstrap from Debian's mirror (no registry is reachable here; the tarball is cached across runs),
+and the CPU image built from this checkout with `hpkit image build --cpu`. The fixtures are module-scoped:
+a test module imports the ones it uses (`from _image_engine import base_image, cpu_image, engine`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hpkit import image
+from hpkit.commands import image as image_command
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_TAG = "hpkit-base:bookworm"
+CACHE = Path(os.environ.get("HPKIT_IMAGE_CACHE") or Path.home() / ".cache" / "hpkit")
+
+
+@dataclass(frozen=True)
+class Engine:
+    host: str
+    state: Path
+    env: dict[str, str]  # for the podman CLI: the same config and storage as the service
+    client: object
+
+
+def unusable_reason() -> str | None:
+    missing = [tool for tool in ("podman", "runc", "mmdebstrap") if shutil.which(tool) is None]
+    if missing:
+        return (
+            f"podman cannot run here: {' '.join(missing)} not installed "
+            f"(`make image-test-deps` as root installs them: apt-get install {' '.join(missing)})"
+        )
+    if os.geteuid() != 0:
+        return "podman cannot run here: the image tests need root (rootful podman, mmdebstrap root mode)"
+    return None
+
+
+def unmount_under(folder: Path) -> None:
+    # A container that died mid-run can leave overlay mounts, and a mounted folder cannot be removed.
+    lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    points = [line.split()[4] for line in lines if line.split()[4].startswith(str(folder) + "/")]
+    for point in sorted(points, key=len, reverse=True):
+        subprocess.run(["umount", "-l", point], capture_output=True, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory) -> Iterator[Engine]:
+    reason = unusable_reason()
+    if reason:
+        pytest.skip(reason)
+    state = tmp_path_factory.mktemp("podman")
+    if len(str(state / "podman.sock")) > 100:  # AF_UNIX paths are limited to 108 bytes
+        state = Path(tempfile.mkdtemp(prefix="hpkit-podman-"))
+    env = dict(os.environ, HPKIT_PODMAN_OWN_STORAGE="1")
+    script = str(REPO / "scripts/podman-service.sh")
+    start = subprocess.run(
+        [script, "start", str(state)], env=env, capture_output=True, text=True, timeout=120
+    )
+    if start.returncode != 0:
+        pytest.fail(f"podman's Docker API service did not start:\n{start.stdout}{start.stderr}")
+    host = f"unix://{state}/podman.sock"
+    saved = os.environ.get("DOCKER_HOST")
+    os.environ["DOCKER_HOST"] = host
+    cli_env = dict(
+        os.environ,
+        CONTAINERS_CONF=str(state / "containers.conf"),
+        CONTAINERS_STORAGE_CONF=str(state / "storage.conf"),
+    )
+    try:
+        yield Engine(host, state, cli_env, image.connect())
+    finally:
+        if saved is None:
+            os.environ.pop("DOCKER_HOST", None)
+        else:
+            os.environ["DOCKER_HOST"] = saved
+        subprocess.run([script, "stop", str(state)], env=env, capture_output=True, timeout=120)
+        unmount_under(state)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def base_image(engine: Engine) -> str:
+    recipe = (REPO / "docker/mkbase.sh").read_bytes() + Path(
+        "/etc/ssl/certs/ca-certificates.crt"
+    ).read_bytes()
+    tarball = CACHE / f"base-bookworm-{hashlib.sha256(recipe).hexdigest()[:12]}.tar"
+    if not tarball.is_file():
+        started = time.monotonic()
+        made = subprocess.run(
+            [str(REPO / "docker/mkbase.sh"), str(tarball), "bookworm"],
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        if made.returncode != 0:
+            pytest.fail(
+                f"mmdebstrap could not make the base image:\n{made.stdout[-3000:]}{made.stderr[-3000:]}"
+            )
+        print(f"base tarball made in {time.monotonic() - started:.0f} s")
+    image.import_base(engine.client, tarball, BASE_TAG)
+    return BASE_TAG
+
+
+@pytest.fixture(scope="module")
+def cpu_image(engine: Engine, base_image: str) -> str:
+    started = time.monotonic()
+    code = image_command.main(
+        ["image", "build", "--cpu", "--quiet", "--base-image", base_image, "--context", str(REPO)]
+    )
+    assert code == 0
+    print(f"CPU image built in {time.monotonic() - started:.0f} s")
+    return "hpkit:cpu"

@@ -1,0 +1,210 @@
+"""Jobs inside the CPU image under Slurm, for real: Slurm 22.05's OCI containers (runc) on a local cluster.
+
+The CPU image is built from this checkout (tests/integration/_image_engine.py) and exported with `hpkit image
+export --oci`; every job is submitted with `hpkit submit` to a private 2-node cluster whose oci.conf runs runc
+(slurm/dev/up.sh). A 2-node x 2-rank FSDP x TP job runs inside the image and outside it with the same losses;
+each rank shows that it ran in the image, with the host's /var/log mounted; the image's start-up check runs
+once per node; checkpoints cross between the two ways in both directions. Skips, saying why, only where
+podman or runc cannot run (as the image tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from training_layouts import BASE
+
+from _clusters import slot
+from hpkit import devcluster
+from hpkit.commands import image as image_command
+
+pytestmark = [pytest.mark.image, pytest.mark.cluster]
+
+SUBMIT_TIMEOUT_S = 600
+HPKIT = str(Path(sys.executable).with_name("hpkit"))
+IMAGE_ONLY = "/usr/local/bin/hpkit-entrypoint"  # the image's start-up check: the host has none
+
+
+@pytest.fixture(scope="module")
+def bundle(cpu_image: str, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("oci-image") / "hpkit-cpu"
+    assert image_command.main(["image", "export", "--oci", str(out), cpu_image]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> dict[str, str]:
+    if shutil.which("runc") is None:
+        pytest.skip("runc cannot run here: not installed (`make image-test-deps` as root installs it)")
+    env = devcluster.client_env(tmp_path_factory.mktemp("oci-cluster"), *slot("oci"))
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    try:
+        devcluster.up(env)
+    except devcluster.DevClusterError as exc:
+        pytest.fail(str(exc))
+    yield env
+    devcluster.down(env)
+
+
+@pytest.fixture(scope="module")
+def var_log_marker() -> Path:
+    """A file in the host's /var/log that a container sees only through the /var/log mount."""
+    marker = Path("/var/log") / f"hpkit-oci-test-{secrets.token_hex(4)}"
+    marker.write_text(marker.name + "\n")
+    yield marker
+    marker.unlink(missing_ok=True)
+
+
+def _spec(jobs: Path, name: str, *, container: dict | None, steps: int = 4, ckpt: str, **extra) -> Path:
+    # Every rank says where it runs: a file only the image has, and the marker in the host's /var/log.
+    probe = (
+        f'echo "WHERE rank=$RANK image=$(test -x {IMAGE_ONLY} && echo yes || echo no) '
+        'var_log=$(cat /var/log/$HPKIT_MARKER 2>/dev/null || echo none)"; exec hpkit train'
+    )
+    spec = {
+        "name": name,
+        "nodes": 2,
+        "tasks_per_node": 2,
+        "output_dir": str(jobs / "out"),
+        # Not on EC2: the start-up check's metadata service check is off, as in the image tests.
+        "env": {"AWS_EC2_METADATA_DISABLED": "true", "HPKIT_MARKER": extra.pop("marker", "none")},
+        "command": ["bash", "-c", probe],
+        "parallelism": {"dp_shard": 2, "tp": 2},
+        "model": BASE["model"],
+        "train": {**BASE["train"], "steps": steps, "local_batch_size": 2},
+        "checkpoint": {"dir": str(jobs / ckpt), "interval": 2, "keep": 3},
+        **extra,
+    }
+    if container is not None:
+        spec["container"] = container
+    path = jobs / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def _submit(env: dict[str, str], spec: Path) -> tuple[int, str, str]:
+    """`hpkit submit SPEC --wait`: (exit status, what it printed, the job's output)."""
+    done = subprocess.run(
+        [HPKIT, "submit", str(spec), "--wait", "--poll", "0.5"],
+        env=env,
+        cwd=spec.parent,
+        capture_output=True,
+        text=True,
+        timeout=SUBMIT_TIMEOUT_S,
+    )
+    printed = done.stdout + done.stderr
+    found = re.search(r"^  output: (\S+)$", done.stdout, re.M)
+    log = Path(found.group(1)).read_text() if found and Path(found.group(1)).is_file() else ""
+    return done.returncode, printed, log
+
+
+def _losses(jobs: Path, name: str) -> dict[int, float]:
+    files = list((jobs / "out").glob(f"{name}-[0-9]*.metrics.jsonl"))
+    assert len(files) == 1, files
+    records = [json.loads(line) for line in files[0].read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in records if "event" not in r}
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, bundle: Path, var_log_marker: Path, tmp_path_factory) -> tuple[Path, dict[str, tuple]]:
+    """Inside and outside the image, then each resuming the other's checkpoint."""
+    jobs = tmp_path_factory.mktemp("oci-jobs")
+    container = {
+        "runtime": "oci",
+        "image": str(bundle),
+        "mounts": [f"{jobs}:{jobs}"],
+        "startup_check": "fail",
+    }
+    marker = var_log_marker.name
+    ran = {}
+    ran["in"] = _submit(cluster, _spec(jobs, "in", container=container, ckpt="ckpt-in", marker=marker))
+    ran["out"] = _submit(cluster, _spec(jobs, "out", container=None, ckpt="ckpt-out", marker=marker))
+    # Each resumes the other's step-4 checkpoint and trains to step 6.
+    shutil.copytree(jobs / "ckpt-out", jobs / "ckpt-in-from-out")
+    shutil.copytree(jobs / "ckpt-in", jobs / "ckpt-out-from-in")
+    ran["in-from-out"] = _submit(
+        cluster, _spec(jobs, "in-from-out", container=container, steps=6, ckpt="ckpt-in-from-out")
+    )
+    ran["out-from-in"] = _submit(
+        cluster, _spec(jobs, "out-from-in", container=None, steps=6, ckpt="ckpt-out-from-in")
+    )
+    return jobs, ran
+
+
+def test_fsdp_tp_job_in_the_image_matches_the_same_job_outside(jobs, var_log_marker: Path) -> None:
+    assert not Path(IMAGE_ONLY).exists(), f"the host has {IMAGE_ONLY}: it cannot tell the image apart"
+    folder, ran = jobs
+    for name in ("in", "out"):
+        status, printed, log = ran[name]
+        assert status == 0, f"{name}: {printed}\n{log}"
+    inside = re.findall(r"WHERE rank=(\d) image=(\w+) var_log=(\S+)", ran["in"][2])
+    outside = re.findall(r"WHERE rank=(\d) image=(\w+) var_log=(\S+)", ran["out"][2])
+    assert sorted(inside) == [(str(r), "yes", var_log_marker.name) for r in range(4)], ran["in"][2]
+    assert sorted(outside) == [(str(r), "no", var_log_marker.name) for r in range(4)], ran["out"][2]
+    losses_in, losses_out = _losses(folder, "in"), _losses(folder, "out")
+    assert sorted(losses_in) == [1, 2, 3, 4]
+    assert losses_in == pytest.approx(losses_out, rel=1e-6, abs=0)
+
+
+def test_checkpoints_cross_between_inside_and_outside_both_ways(jobs) -> None:
+    folder, ran = jobs
+    for name in ("in-from-out", "out-from-in"):
+        status, printed, log = ran[name]
+        assert status == 0, f"{name}: {printed}\n{log}"
+    from_out, from_in = _losses(folder, "in-from-out"), _losses(folder, "out-from-in")
+    # Both resumed the step-4 checkpoint (equal in both, as the losses so far were): steps 5 and 6 only.
+    assert sorted(from_out) == [5, 6] and sorted(from_in) == [5, 6], (from_out, from_in)
+    assert from_out == pytest.approx(from_in, rel=1e-6, abs=0)
+
+
+def test_start_up_check_runs_once_per_node_fails_without_var_log_and_warn_goes_on(
+    cluster, bundle: Path, tmp_path: Path
+) -> None:
+    container = {"runtime": "oci", "image": str(bundle), "mounts": [f"{tmp_path}:{tmp_path}"]}
+    container["mount_var_log"] = False
+    spec = _spec(tmp_path, "check-fail", container={**container, "startup_check": "fail"}, ckpt="ckpt-fail")
+    status, printed, log = _submit(cluster, spec)
+    assert status != 0, log
+    assert "WHERE rank=" not in log, "the ranks started although the check failed"
+    assert re.search(r"^FAIL\s+var-log-mount\s+.*not the host's", log, re.M), log
+    assert "hpkit-entrypoint: the container start-up check failed" in log, log
+
+    spec = _spec(tmp_path, "check-warn", container={**container, "startup_check": "warn"}, ckpt="ckpt-warn")
+    spec_data = yaml.safe_load(spec.read_text())
+    spec_data["train"]["steps"] = 1
+    spec.write_text(yaml.safe_dump(spec_data))
+    status, printed, log = _submit(cluster, spec)
+    assert status == 0, f"{printed}\n{log}"
+    # Once per node (2 nodes), not once per rank (4).
+    assert log.count("hpkit-entrypoint: warning:") == 2, log
+    assert len(re.findall(r"WHERE rank=\d image=yes var_log=none", log)) == 4, log
+
+
+def test_bad_container_input_is_one_line_naming_the_field_before_submitting(
+    cluster, bundle: Path, tmp_path: Path
+) -> None:
+    not_a_bundle = tmp_path / "not-a-bundle"
+    not_a_bundle.mkdir()
+    cases = {
+        "missing": ({"image": str(tmp_path / "no-such-bundle")}, "container.image"),
+        "not-a-bundle": ({"image": str(not_a_bundle)}, "container.image"),
+        "mount": ({"image": str(bundle), "mounts": [f"{tmp_path}/absent:/data"]}, "container.mounts"),
+        "srun": ({"image": str(bundle)}, "launcher"),
+    }
+    for case, (container, field) in cases.items():
+        extra = {"launcher": "srun"} if case == "srun" else {}
+        spec = _spec(tmp_path, case, container={"runtime": "oci", **container}, ckpt="c", **extra)
+        status, printed, _ = _submit(cluster, spec)
+        lines = printed.strip().splitlines()
+        assert status != 0 and len(lines) == 1, f"{case}: {printed}"
+        assert field in lines[0] and "submitted job" not in printed, f"{case}: {printed}"
+        assert not (tmp_path / "out").exists(), f"{case}: files were written before the check"
