@@ -19,9 +19,14 @@ if [ "${HPKIT_SKIP_STARTUP_CHECK:-0}" != 1 ]; then
       echo "hpkit-entrypoint: warning: the container start-up check failed (see above); going on because" \
         "HPKIT_STARTUP_CHECK_WARN_ONLY=1" >&2
     else
-      printf '%s\n' "$report" >&2
+      # The failing checks first, then the rest: `srun --kill-on-bad-exit` ends every task as soon as one
+      # exits non-zero, and a task's last lines may not reach the job's log before its exit does (seen on
+      # a loaded node: neither node's FAIL line arrived). The pause lets this task's lines arrive first.
+      grep -E '^FAIL' <<<"$report" >&2 || true
+      grep -vE '^FAIL' <<<"$report" >&2 || true
       echo "hpkit-entrypoint: the container start-up check failed (see above): fix it, or set" \
         "HPKIT_STARTUP_CHECK_WARN_ONLY=1 to go on anyway, or HPKIT_SKIP_STARTUP_CHECK=1 to skip it" >&2
+      sleep 1
       exit 1
     fi
   fi
