@@ -13,10 +13,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hpkit import exit_settle
 from hpkit.runtime.env import distributed
 
 
 def main() -> None:
+    # DDP keeps gloo work alive past the process group; without the settle a gloo thread freeing it at exit
+    # aborts the process ("terminate called without an active exception"), as it did in CI.
+    exit_settle.install()
     with distributed():
         rank, world = dist.get_rank(), dist.get_world_size()
         total = torch.tensor([float(rank + 1)])

@@ -351,7 +351,8 @@ class HangWatchdog:
         self.min_s, self.factor, self.start_s = min_s, factor, start_s
         self.node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
         # The line is printed by whichever rank writes the verdict, not only rank 0 (which may be frozen).
-        self._say = say or (lambda line: print(line, flush=True))
+        # On stderr: job scripts show only local rank 0's stdout, and the writer may be any rank.
+        self._say = say or (lambda line: print(line, file=sys.stderr, flush=True))
         self._exit = exit_fn
         now = time.time()
         self._beat = Beat(rank, self.node, os.getpid(), 0, now, "start", 0, now)
