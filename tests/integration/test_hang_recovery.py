@@ -16,6 +16,9 @@ import pytest
 import yaml
 from _torchrun import REPO, torch_env
 
+sys.path.insert(0, str(REPO / "bench"))
+from _hang_trials import beats as read_beats  # the heartbeat reader the hang drills use
+
 MIN_S = 5.0
 
 
@@ -31,17 +34,6 @@ def _config(tmp: Path) -> Path:
     path = tmp / "hang.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path
-
-
-def _beats(out: Path) -> dict[int, dict]:
-    beats = {}
-    for path in (out / "hangs" / ".beats").glob("*/rank*.json"):
-        try:
-            beat = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        beats[beat["rank"]] = beat
-    return beats
 
 
 def test_a_stopped_rank_is_named_with_every_ranks_stacks(tmp_path):
@@ -60,7 +52,7 @@ def test_a_stopped_rank_is_named_with_every_ranks_stacks(tmp_path):
         # The event: rank 1 has finished three steps (its heartbeat says so); then it is stopped.
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            beats = _beats(out)
+            beats = read_beats(out)
             if beats.get(1, {}).get("step", 0) >= 3 and 0 in beats:
                 break
             assert proc.poll() is None, proc.stdout.read()

@@ -228,7 +228,7 @@ def decide(
     stopped = sorted(b.rank for b in beats if now - b.beat_at >= STALE_BEAT_S)
     if stopped:
         return Verdict(step, stalled, threshold, stopped, "stopped", nodes, {})
-    culprits, reason, group = blame([b for b in beats])
+    culprits, reason, group = blame(beats)
     return Verdict(step, stalled, threshold, culprits, reason, nodes, {}, group)
 
 
