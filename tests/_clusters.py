@@ -1,11 +1,12 @@
 """Each local Slurm cluster of the suite, on its own controller port and job-id range.
 
-Job scripts derive their rendezvous port from the job id (hpkit.rendezvous: 29500 + id % 20000), so two
-clusters whose job ids meet would also meet on rendezvous ports. Every cluster therefore gets a slot:
-ports `base + 100 * worker + offset` and job ids `base + 2000 * worker + offset`, where `worker` is the
-pytest-xdist worker (gw0, gw1, ...; 0 without xdist) and the bases are HPKIT_TEST_CLUSTER_PORT /
-HPKIT_TEST_FIRST_JOB_ID (two checkouts on one host set their own). Offsets leave each cluster 10 ports
-(a controller and up to 9 nodes) and 300 job ids (the last two, which submit few jobs, 100 each).
+Job scripts derive their rendezvous port from the job id (hpkit.rendezvous: 29500 + id % 3000), so two
+clusters whose job ids meet modulo 3000 would also meet on rendezvous ports. Every cluster therefore gets a
+slot: ports `base + 100 * worker + offset` and job ids `base + 1000 * worker + offset`, where `worker` is
+the pytest-xdist worker (gw0, gw1, gw2; 0 without xdist) and the bases are HPKIT_TEST_CLUSTER_PORT /
+HPKIT_TEST_FIRST_JOB_ID. Offsets leave each cluster 10 ports (a controller and up to 9 nodes) and 50 to
+400 job ids. Three workers fill the 3000 rendezvous ports: two checkouts testing on one host at once share
+them, and can collide.
 """
 
 from __future__ import annotations
@@ -14,19 +15,19 @@ import os
 from typing import NamedTuple
 
 WORKER_PORT_STRIDE = 100
-WORKER_JOB_ID_STRIDE = 2000
-MAX_WORKERS = 6  # 5000 + 6 * 2000 stays under 20000 apart: no two workers share rendezvous ports
+WORKER_JOB_ID_STRIDE = 1000
+MAX_WORKERS = 3  # 3 * 1000 job ids: one rendezvous port each (hpkit.rendezvous.PORT_SPAN)
 
 # cluster name -> (port offset, job-id offset)
 OFFSETS = {
-    "session": (0, 0),
-    "node-loss": (10, 300),
-    "all-nodes": (20, 600),
-    "polling": (30, 900),
-    "forgotten": (40, 1200),
-    "dev-cluster": (50, 1500),
-    "why": (60, 1800),  # 100 job ids
-    "oci": (70, 1900),  # 100 job ids: the next worker's slots start at 2000
+    "session": (0, 0),  # 400 job ids
+    "node-loss": (10, 400),
+    "all-nodes": (20, 500),
+    "polling": (30, 600),
+    "forgotten": (40, 700),  # 50 job ids
+    "dev-cluster": (50, 750),  # 50 job ids
+    "why": (60, 800),
+    "oci": (70, 900),  # 100 job ids: the next worker's slots start at 1000
 }
 
 

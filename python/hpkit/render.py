@@ -302,6 +302,19 @@ def oci_path_step(container: ContainerSpec | None) -> str | None:
     return f'export PATH="${{{IMAGE_PATH_VAR}:-$PATH}}"; [ -d "${{TMPDIR:-/tmp}}" ] || unset TMPDIR'
 
 
+def torchrun_program(spec: SlurmJob) -> str:
+    """hpkit's torchrun (its rendezvous store outlives every agent: hpkit.torchrun_agent) where hpkit is
+    installed, i.e. outside a container; in one, torchrun, which torchrun_launcher_step swaps where it can."""
+    return "hpkit-torchrun" if spec.container is None else "torchrun"
+
+
+def torchrun_launcher_step(spec: SlurmJob) -> str | None:
+    """Shell that runs hpkit-torchrun instead of torchrun in a container image that has it, or None."""
+    if spec.launcher != "torchrun" or spec.container is None:
+        return None
+    return 'if command -v hpkit-torchrun >/dev/null; then set -- hpkit-torchrun "${@:2}"; fi'
+
+
 def task_wrapper(steps: list[str]) -> list[str]:
     """`bash -c 'STEPS; exec "$@"' hpkit-task` before a task's program (quoted words), or nothing."""
     return ["bash", "-c", shell_quote("; ".join([*steps, 'exec "$@"'])), "hpkit-task"] if steps else []
@@ -316,13 +329,15 @@ def launch_words(spec: SlurmJob) -> list[str]:
         steps.append(f"export {' '.join(exports)}")
     if compat := compat_step(spec):
         steps.append(compat)
+    if launcher_swap := torchrun_launcher_step(spec):
+        steps.append(launcher_swap)
     if startup := startup_check_step(spec.container):
         steps.append(startup)
     wrapper = task_wrapper(steps)
     if spec.launcher == "torchrun":
         return [
             *wrapper,
-            "torchrun",
+            torchrun_program(spec),
             # The agents pass USR1 on to the ranks instead of dying of it.
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             f"--nnodes={spec.nodes}",

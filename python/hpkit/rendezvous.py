@@ -7,7 +7,10 @@ collide, so the port is derived from the job id. Torch-free and import-light.
 from __future__ import annotations
 
 PORT_BASE = 29500
-PORT_SPAN = 20000
+# 29500-32499: below Linux's ephemeral ports (ip_local_port_range starts at 32768), which any outgoing
+# connection or gloo/NCCL socket on the node may hold, so that one cannot take a job's port. Two jobs
+# sharing a node collide only when their ids differ by a multiple of 3000.
+PORT_SPAN = 3000
 # Where there is no job id to derive from (a bare launch outside Slurm).
 DEFAULT_PORT = PORT_BASE
 

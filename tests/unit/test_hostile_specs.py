@@ -196,6 +196,7 @@ def stand_ins(tmp_path_factory) -> Path:
     for name, text in (
         ("srun", FAKE_SRUN),
         ("torchrun", FAKE_TORCHRUN),
+        ("hpkit-torchrun", FAKE_TORCHRUN),
         ("scontrol", FAKE_SCONTROL),
         ("show-task", SHOW_TASK),
     ):

@@ -53,7 +53,7 @@ def test_srun_fallback_uses_first_node_address():
     assert asked == ["node[1-2]"]
     assert (launch.rank, launch.world_size, launch.local_rank, launch.local_world_size) == (2, 4, 0, 2)
     assert launch.master_addr == "192.168.1.10"
-    assert launch.master_port == port_for_job(1234) == 29500 + 1234 % 20000
+    assert launch.master_port == port_for_job(1234) == 29500 + 1234 % 3000
     assert launch.source == "slurm"
 
 

@@ -48,8 +48,9 @@ def test_each_task_sees_sagemaker_variables(tmp_path, launcher):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     # torchrun is not what is under test here: a stand-in that runs the command after `--`.
-    (bin_dir / "torchrun").write_text('#!/bin/bash\nwhile [[ $1 != -- ]]; do shift; done\nshift\nexec "$@"\n')
-    (bin_dir / "torchrun").chmod(0o755)
+    for name in ("torchrun", "hpkit-torchrun"):
+        (bin_dir / name).write_text('#!/bin/bash\nwhile [[ $1 != -- ]]; do shift; done\nshift\nexec "$@"\n')
+        (bin_dir / name).chmod(0o755)
     script = tmp_path / "job.sbatch"
     script.write_text(render(spec))
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]"}

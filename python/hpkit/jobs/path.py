@@ -20,7 +20,7 @@ from hpkit.errors import HpkitError
 
 
 def environment_scripts() -> str:
-    """The folder where this Python environment's console scripts (hpkit, torchrun) live."""
+    """The folder where this Python environment's console scripts (hpkit, hpkit-torchrun, torchrun) live."""
     return sysconfig.get_path("scripts")
 
 
@@ -34,8 +34,8 @@ def job_path(environ: Mapping[str, str], scripts: str | None = None) -> str:
 
 
 def required_programs(launcher: str, command: list[str]) -> list[str]:
-    """What each node execs first: the launcher's program (torchrun), then the command's."""
-    programs = ["torchrun"] if launcher == "torchrun" else []
+    """What each node execs first outside a container: the launcher's program, then the command's."""
+    programs = ["hpkit-torchrun"] if launcher == "torchrun" else []
     return [*programs, command[0]]
 
 

@@ -1,0 +1,143 @@
+"""`hpkit-torchrun ARGS`: torchrun whose rendezvous store outlives every agent of the step.
+
+torchrun's agent on the rendezvous host serves the c10d store inside its own process and exits as soon as
+its exit barrier returns. The other agents still use the store after that barrier (they close the
+rendezvous): when it is already gone they print `Failed to recv` tracebacks, and a job whose training
+finished can end FAILED. And torchrun decides who hosts by hostname: an agent that fails to bind the port
+(another program holds it) silently becomes a client of that program and waits minutes before failing.
+
+hpkit's job scripts name the store's node (HPKIT_RDZV_NODE, next to MASTER_ADDR). On that node this
+launcher binds the store itself before torchrun starts (torchrun's agent shares it: multi-tenant), says
+plainly when the port is taken, and after a successful run waits until every other agent has said it is
+done with the store. Elsewhere it tells torchrun not to try hosting. Without HPKIT_RDZV_NODE or
+SLURMD_NODENAME (a bare launch) it is torchrun unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+# How long the store's host waits for the other agents after its own run succeeded. They are done
+# within a second of the exit barrier; an agent that died never reports, and then the host stops waiting.
+AGENTS_DONE_WAIT_S = 60.0
+# Connecting to say "done" and saying it: short, since the host may have stopped waiting.
+DONE_REPORT_TIMEOUT_S = 10.0
+DONE_POLL_S = 0.05
+RDZV_NODE_ENV = "HPKIT_RDZV_NODE"
+
+
+def hosts_store(env: Mapping[str, str]) -> bool | None:
+    """Whether this node serves the rendezvous store; None where the job script did not say."""
+    store_node, this_node = env.get(RDZV_NODE_ENV), env.get("SLURMD_NODENAME")
+    if not store_node or not this_node:
+        return None
+    return store_node == this_node
+
+
+def with_is_host(rdzv_conf: str, is_host: bool) -> str:
+    """torchrun's `--rdzv-conf` (k1=v1,k2=v2) with is_host set: the decision is made here, not by hostname."""
+    entries = [
+        entry
+        for entry in rdzv_conf.split(",")
+        if entry.strip() and entry.split("=", 1)[0].strip() != "is_host"
+    ]
+    return ",".join([*entries, f"is_host={'true' if is_host else 'false'}"])
+
+
+def done_key(run_id: str) -> str:
+    """The counter each agent but the store's host adds to when it no longer needs the store."""
+    return f"hpkit-torchrun/{run_id}/agents-done"
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    from torch.distributed.run import parse_args
+
+    args = parse_args(argv)
+    is_host = hosts_store(os.environ)
+    if is_host is None or args.rdzv_backend != "c10d" or args.standalone:
+        _run(args)
+        return
+    args.rdzv_conf = with_is_host(args.rdzv_conf, is_host)
+    host, port = _endpoint(args.rdzv_endpoint)
+    agents = _max_nodes(args.nnodes)
+    counter = done_key(args.rdzv_id)
+    store = _serve(host, port) if is_host else None
+    _run(args)  # raises on failure: the step ends then, and nobody needs the store any more
+    if store is not None:
+        _wait_for_agents(store, counter, agents - 1)
+    elif agents > 1:
+        _report_done(host, port, counter)
+
+
+def _run(args: Any) -> None:
+    # Exactly what the `torchrun` console script runs (its error-file handling included).
+    from torch.distributed.elastic.multiprocessing.errors import record
+    from torch.distributed.run import run
+
+    record(run)(args)
+
+
+def _endpoint(endpoint: str) -> tuple[str, int]:
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    return parse_rendezvous_endpoint(endpoint, default_port=29400)
+
+
+def _max_nodes(nnodes: str) -> int:
+    from torch.distributed.run import parse_min_max_nnodes
+
+    return int(parse_min_max_nnodes(nnodes)[1])
+
+
+def _serve(host: str, port: int) -> Any:
+    from torch.distributed import TCPStore
+
+    try:
+        # multi_tenant: torchrun's agent, asking for a server on the same port in this process, shares this one.
+        return TCPStore(
+            host,
+            port,
+            is_master=True,
+            multi_tenant=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=60),
+        )
+    except (RuntimeError, ValueError) as exc:
+        node = os.environ.get("SLURMD_NODENAME", host)
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        sys.exit(
+            f"hpkit-torchrun: cannot serve the rendezvous store on port {port} of {node} ({host}): {first_line}. "
+            "Another job or program on that node holds the port; resubmit (the port follows the job id: "
+            "hpkit.rendezvous), or free it"
+        )
+
+
+def _wait_for_agents(store: Any, counter: str, others: int) -> None:
+    # Polled rather than waited on: the store answers an agent's `add` before it reads this process's next
+    # poll, so when the count is seen every reply has left, and exiting cannot cut one off.
+    deadline = time.monotonic() + AGENTS_DONE_WAIT_S
+    while others > 0 and time.monotonic() < deadline:
+        if store.add(counter, 0) >= others:
+            return
+        time.sleep(DONE_POLL_S)
+
+
+def _report_done(host: str, port: int, counter: str) -> None:
+    from torch.distributed import TCPStore
+
+    # An error here means the host stopped waiting (its wait is bounded): this run succeeded all the same.
+    with contextlib.suppress(Exception):
+        TCPStore(host, port, is_master=False, timeout=timedelta(seconds=DONE_REPORT_TIMEOUT_S)).add(
+            counter, 1
+        )
+
+
+if __name__ == "__main__":
+    main()
