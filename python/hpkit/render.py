@@ -309,8 +309,12 @@ def torchrun_program(spec: SlurmJob) -> str:
 
 
 def torchrun_launcher_step(spec: SlurmJob) -> str | None:
-    """Shell that runs hpkit-torchrun instead of torchrun in a container image that has it, or None."""
-    if spec.launcher != "torchrun" or spec.container is None:
+    """Shell that runs hpkit-torchrun instead of torchrun in a container image that has it, or None.
+
+    Not under runtime oci: Slurm 22.05 hands its containers the batch shell's SLURMD_NODENAME, so every
+    node would take itself for the store's node.
+    """
+    if spec.launcher != "torchrun" or spec.container is None or spec.container.runtime == "oci":
         return None
     return 'if command -v hpkit-torchrun >/dev/null; then set -- hpkit-torchrun "${@:2}"; fi'
 
