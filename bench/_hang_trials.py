@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from _sides import REPO, run_env
+from hpkit.rendezvous import free_local_ports
 
 NODES = ("nodeA", "nodeB")
 PER_NODE = 2
@@ -59,12 +59,6 @@ class Trial:
         return self.verdict_at - self.injected_at
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _config(out: Path, min_s: float, checkpoint_every: int | None) -> Path:
     cfg: dict = {
         "name": "drill",
@@ -85,7 +79,7 @@ def launch(out: Path, min_s: float, env_extra: dict[str, str], checkpoint_every:
     """Start both agents; returns their Popen objects (each the leader of its own process group)."""
     out.mkdir(parents=True, exist_ok=True)
     config = _config(out, min_s, checkpoint_every)
-    port = _free_port()
+    port = free_local_ports()
     agents = []
     for i, node in enumerate(NODES):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i)]

@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from hpkit.rendezvous import free_local_ports
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "tests/integration/sagemaker_scripts"
@@ -35,12 +36,6 @@ def plain_ddp_script(folder: Path) -> Path:
     return script
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def trial(script: Path, wrapped: bool, out: Path) -> tuple[bool, str]:
     program = [sys.executable, *(["-m", "hpkit.run_script"] if wrapped else []), str(script)]
     env = {
@@ -54,7 +49,7 @@ def trial(script: Path, wrapped: bool, out: Path) -> tuple[bool, str]:
     done = subprocess.run(
         [
             sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2",
-            f"--master-port={free_port()}", "--no-python", *program, "--backend", "gloo", "--epochs", "2",
+            f"--master-port={free_local_ports()}", "--no-python", *program, "--backend", "gloo", "--epochs", "2",
         ],
         env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip

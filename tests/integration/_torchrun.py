@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hpkit.rendezvous import free_local_ports
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -56,11 +58,7 @@ def run_two_agents(
 ) -> subprocess.CompletedProcess:
     """Two torchrun agents on this host, as two nodes of `nproc` ranks each; the second runs in its own
     mount namespace where `second_node_hides` reads as an empty file (root only: unshare -m)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_ports()
 
     def agent(node_rank: int) -> list[str]:
         return [

@@ -12,7 +12,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import pytest
 import yaml
 from _dirwatch import DirWatch
 
+from hpkit.rendezvous import free_local_ports
 from hpkit.runtime.checkpoint import find_latest
 
 pytestmark = pytest.mark.dist
@@ -77,12 +77,6 @@ def launch(cfg: Path) -> subprocess.Popen:
     )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Run:
     """Two ranks in one process group (so one killpg takes both down at once), rank 0's output in a file."""
@@ -122,7 +116,7 @@ def launch_2_ranks(cfg: Path, log: Path) -> Run:
     may take the port between choosing and binding it: then rank 0 stops with EADDRINUSE and a new port
     is tried (it is not the fault under test)."""
     for _ in range(5):
-        port, procs = free_port(), []
+        port, procs = free_local_ports(), []
         for rank in range(2):
             env = clean_env()
             env.update(

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
+
+from hpkit.rendezvous import free_local_ports
 
 pytestmark = pytest.mark.dist
 
@@ -34,15 +35,9 @@ print("no timeout", flush=True)
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_silent_peer_fails_the_collective_within_the_timeout(repo):
     timeout_s = 4
-    port = str(free_port())
+    port = str(free_local_ports())
     procs = []
     for rank in (0, 1):
         env = {

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import random
 import socket
 import subprocess
 import sys
@@ -16,23 +15,11 @@ import yaml
 from _torchrun import REPO, torch_env
 from prometheus_client.parser import text_string_to_metric_families
 
+from hpkit.rendezvous import free_local_ports
+
 pytestmark = pytest.mark.dist
 
 MODEL = {"name": "debug", "dim": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 64}
-
-
-def two_free_ports() -> int:
-    """A port p with p and p + 1 free now (local ranks 0 and 1 listen on them)."""
-    for _ in range(50):
-        base = random.randrange(20000, 40000)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("", base))
-                b.bind(("", base + 1))
-        except OSError:
-            continue
-        return base
-    pytest.fail("no two adjacent free ports found")
 
 
 def scrape(port: int) -> dict[str, tuple[dict[str, str], float]] | None:
@@ -45,7 +32,7 @@ def scrape(port: int) -> dict[str, tuple[dict[str, str], float]] | None:
 
 
 def test_each_rank_serves_its_metrics_on_port_plus_local_rank_during_the_run(tmp_path):
-    port = two_free_ports()
+    port = free_local_ports(2)  # local ranks 0 and 1 listen on port and port + 1
     metrics = tmp_path / "m.jsonl"
     config = tmp_path / "run.yaml"
     config.write_text(

@@ -5,7 +5,6 @@ named the same by every rank, and found again by the next launch, which resumes 
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +13,8 @@ import _torchrun
 import pytest
 import yaml
 from training_layouts import BASE
+
+from hpkit.rendezvous import free_local_ports
 
 pytestmark = pytest.mark.dist
 
@@ -35,9 +36,7 @@ def _config(tmp: Path, steps: int) -> Path:
 def _plain_torchrun(config: Path, tmp: Path) -> subprocess.CompletedProcess:
     # torchrun's default static rendezvous needs a port of its own (--standalone would pick one, but
     # also set a random run id, which is not the case under test).
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_ports()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
     cmd += ["-m", "hpkit", "train", "--config", str(config)]
     env = _torchrun.torch_env(tmp)

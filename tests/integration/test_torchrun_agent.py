@@ -19,6 +19,8 @@ from pathlib import Path
 
 from _torchrun import REPO, torch_env
 
+from hpkit.rendezvous import free_local_ports
+
 LATE_CLOSE_S = 4.0
 
 SLOW_CLOSE = """
@@ -47,12 +49,6 @@ dist.destroy_process_group()
 """
 
 AGENT_FAILURES = ("failed to shutdown the rendezvous", "Failed to recv", "Traceback")
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 class Agent:
@@ -106,7 +102,7 @@ def listening(port: int) -> bool:
 def start_pair(launcher: list[str], tmp: Path) -> tuple[Agent, Agent]:
     """The store's agent (a), and once it listens the late-closing one (b)."""
     tmp.mkdir(parents=True)
-    port = free_port()
+    port = free_local_ports()
     host = Agent(launcher, "a", port, tmp, late_close=False)
     deadline = time.monotonic() + 60
     while not listening(port):

@@ -12,7 +12,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ pytest.importorskip("pyarrow")
 
 from data_corpus import documents, train_tokenizer, write_corpus
 from hpkit.data.prepare import Options, prepare
+from hpkit.rendezvous import free_local_ports
 
 pytestmark = pytest.mark.dist
 
@@ -84,9 +84,7 @@ def _losses(tmp: Path, tag: str) -> dict[int, float]:
 
 def _launch_2_ranks(cfg: Path, tmp: Path, digests: Path) -> list[subprocess.Popen]:
     """Two ranks without an agent, in one process group (one killpg takes both down at once)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_ports()
     procs: list[subprocess.Popen] = []
     for rank in range(2):
         env = _torchrun.torch_env(tmp / "tmp")

@@ -3,13 +3,13 @@ own parser. (Real training runs export through it in tests/integration: test_str
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpkit.errors import SpecError
+from hpkit.rendezvous import free_local_ports
 from hpkit.runtime.config import PrometheusSpec, RunConfig
 from hpkit.runtime.metrics import StepStats
 from hpkit.runtime.prometheus import PrometheusExporter
@@ -65,14 +65,8 @@ def test_unknown_mfu_has_no_sample_and_a_straggler_window_counts_once(tmp_path):
     exp.close()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_http_listens_on_port_plus_local_rank_and_a_taken_port_is_one_error_line():
-    base = _free_port() - 1
+    base = free_local_ports(2)
     exp = PrometheusExporter(PrometheusSpec(port=base), "r", "9", rank=5, local_rank=1, node="n")
     try:
         exp.log(stats(4, peak=None))
