@@ -36,7 +36,7 @@ def port_shell_expression(job_id_var: str = "SLURM_JOB_ID") -> str:
 LOCAL_PORTS = range(20000, PORT_BASE - 1)
 
 
-def free_local_ports(count: int = 1, host: str = "") -> int:
+def free_local_ports(count: int = 1) -> int:
     """The first of `count` consecutive ports free on this host now, drawn at random from LOCAL_PORTS."""
     draw = random.SystemRandom()
     for _ in range(500):
@@ -44,7 +44,7 @@ def free_local_ports(count: int = 1, host: str = "") -> int:
         probes = [socket.socket() for _ in range(count)]
         try:
             for offset, probe in enumerate(probes):
-                probe.bind((host, first + offset))
+                probe.bind(("", first + offset))
         except OSError:
             continue
         finally:

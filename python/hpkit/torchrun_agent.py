@@ -85,9 +85,11 @@ def _run(args: Any) -> None:
 
 
 def _endpoint(endpoint: str) -> tuple[str, int]:
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import DEFAULT_PORT
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    return parse_rendezvous_endpoint(endpoint, default_port=29400)
+    # torchrun's own default, so that an endpoint without a port means the same store to both.
+    return parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)
 
 
 def _max_nodes(nnodes: str) -> int:

@@ -1,7 +1,7 @@
 """hpkit-torchrun: the rendezvous store outlives every agent, and a taken port is named at once.
 
 Two agents on this host stand for two nodes (SLURMD_NODENAME a and b, the store on a). The second agent
-closes the rendezvous 2 s late (a sitecustomize on its PYTHONPATH delays torch's own close, as a loaded
+closes the rendezvous LATE_CLOSE_S late (a sitecustomize on its PYTHONPATH delays torch's own close, as a loaded
 node does): plain torchrun's store host has exited by then (its close fails: "failed to shutdown the
 rendezvous"), hpkit-torchrun's has not. Plain torchrun is not run beside it: whether its host is gone in
 time depends on the machine's load, and a control that flakes proves nothing.
