@@ -4,6 +4,12 @@ Launched by tests/integration/test_moe.py: as a plain process (the single-proces
 torchrun with 2 and 4 processes. Rank 0 writes {layout: {"loss", "grad_norm", "aux_loss", "expert_load":
 per-step lists, "experts": per global rank, the ep rank and, per MoE block it holds, a checksum of each
 expert it holds at initialisation}} to the JSON file named on the command line.
+
+The STARVED layouts add a bias to every router's logits that rules out the experts of the last ep rank (of
+ep 2): that rank receives no token in any step, and its experts' backward must still meet its peers'
+collectives (`GroupedExperts._compute`'s empty branch). Their records add "routed" per step: the routing
+slots that went to the starved experts and to all experts. A rank still in them after
+STARVED_TIMEOUT_S (left waiting in a collective) ends the run with its stacks instead of hanging it.
 """
 
 from __future__ import annotations
@@ -40,6 +46,14 @@ LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
 }
 
 
+# The same model, but no token is ever routed to the experts of ep rank 1 of 2 (experts E/2 .. E-1).
+STARVED: dict[int, dict[str, dict[str, Any]]] = {
+    1: {"starved_reference": {"dp_shard": 1}},
+    2: {"ep2_starved": {"dp_shard": 1, "ep": 2}},
+}
+STARVED_TIMEOUT_S = 30.0
+
+
 def config_for(parallelism: dict[str, Any], world_size: int):
     from hpkit.runtime.config import RunConfig
     from hpkit.runtime.parallel_dims import ParallelDims
@@ -71,32 +85,73 @@ def experts_held(trainer: Any) -> dict[str, Any]:
     return {"ep_rank": trainer.coords.local_rank_in("ep"), "blocks": held}
 
 
-def main(out_path: str) -> int:
+def starve_last_experts(trainer: Any) -> list[list[int]]:
+    """Bias every router against experts E/2 .. E-1; returns the list each forward appends [slots that
+    went to those experts, all slots] to (counted on this rank's tokens)."""
+    import torch
+
+    from hpkit.models.moe import MoE
+
+    routed: list[list[int]] = []
+    bias = torch.zeros(EXPERTS)
+    bias[EXPERTS // 2 :] = -1e4
+
+    top_k = BASE["model"]["moe"]["top_k"]
+
+    def biased(_router: Any, _inputs: Any, logits: Any) -> Any:
+        logits = logits + bias.to(logits)
+        chosen = logits.topk(top_k, dim=-1).indices
+        routed.append([int((chosen >= EXPERTS // 2).sum()), chosen.numel()])
+        return logits
+
+    for part in trainer.model_parts:
+        for moe in (m for m in part.modules() if isinstance(m, MoE)):
+            moe.router.register_forward_hook(biased)
+    return routed
+
+
+def run_layouts(rank: int, world_size: int, device: Any, starved: bool) -> dict[str, Any]:
     import torch.distributed as dist
+
+    from hpkit.runtime.trainer import Trainer
+
+    results: dict[str, Any] = {}
+    for name, parallelism in (STARVED if starved else LAYOUTS).get(world_size, {}).items():
+        start = time.perf_counter()
+        trainer = Trainer(config_for(parallelism, world_size), device)
+        held: list[Any] = [None] * world_size
+        dist.all_gather_object(held, experts_held(trainer))
+        routed = starve_last_experts(trainer) if starved else None
+        steps = [trainer.train_step() for _ in range(STEPS)]
+        results[name] = {
+            key: [getattr(s, key) for s in steps] for key in ("loss", "grad_norm", "aux_loss", "expert_load")
+        } | {"experts": held}
+        if routed is not None:
+            everyone: list[Any] = [None] * world_size
+            dist.all_gather_object(everyone, routed)
+            results[name]["routed"] = everyone
+        trainer.close()
+        del trainer
+        dist.barrier()
+        if rank == 0:
+            print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
+    return results
+
+
+def main(out_path: str) -> int:
+    import faulthandler
 
     from hpkit.runtime.env import distributed
     from hpkit.runtime.run import quiet_known_warnings
-    from hpkit.runtime.trainer import Trainer
 
     quiet_known_warnings()
-    results: dict[str, Any] = {}
     with distributed() as job:
         rank, world_size = job.launch.rank, job.launch.world_size
-        for name, parallelism in LAYOUTS[world_size].items():
-            start = time.perf_counter()
-            trainer = Trainer(config_for(parallelism, world_size), job.device)
-            held: list[Any] = [None] * world_size
-            dist.all_gather_object(held, experts_held(trainer))
-            steps = [trainer.train_step() for _ in range(STEPS)]
-            results[name] = {
-                key: [getattr(s, key) for s in steps]
-                for key in ("loss", "grad_norm", "aux_loss", "expert_load")
-            } | {"experts": held}
-            trainer.close()
-            del trainer
-            dist.barrier()
-            if rank == 0:
-                print(f"{name}: {time.perf_counter() - start:.1f} s", flush=True)
+        results = run_layouts(rank, world_size, job.device, starved=False)
+        # A rank left waiting in a collective ends the run (stacks on stderr) instead of hanging it.
+        faulthandler.dump_traceback_later(STARVED_TIMEOUT_S, exit=True)
+        results |= run_layouts(rank, world_size, job.device, starved=True)
+        faulthandler.cancel_dump_traceback_later()
         if rank == 0:
             with open(out_path, "w", encoding="utf-8") as f:
                 json.dump(results, f, indent=1)

@@ -4,7 +4,8 @@ One process is the reference; ep 2, ep 2 x dp_shard 2, ep 2 x tp 2 and pp 2 x ep
 step (loss, grad norm and the load-balancing loss within 1e-5) on the same global batch. The runs also
 observe the layout: every rank holds exactly E / ep experts, the ones of its ep rank. A layout whose tokens
 did not travel to their experts' ranks (no all-to-all, or every token sent to rank 0's experts) computes
-other outputs and fails the comparison.
+other outputs and fails the comparison. A router biased away from one ep rank's experts leaves that rank
+with no token in every step: it must still meet its peers' collectives and follow one process.
 
 Checkpoints: an ep 2 x dp_shard 2 run's checkpoint resumes on ep 1 x dp_shard 4 and on one process (DCP
 reshards the [E, ...] expert weights) and both follow the original run.
@@ -64,6 +65,22 @@ def test_layout_matches_single_process(results, name):
         assert worst <= RTOL, (
             f"{name}: {key} differs from one process by {worst:.2e}: {got[key]} vs {ref[key]}"
         )
+
+
+def test_an_ep_rank_that_receives_no_token_trains_like_one_process(results):
+    """ep 2, every router biased away from ep rank 1's experts: that rank receives no row in any step's
+    all-to-all, yet its backward meets its peer's collectives (without the empty branch's received rows in
+    the graph the two ranks wait on each other, and the run ends after STARVED_TIMEOUT_S), and loss, grad
+    norm and balance loss follow one process routed the same way."""
+    ref, got = results["starved_reference"], results["ep2_starved"]
+    forwards = STEPS * BASE["model"]["n_layers"]
+    for rank, routed in enumerate(got["routed"]):
+        assert len(routed) == forwards, (rank, routed)
+        assert all(starved == 0 and total > 0 for starved, total in routed), (rank, routed)
+    assert [held["ep_rank"] for held in got["experts"]] == [0, 1]
+    for key in ("loss", "grad_norm", "aux_loss", "expert_load"):
+        worst = _worst(got[key], ref[key])
+        assert worst <= RTOL, f"{key} differs from one process by {worst:.2e}: {got[key]} vs {ref[key]}"
 
 
 @pytest.mark.parametrize("name", CASES)
