@@ -266,22 +266,46 @@ def test_bad_v2_config_ends_every_rank_with_one_line(tmp_path):
         assert f'{SCRIPT.name}", line' not in done.stderr and "hpkit/compat/smp_v2" not in done.stderr
 
 
+def _observed(stdout: str) -> dict:
+    (line,) = [x for x in unlabelled(stdout).splitlines() if x.startswith('{"observed": ')]
+    return json.loads(line)["observed"]
+
+
 def test_v2_activation_checkpointing_offloading_and_delayed_init(tmp_path):
     """torch's apply_activation_checkpointing on SMP's TransformerLayer and sm_activation_offloading change no
-    loss; a model built on the meta device is materialised by DelayedParamIniter inside FSDP and trains."""
+    loss, so the run also shows them at work: every decoder layer is in a checkpoint wrapper, and saved-tensor
+    hooks are active during each forward outside the checkpointed layers. A model built on the meta device is
+    materialised by DelayedParamIniter inside FSDP and trains; that run (neither asked for) shows neither."""
     reference, _ = _plain(tmp_path)
     config = tmp_path / "offload.json"
     config.write_text(json.dumps({"hybrid_shard_degree": 1, "sm_activation_offloading": True}))
     done = _torchrun(
-        tmp_path, "--smp_config", str(config), "--activation_checkpointing", "1", "--max_steps", "3"
+        tmp_path,
+        "--smp_config",
+        str(config),
+        "--activation_checkpointing",
+        "1",
+        "--max_steps",
+        "3",
+        "--observe",
+        "1",
     )
     assert done.returncode == 0, done.stderr[-3000:]
     steps = _steps(done.stdout)
     assert [s["loss"] for s in steps] == pytest.approx([r["loss"] for r in reference[:3]], abs=1e-5)
+    observed = _observed(done.stdout)
+    assert observed["checkpoint_wrappers"] == observed["decoder_layers"] == 2, observed
+    assert observed["offloading"] == [True] * 3, observed
 
-    done = _torchrun(tmp_path, "--delayed_param", "1", "--tensor_parallel_degree", "2", "--max_steps", "3")
+    args = ("--delayed_param", "1", "--tensor_parallel_degree", "2", "--max_steps", "3", "--observe", "1")
+    done = _torchrun(tmp_path, *args)
     assert done.returncode == 0, done.stderr[-3000:]
     losses = [s["loss"] for s in _steps(done.stdout)]
     # Freshly initialised (about ln 128 = 4.85 on random tokens), not the eager model's values, and moving.
     assert len(losses) == 3 and len(set(losses)) == 3 and all(4.5 < v < 5.2 for v in losses), losses
     assert losses[0] != pytest.approx(reference[0]["loss"], abs=1e-4)
+    assert _observed(done.stdout) == {
+        "checkpoint_wrappers": 0,
+        "decoder_layers": 2,
+        "offloading": [False] * 3,
+    }

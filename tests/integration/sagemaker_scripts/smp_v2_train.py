@@ -6,7 +6,10 @@ FSDP1-style `FullyShardedDataParallel` with a transformer auto-wrap policy on SM
 Nothing in it knows about hpkit. `--plain` runs the same model and global batch on one process with plain
 torch (no torch.sagemaker, no FSDP): the reference the tests compare per-step losses against.
 Each step, rank 0 prints one JSON line: {"step", "loss", "grad_norm"}; with --layout-out every rank writes
-what it holds (parameter shard shapes, experts, the token rows it read) for the tests to check.
+what it holds (parameter shard shapes, experts, the token rows it read) for the tests to check. With
+--observe 1, rank 0 also prints {"observed": {"checkpoint_wrappers", "decoder_layers", "offloading"}}: the
+activation-checkpoint wrappers in the model, and per forward whether saved-tensor hooks (sm_activation_
+offloading's) were active at the LM head, outside every checkpointed layer.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--checkpoint_freq", type=int, default=0)
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--layout_out", default=None)
+    p.add_argument("--observe", type=int, default=0)
     p.add_argument("--plain", action="store_true", help="one process, plain torch: the reference")
     return p.parse_args()
 
@@ -160,6 +164,7 @@ def main() -> None:
             ),
             check_fn=lambda m: isinstance(m, TransformerLayer),
         )
+    offloading = observe_offloading(model) if args.observe else []
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     fp8_recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16) if args.fp8 else None
 
@@ -189,8 +194,29 @@ def main() -> None:
             print(json.dumps({**record, "time": time.perf_counter() - began}), flush=True)
         if args.checkpoint_dir and args.checkpoint_freq and (step + 1) % args.checkpoint_freq == 0:
             save_checkpoint(model, optimizer, step + 1, args.checkpoint_dir, FSDP)
+    if args.observe and rank == 0:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+        observed = {
+            "checkpoint_wrappers": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+            "decoder_layers": config.num_hidden_layers,
+            "offloading": offloading,
+        }
+        print(json.dumps({"observed": observed}), flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def observe_offloading(model) -> list[bool]:
+    """Per forward, whether saved-tensor hooks were active when the LM head (never checkpointed) ran."""
+    seen: list[bool] = []
+    head = next(m for name, m in model.named_modules() if name.endswith("lm_head"))
+
+    def hook(_module, _inputs, _output) -> None:
+        seen.append(torch._C._autograd._top_saved_tensors_default_hooks(False) is not None)
+
+    head.register_forward_hook(hook)
+    return seen
 
 
 def save_checkpoint(model, optimizer, total_steps: int, root: str, FSDP) -> None:
