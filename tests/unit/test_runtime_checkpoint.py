@@ -83,7 +83,7 @@ def test_config_errors_name_the_field(tmp_path, text, message):
 
 
 _SAVER = """
-import sys
+import contextlib, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
@@ -91,15 +91,34 @@ from hpkit.runtime.checkpoint import Checkpointer
 from hpkit.runtime.config import CheckpointSpec
 
 root, mode = Path(sys.argv[1]), sys.argv[2]
+marked = []  # what the hang watchdog would judge as a save: each outermost call that blocks on save I/O
+depth = [0]
+
+@contextlib.contextmanager
+def saving():
+    depth[0] += 1
+    try:
+        yield
+    finally:
+        depth[0] -= 1
+        if not depth[0]:
+            marked.append(calling[0])
+
+calling = [""]
 dist.init_process_group("gloo", init_method=f"file://{root.parent / 'store'}", rank=0, world_size=1)
-ck = Checkpointer(CheckpointSpec(dir=str(root), interval=1, keep=1, async_save=mode == "async"), root, rank=0)
+spec = CheckpointSpec(dir=str(root), interval=1, keep=1, async_save=mode == "async")
+ck = Checkpointer(spec, root, rank=0, saving=saving)
 weights = torch.zeros(1000)
 for step in (1, 2, 3):
     weights.fill_(step)
+    calling[0] = "save"
     ck.save(step, {"w": weights})
+    calling[0] = "staging"
     ck.wait_for_staging()
     weights.fill_(-1.0)  # what an optimizer step does next: the save must hold `step`, not this
+calling[0] = "close"
 ck.close()
+print(" ".join(marked))
 dist.destroy_process_group()
 """
 
@@ -134,6 +153,10 @@ def test_saves_hold_the_state_of_their_step_and_prune_in_the_background(tmp_path
         timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
+    # Every call that blocks on a save's I/O is marked as saving: the saves, the waits for an async save's
+    # staging (inside a training step), close() (the last upload, the background deletions).
+    staging = " staging" if mode == "async" else ""
+    assert proc.stdout.split("\n")[-2] == " ".join([f"save{staging}"] * 3 + ["close"]), proc.stdout
     # keep=1: only the newest remains, and close() waited for the background deletions.
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000003"]
     assert find_latest(root) == root / "step-00000003"
@@ -312,3 +335,31 @@ def test_digest_file_reads_across_its_chunks(tmp_path):
     path = tmp_path / "__1_0.distcp"
     path.write_bytes(data)
     assert digest_file(path) == FileDigest(len(data), crc32c.crc32c(data))
+
+
+def test_the_save_phase_nests_and_gives_the_step_back_after_the_outermost():
+    """run.WatchdogPhase: the Checkpointer's own marks inside a save the loop marked leave the watchdog in
+    "save" until the outermost ends; then "step" (its clock restarts). Nothing without a watchdog."""
+    from hpkit.runtime.run import WatchdogPhase
+
+    class Watchdog:
+        def __init__(self) -> None:
+            self.phases: list[str] = []
+
+        def phase(self, name: str) -> None:
+            self.phases.append(name)
+
+    watchdog_phase = WatchdogPhase()
+    with watchdog_phase("save"):
+        pass  # no watchdog (yet): a no-op
+    watchdog = watchdog_phase.watchdog = Watchdog()
+    with watchdog_phase("save"):
+        with watchdog_phase("save"):
+            pass
+        assert watchdog.phases == ["save"]
+        with watchdog_phase("save"):
+            pass
+    assert watchdog.phases == ["save", "step"]
+    with pytest.raises(OSError), watchdog_phase("save"):
+        raise OSError("disk full")
+    assert watchdog.phases == ["save", "step", "save", "step"]

@@ -26,6 +26,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -190,6 +191,7 @@ class Checkpointer:
         log: Callable[[str], None] = print,
         on_commit: Callable[[CommitRecord, Path], None] | None = None,
         model: dict[str, Any] | None = None,
+        saving: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
     ) -> None:
         self.spec = spec
         self.root = Path(root)
@@ -203,6 +205,9 @@ class Checkpointer:
         self.world_size = dist.get_world_size()
         self._log = log
         self._on_commit = on_commit  # rank 0, after the rename: the metrics file records each checkpoint
+        # Entered around every call that blocks on a save's I/O (a save, the wait for an async save's
+        # staging or upload, close): the run's hang watchdog judges that time as a save, not a step.
+        self._saving = saving
         self.last_saved_step: int | None = None
         self._digests: DigestLog | None = None
         # A separate gloo group: DCP's coordination runs on CPU, and an async save's collectives run in a
@@ -344,7 +349,8 @@ class Checkpointer:
         """Save `state` as step `step` if the policy says so; returns whether it did."""
         if not self.due(step, final=final, forced=forced):
             return False
-        self._save(step, state)
+        with self._saving():
+            self._save(step, state)
         self.last_saved_step = step
         return True
 
@@ -393,7 +399,8 @@ class Checkpointer:
         if self._staging is not None:
             staging, self._staging = self._staging, None
             start = time.perf_counter()
-            staging.result()
+            with self._saving():
+                staging.result()
             self.staging_wait_s += time.perf_counter() - start
 
     def wait(self) -> None:
@@ -403,11 +410,12 @@ class Checkpointer:
             return
         future, tmp, final = self._pending
         self._pending = None
-        try:
-            future.result()
-        except (OSError, CheckpointException) as exc:
-            raise self._failed(tmp, exc) from None
-        self._commit(tmp, final)
+        with self._saving():
+            try:
+                future.result()
+            except (OSError, CheckpointException) as exc:
+                raise self._failed(tmp, exc) from None
+            self._commit(tmp, final)
 
     def _commit(self, tmp: Path, final: Path) -> None:
         # Gathering every rank's digests also tells rank 0 that all shards and its .metadata are on disk.
@@ -458,12 +466,13 @@ class Checkpointer:
         self._reapers = [t for t in self._reapers if t.is_alive()] + [thread]
 
     def close(self) -> None:
-        self.wait()
-        for thread in self._reapers:
-            thread.join()  # a daemon thread cut off at exit would leave half a checkpoint on disk
-        if self._stager is not None:
-            self._stager.close()
-            self._stager = None
+        with self._saving():
+            self.wait()
+            for thread in self._reapers:
+                thread.join()  # a daemon thread cut off at exit would leave half a checkpoint on disk
+            if self._stager is not None:
+                self._stager.close()
+                self._stager = None
 
 
 def files_to_read(state: dict[str, Any], path: Path) -> set[str]:

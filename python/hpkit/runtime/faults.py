@@ -3,13 +3,15 @@ the hang watchdog, the restarts and `hpkit why` can be exercised on a real clust
 and torchft's injectors do). Off unless the variable is set.
 
     HPKIT_FAULT="hang:rank=1,step=12"          rank 1 sleeps in Python before step 12 (the others wait in a collective)
-    HPKIT_FAULT="slow_save:seconds=20"         every rank's checkpoint save takes 20 s longer
+    HPKIT_FAULT="slow_save:seconds=20"         every rank's checkpoint saves (the final one too) take 20 s
+                                               longer; with step=N only the save of step N
     HPKIT_FAULT="exit:rank=2,step=5,code=3"    rank 2 exits with 3 before step 5
     HPKIT_FAULT="skip:rank=1,step=12"          rank 1 skips the first blocking all-reduce of step 12 (a rank
                                                that leaves out a collective: the others wait in it, it goes on)
 
 `HPKIT_FAULT_LOG=FILE` appends one JSON line per fault fired (`{"kind", "rank", "step", "at"}`, `at` in Unix
-seconds, taken just before the fault acts): the drills measure detection from these raw timestamps.
+seconds, taken just before the fault acts; a slow save writes one per rank and save): the drills measure
+detection from these raw timestamps.
 
 A fault fires on the first attempt of a job only (HPKIT_STEP_ATTEMPT and SLURM_RESTART_COUNT 0), so that the
 restarted step shows the recovery, not the fault again; `attempts=all` makes it fire on every attempt.
@@ -79,9 +81,12 @@ class Fault:
         while True:  # a rank stuck in Python: it never reaches the step's collectives
             time.sleep(3600)
 
-    def before_save(self, rank: int) -> None:
-        if self.kind == "slow_save" and self._armed(rank):
-            time.sleep(self.seconds)
+    def before_save(self, rank: int, step: int) -> None:
+        """Called by every save that will write (in-loop, on a signal, final), inside the save phase."""
+        if self.kind != "slow_save" or self.step not in (None, step) or not self._armed(rank):
+            return
+        _log(self.kind, rank, step)
+        time.sleep(self.seconds)
 
 
 def _log(kind: str, rank: int, step: int) -> None:

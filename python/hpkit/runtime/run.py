@@ -11,7 +11,7 @@ import math
 import os
 import signal
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,7 +57,10 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     trainer = Trainer(cfg, device)
     peak = peak_tflops(device.name, device.type, trainer.mixed_precision)
     report = StepReporter(trainer, metrics, _exporter(cfg, launch, identity), peak, say)
-    checkpointer = _checkpointer(cfg, launch.rank, trainer, say, metrics, paths.checkpoint_dir)
+    watchdog_phase = WatchdogPhase()
+    checkpointer = _checkpointer(
+        cfg, launch.rank, trainer, say, metrics, paths.checkpoint_dir, saving=lambda: watchdog_phase("save")
+    )
     say(_banner(cfg, launch, device, trainer))
     resumed = None
     if checkpointer is not None and cfg.checkpoint.resume:
@@ -83,8 +86,18 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
     last: StepResult | None = None
-    watchdog = _watchdog(cfg, launch, paths)
+    watchdog = watchdog_phase.watchdog = _watchdog(cfg, launch, paths)
     fault = faults.from_env()
+
+    def save(step: int, *, final: bool = False, forced: bool = False) -> None:
+        assert checkpointer is not None
+        if not checkpointer.due(step, final=final, forced=forced):
+            return
+        with watchdog_phase("save"):  # every save, the final one included, is judged as a save
+            if fault is not None:
+                fault.before_save(launch.rank, step)
+            checkpointer.save(step, trainer.checkpoint_state(), final=final, forced=forced)
+
     try:
         with _stop_on_signals(trainer.request_stop):
             while trainer.step < cfg.train.steps:
@@ -98,22 +111,19 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                     _check_finite(last)
                 report.step(last)
                 if checkpointer is not None:
-                    if watchdog is not None:
-                        watchdog.phase("save")
-                    if fault is not None and checkpointer.due(last.step):
-                        fault.before_save(launch.rank)
-                    checkpointer.save(last.step, trainer.checkpoint_state(), forced=trainer.stop_requested)
-                    if watchdog is not None:
-                        watchdog.phase("step")
+                    save(last.step, forced=trainer.stop_requested)
                 if trainer.stop_requested:
                     say(f"hpkit train: stopping at step {trainer.step} on signal {trainer.stop_signal}")
                     break
             if (window := trainer.last_window()) is not None:
                 report.window(window)
             if checkpointer is not None:
-                if last is not None and not trainer.stop_requested:
-                    checkpointer.save(last.step, trainer.checkpoint_state(), final=True)
-                checkpointer.close()
+                # The final save and the wait for the last async save's upload block on I/O like any
+                # save: judged as one, or a save slower than the hang threshold is called a hang.
+                with watchdog_phase("save"):
+                    if last is not None and not trainer.stop_requested:
+                        save(last.step, final=True)
+                    checkpointer.close()
         metrics.event(
             EndEvent(
                 trainer.step,
@@ -169,6 +179,31 @@ class Throughput:
         )
 
 
+class WatchdogPhase:
+    """`with watchdog_phase("save"):` has the hang watchdog judge the body as that phase (a save is long by
+    design), then puts back the phase around it ("step" outside every one: the watchdog's clock restarts).
+    Nests, so the Checkpointer can mark its own blocking waits inside a save the loop marked. Does nothing
+    while `watchdog` is None (no watchdog, or not started yet)."""
+
+    def __init__(self) -> None:
+        self.watchdog: HangWatchdog | None = None
+        self._stack: list[str] = []
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        watchdog = self.watchdog
+        outer = self._stack[-1] if self._stack else "step"
+        self._stack.append(name)
+        if watchdog is not None and name != outer:
+            watchdog.phase(name)
+        try:
+            yield
+        finally:
+            self._stack.pop()
+            if watchdog is not None and name != outer:
+                watchdog.phase(outer)
+
+
 def _watchdog(cfg: RunConfig, launch: LaunchEnv, paths: RunPaths) -> HangWatchdog | None:
     """The hang watchdog, started after the resume so that the first step's clock holds the start-up."""
     hang = cfg.resilience.hang
@@ -221,6 +256,7 @@ def _checkpointer(
     say: Callable[[str], None],
     metrics: MetricsLogger,
     root: Path | None,
+    saving: Callable[[], AbstractContextManager[None]],
 ) -> Checkpointer | None:
     if root is None:
         return None
@@ -236,6 +272,7 @@ def _checkpointer(
         log=say,
         on_commit=committed,
         model=trainer.model_record(),
+        saving=saving,
     )
 
 
