@@ -23,6 +23,7 @@ from hpkit.oci import IMAGE_PATH_VAR
 from hpkit.rendezvous import port_shell_expression
 from hpkit.slurm_job import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, SlurmJob
 from hpkit.spec import JobSpec
+from hpkit.supervise.plan import Plan
 
 
 def _template_dir() -> Path:
@@ -173,39 +174,22 @@ def resilience_directives(spec: JobSpec) -> list[Directive]:
 LOST_NODE_STATES = r"^(down|fail)|[*]$"
 
 
-def runs_file(spec: SlurmJob) -> str:
-    """A shell word: where each run of the job records its nodes and whether hpkit requeued it.
-
-    Next to the job's log, which a requeued run appends to, so any batch host of a later run reads it.
-    """
-    return f'{shell_quote(str(Path(spec.output_dir)))}/.hpkit-"$SLURM_JOB_ID".runs'
-
-
-def requeue_off_from(spec: JobSpec) -> int:
-    """The restart from which a run turns Slurm's own requeue off (`scontrol update Requeue=0`).
-
-    With requeue_on_failure, on the last run the budget allows: a node failure then ends the job
-    instead of requeueing it past max_restarts. Without it, on every requeued run: hpkit turned the
-    flag on only for its own USR1 requeue.
-    """
-    return spec.resilience.max_restarts if spec.resilience.requeues_on_failure() else 1
-
-
-def requeueable_below(spec: JobSpec) -> int:
-    """Slurm requeues the job after a node failure in runs with fewer restarts than this."""
-    return spec.resilience.max_restarts if spec.resilience.requeues_on_failure() else 0
-
-
-def node_failure_outcomes(spec: JobSpec) -> tuple[str, str]:
-    """What Slurm does with the job after a node failure, for the script's log line: requeued, ended."""
-    if spec.resilience.requeues_on_failure():
-        ended = (
-            f"the restart budget (resilience.max_restarts={spec.resilience.max_restarts}) is used up, "
-            "so Slurm ends the job as NODE_FAIL"
-        )
-    else:
-        ended = "resilience.requeue_on_failure is off, so Slurm ends the job as NODE_FAIL"
-    return "Slurm requeues the job, which resumes from its last checkpoint", ended
+def supervise_plan(spec: JobSpec) -> str:
+    """The restart policy the job's supervisor (`python -m hpkit.supervise`) follows, as JSON."""
+    return Plan(
+        max_restarts=spec.resilience.max_restarts,
+        requeue_on_failure=spec.resilience.requeues_on_failure(),
+        spare_nodes=spec.resilience.spare_nodes,
+        nodes=spec.nodes,
+        step_tasks=spec.nodes * tasks_per_node(spec),
+        tasks_per_node=tasks_per_node(spec),
+        replace_bad_nodes=spec.resilience.replace_bad_nodes,
+        launcher=spec.launcher,
+        output_dir=str(PurePosixPath(spec.output_dir)),
+        # Where hpkit train's watchdog writes (hpkit.runtime.run_identity.run_paths), from the job's directory.
+        hangs_dir=str(PurePosixPath(spec.output_dir) / "hangs"),
+        lost_node_states=LOST_NODE_STATES,
+    ).to_json()
 
 
 _PYTHON = re.compile(r"^python[0-9.]*$")
@@ -462,10 +446,8 @@ class RenderContext:
     env: list[tuple[str, str]]
     launcher: str
     srun_options: list[str]
-    launch: str
     sagemaker: bool
     sagemaker_env: list[tuple[str, str]]
-    command: str
     container_image: str | None
     container_mounts: str | None
     container_workdir: str | None
@@ -477,21 +459,12 @@ class RenderContext:
     master_port: str
     signal_grace_s: int
     max_restarts: int
-    requeue_on_failure: bool
-    requeue_off_from: int
-    lost_node_states: str
-    runs_file: str
-    requeueable_below: int
-    node_failure_requeued: str
-    node_failure_ended: str
     world_size: int
     ranks_per_node: int
     nodes: int
-    hangs_dir: str
     spare_nodes: int
-    step_tasks: int
-    tasks_per_node: int
-    replace_bad_nodes: bool
+    supervise_plan: str  # shell-quoted JSON (hpkit.supervise.plan.Plan)
+    step: str  # shell-quoted: the launch words and the command, the shell text srun runs after its options
 
 
 def build_context(
@@ -512,10 +485,8 @@ def build_context(
         env=[(key, shell_quote(value)) for key, value in sorted(spec.env.items())] + line_label_env(spec),
         launcher=spec.launcher,
         srun_options=srun_options(spec),
-        launch=" ".join(launch_words(spec)),
         sagemaker=spec.sagemaker_env is not None,
         sagemaker_env=sagemaker_exports(spec),
-        command=_quote_words(user_command(spec)),
         container_image=shell_quote(container.image) if container else None,
         container_mounts=shell_quote(",".join(container_mounts(container))) if container else None,
         container_workdir=shell_quote(container.workdir) if container and container.workdir else None,
@@ -529,22 +500,12 @@ def build_context(
         master_port=port_shell_expression(),
         signal_grace_s=spec.signal_grace_s,
         max_restarts=spec.resilience.max_restarts,
-        requeue_on_failure=spec.resilience.requeues_on_failure(),
-        requeue_off_from=requeue_off_from(spec),
-        lost_node_states=shell_quote(LOST_NODE_STATES),
-        runs_file=runs_file(spec),
-        requeueable_below=requeueable_below(spec),
-        node_failure_requeued=shell_quote(node_failure_outcomes(spec)[0]),
-        node_failure_ended=shell_quote(node_failure_outcomes(spec)[1]),
         world_size=spec.world_size,
         ranks_per_node=spec.ranks_per_node,
         nodes=spec.nodes,
-        # Where hpkit train's watchdog writes (hpkit.runtime.run_identity.run_paths), from the job's directory.
-        hangs_dir=shell_quote(str(PurePosixPath(spec.output_dir) / "hangs")),
         spare_nodes=spec.resilience.spare_nodes,
-        step_tasks=spec.nodes * tasks_per_node(spec),
-        tasks_per_node=tasks_per_node(spec),
-        replace_bad_nodes=spec.resilience.replace_bad_nodes,
+        supervise_plan=shell_quote(supervise_plan(spec)),
+        step=shell_quote(" ".join([*launch_words(spec), _quote_words(user_command(spec))])),
     )
 
 

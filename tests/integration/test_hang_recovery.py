@@ -86,7 +86,7 @@ def test_a_rank_stuck_in_python_is_named_and_the_step_restarts_in_the_allocation
     """On the local cluster (2 nodes x 1 rank): rank 1 sleeps in Python before step 12 while rank 0 waits in a
     collective. The watchdog names rank 1 as behind in collectives, the job script restarts the step inside the
     same job from the step-10 checkpoint (no requeue), and every step's loss equals an uninterrupted run's."""
-    from test_resilience import losses, submit, training_spec
+    from test_resilience import events_of, job_events, losses, submit, training_spec
 
     from hpkit.slurm import CliBackend, JobState, wait
 
@@ -107,9 +107,14 @@ def test_a_rank_stuck_in_python_is_named_and_the_step_restarts_in_the_allocation
     assert "fault injected" in log and "hang:" in log
     line = next(x for x in log.splitlines() if "hpkit: hang: rank 1 on " in x)
     assert "has not entered the collective the other ranks wait in" in line, line
-    assert "restarting it in this allocation from the last checkpoint" in log, log[-4000:]
-    assert "requeue" not in log.split("restarting it in this allocation")[1].split("\n")[0]
     verdict = next((tmp_path / "logs" / "hangs").glob(f"{job_id}-0-0-*-step12/verdict.json"))
+    # The supervisor restarted the step in the allocation, naming the verdict it acted on; no requeue.
+    events = job_events(tmp_path / "logs", job_id)
+    restarts = events_of(events, "restart")
+    assert [(r["reason"], r["verdict"], r["budget_left"]) for r in restarts] == [("hang", str(verdict), 0)], (
+        events
+    )
+    assert not events_of(events, "requeue") and events_of(events, "end")[-1]["outcome"] == "completed", events
     assert json.loads(verdict.read_text())["culprits"] == [1]
     for rank in (0, 1):
         assert "most recent call first" in (verdict.parent / f"rank{rank}.txt").read_text()
@@ -123,6 +128,47 @@ def test_a_rank_stuck_in_python_is_named_and_the_step_restarts_in_the_allocation
         assert abs(got[step] - value) <= 1e-5, (step, got[step], value)
     # The control run raised no hang.
     assert not list((tmp_path / "logs" / "hangs").glob(f"{reference_id}-*-step*"))
+
+
+@pytest.mark.cluster
+def test_one_restart_budget_across_a_requeue_and_restarts_in_the_allocation(slurm_cluster, tmp_path):
+    """max_restarts 2, a hang on every attempt (HPKIT_FAULT attempts=all) and a requeue between: exactly two
+    restarts (the hang restarted in the allocation, then hpkit's requeue after USR1), then the next hang
+    ends the job with the budget named. The old `restarts + attempt < max_restarts` allowed a third."""
+    from test_resilience import events_of, job_events, submit, training_spec
+
+    from hpkit.slurm import CliBackend, JobState, wait
+
+    spec = training_spec("budget", tmp_path, steps=40, interval=2)
+    spec["resilience"].update(max_restarts=2, collective_timeout_s=300, hang={"min_s": 3, "start_s": 120})
+    spec["env"] = {"HPKIT_FAULT": "hang:rank=1,step=4,attempts=all"}
+    job_id = submit(spec, tmp_path, slurm_cluster)
+    logs = tmp_path / "logs"
+
+    def step_started(attempt: int):
+        return [e for e in events_of(job_events(logs, job_id), "step_started") if e["attempt"] == attempt]
+
+    # The event: the step restarted after the first hang has started; then Slurm's warning signal comes.
+    deadline = time.monotonic() + 240
+    while not step_started(1) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert step_started(1), job_events(logs, job_id)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm_cluster, check=True)
+    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=400)
+    log = Path(info.stdout).read_text()
+    events = job_events(logs, job_id)
+    assert info.state == JobState.FAILED, log[-4000:]
+    spent = [(e["type"], e["restart"], e["attempt"]) for e in events if e["type"] in ("restart", "requeue")]
+    assert spent == [("restart", 0, 0), ("requeue", 0, 1)], events
+    end = events_of(events, "end")[-1]
+    assert (end["outcome"], end["restart"], end["budget_left"], end["max_restarts"]) == (
+        "hang_budget_spent",
+        1,
+        0,
+        2,
+    ), end
+    assert "resilience.max_restarts=2" in log, log[-3000:]
+    assert json.loads((logs / f".hpkit-{job_id}.budget.json").read_text())["used"] == 2
 
 
 def test_a_slow_checkpoint_save_is_not_called_a_hang(tmp_path):

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from _dirwatch import DirWatch
-from test_resilience import job_log, losses, submit, training_spec, wait_for
+from test_resilience import events_of, job_events, job_log, losses, submit, training_spec, wait_for
 
 from _clusters import slot
 from hpkit import devcluster
@@ -145,16 +145,12 @@ def starts_in(metrics: Path) -> int:
     return sum(json.loads(line).get("event") == "start" for line in metrics.read_text().splitlines())
 
 
-# kill -> first step logged by the resumed run, per path, for the spare-node test to compare with.
-RECOVERY_S: dict[str, float] = {}
-
-
 # The batch host's loss takes the batch script with it: only Slurm itself can requeue then.
 @pytest.mark.parametrize("lost", ["worker", "batch-host"])
 def test_a_lost_node_requeues_the_job_and_it_resumes_to_the_same_losses(
     three_nodes, reference_losses, tmp_path, lost
 ):
-    RECOVERY_S[lost] = requeue_after_node_loss(three_nodes, reference_losses, tmp_path, lost)
+    requeue_after_node_loss(three_nodes, reference_losses, tmp_path, lost)
 
 
 def requeue_after_node_loss(
@@ -198,16 +194,15 @@ def requeue_after_node_loss(
     print("\n".join(line for line in log.splitlines() if line.startswith(("hpkit", "srun"))))
     assert info.state == JobState.COMPLETED, log
     assert job_fields(job, env)["Restarts"] == "1"
-    runs = job_log_nodelists(log)
-    assert len(runs) == 2, log
-    assert re.search(
-        rf"hpkit: restart 1: Slurm requeued the job after a node failure: node\(s\) {lost_node} "
-        rf"of the previous run \({re.escape(runs[0])}\) are down",
-        log,
-    ), log
+    events = job_events(tmp_path / "logs", job)
+    runs = [e["nodes"] for e in events_of(events, "run_started")]
+    assert len(runs) == 2, events
+    # The second run knows Slurm requeued it, and which node of the previous run is down.
+    second = events_of(events, "run_started")[1]
+    assert (second["requeued_by"], second["lost_nodes"]) == ("slurm", [lost_node]), second
     # The lost node is DOWN: Slurm places the requeued job on the others without being told.
     assert lost_node in hostnames(runs[0], env) and lost_node not in hostnames(runs[1], env)
-    assert "failed on healthy nodes" not in log
+    assert not [e for e in events_of(events, "end") if e["outcome"] == "program_failed"], events
 
     saved_step = int(re.search(r"resumed from \S+ at step (\d+)", log).group(1))
     assert saved_step >= INTERVAL and stopped_at - saved_step <= INTERVAL, (saved_step, stopped_at)
@@ -223,8 +218,15 @@ def requeue_after_node_loss(
 def test_a_lost_node_is_replaced_by_a_spare_inside_the_job(three_nodes, reference_losses, tmp_path):
     """resilience.spare_nodes: 1 on three nodes: the node of rank 0 (and of the rendezvous store) is lost at
     the first checkpoint commit, and the job goes on on the other step node and the spare: same job, no
-    requeue, no wait for slurmctld to mark the node DOWN, and the reference losses."""
-    env, backend = three_nodes, CliBackend()
+    requeue, and the reference losses. (How much sooner than a requeue: bench/bench_recovery.py.)"""
+    spare_after_node_loss(three_nodes, reference_losses, tmp_path)
+
+
+def spare_after_node_loss(env: dict[str, str], reference_losses: dict[int, float], tmp_path: Path) -> float:
+    """Rank 0's node of a job with a spare lost at the first checkpoint commit: the spare takes its place in
+    the same job, which ends with the reference losses. Returns the seconds from the kill to the next step."""
+    backend = CliBackend()
+    tmp_path.mkdir(exist_ok=True)
     spec = training_spec("spare", tmp_path, STEPS, interval=INTERVAL)
     spec["resilience"].update(max_restarts=2, spare_nodes=1, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     job = submit(spec, tmp_path, env)
@@ -232,9 +234,9 @@ def test_a_lost_node_is_replaced_by_a_spare_inside_the_job(three_nodes, referenc
 
     wait_for_first_commit(tmp_path / "spare-ckpt", 240)
     info = backend.info(job)
-    placed = re.search(r"hpkit: steps run on (\S+) (\S+); spare node\(s\): (\S+)", job_log(info))
+    placed = events_of(job_events(tmp_path / "logs", job), "run_started")
     assert placed, job_log(info)
-    rank0_node, other_node, spare = placed.groups()
+    (rank0_node, other_node), (spare,) = placed[0]["step_nodes"], placed[0]["spares"]
     # The spare is the batch host: a step node's loss never takes the batch script with it.
     assert spare == job_fields(job, env)["BatchHost"]
     starts_before = starts_in(metrics)
@@ -249,30 +251,26 @@ def test_a_lost_node_is_replaced_by_a_spare_inside_the_job(three_nodes, referenc
     print("\n".join(line for line in log.splitlines() if line.startswith(("hpkit", "srun"))))
     assert info.state == JobState.COMPLETED, log
     # Inside the same job: Slurm never requeued it, and its script ran once.
-    assert job_fields(job, env)["Restarts"] == "0" and len(job_log_nodelists(log)) == 1, log
-    assert f"hpkit: node {rank0_node} is out of the job's steps; spare {spare} takes its place" in log, log
-    assert re.search(rf"hpkit: \S+ restarting the step on {spare},{other_node} in this allocation", log), log
-    assert "requeue" not in log.replace("--requeue", ""), log
+    events = job_events(tmp_path / "logs", job)
+    assert job_fields(job, env)["Restarts"] == "0" and len(events_of(events, "run_started")) == 1, events
+    swaps = events_of(events, "spare_swap")
+    assert [(e["node"], e["spare"]) for e in swaps] == [(rank0_node, spare)], events
+    restarts = events_of(events, "restart")
+    assert [e["nodes"] for e in restarts] == [[spare, other_node]], events
+    assert events_of(events, "probe")[0]["unanswering"] == [rank0_node], events
+    assert not events_of(events, "requeue"), events
+    # The step on the spare ran to the end: the run continued.
+    assert events_of(events, "end")[-1]["outcome"] == "completed"
 
+    # How fast, next to the requeue path: bench/bench_recovery.py (timings belong to the bench).
     recovery_s = first_step_after_restart(metrics, starts_before)["time"] - killed_wall
-    if "worker" not in RECOVERY_S:  # this test run alone: measure the requeue path here too
-        RECOVERY_S["worker"] = requeue_after_node_loss(env, reference_losses, tmp_path / "requeue", "worker")
-    requeue_s = RECOVERY_S["worker"]
-    print(
-        f"kill -> next step: spare {recovery_s:.1f} s, requeue {requeue_s:.1f} s, ratio {recovery_s / requeue_s:.2f}"
-    )
-    assert recovery_s <= 30 and recovery_s < SLURMD_TIMEOUT_S, recovery_s
-    assert recovery_s <= 0.5 * requeue_s, (recovery_s, requeue_s)
+    print(f"kill -> the next step on the spare {recovery_s:.1f} s")
 
     got = losses(metrics)
     assert sorted(got) == list(range(1, STEPS + 1))
     for step, loss in reference_losses.items():
         assert got[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), f"step {step}"
-
-
-def job_log_nodelists(log: str) -> list[str]:
-    """The node list of each run, from the script's first line."""
-    return re.findall(r"hpkit: job \d+ \(restart \d+ of at most \d+\) on (\S+),", log)
+    return recovery_s
 
 
 def test_a_program_that_fails_by_itself_is_not_requeued(three_nodes, tmp_path):
@@ -286,8 +284,11 @@ def test_a_program_that_fails_by_itself_is_not_requeued(three_nodes, tmp_path):
     assert info.state == JobState.FAILED, log
     assert re.search(r"task \d: Exited with exit code 3", log), log
     # srun's own status may be 143 rather than 3: --kill-on-bad-exit ends the other task with SIGTERM.
-    assert re.search(r"hpkit: the training program failed on healthy nodes \(exit \d+\); not requeued", log)
-    assert "requeue" not in log.replace("not requeued", "")
+    events = job_events(tmp_path / "logs", job)
+    assert events_of(events, "end")[-1]["outcome"] == "program_failed", events
+    assert not events_of(events, "requeue"), events
+    tasks = events_of(events, "step_ended")[-1]["tasks"]
+    assert any(t["exit_code"] == 3 for t in tasks), events
     assert job_fields(job, env)["Restarts"] == "0"
 
 
@@ -329,6 +330,12 @@ def test_node_failures_past_the_restart_budget_end_the_job(three_nodes, tmp_path
     log = job_log(info)
     fields = job_fields(job, env)
     assert fields["JobState"] == "NODE_FAIL" and fields["Restarts"] == "1", (fields, log)
-    assert f"node(s) {lost_nodes[0]} of the previous run" in log, log
-    # Slurm ended it: the script neither ran a third time nor called the step the program's failure.
-    assert "is spent: not resuming" not in log and "failed on healthy nodes" not in log, log
+    events = job_events(tmp_path / "logs", job)
+    runs = events_of(events, "run_started")
+    assert [r["restart"] for r in runs] == [0, 1] and runs[1]["lost_nodes"] == [lost_nodes[0]], events
+    # The second run had spent the budget: Slurm's requeue was off, so the second loss ended the job.
+    assert runs[1]["budget_left"] == 0 and events_of(events, "requeue_off"), events
+    # Slurm ended it: the supervisor neither ran a third time nor called the step the program's failure.
+    assert not [e for e in events_of(events, "end") if e["outcome"] in ("budget_spent", "program_failed")], (
+        log
+    )

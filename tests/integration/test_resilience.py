@@ -97,6 +97,18 @@ def job_log(info) -> str:
     return Path(info.stdout).read_text() if info.stdout and Path(info.stdout).exists() else "(no log)"
 
 
+def job_events(logs: Path, job: str) -> list[dict]:
+    """The supervisor's events of the job (hpkit.job_events), in its output folder `logs`."""
+    from hpkit import job_events as ev
+
+    path = ev.events_path(logs, job)
+    return [e for _, _, e in ev.read(path.read_text().splitlines())] if path.exists() else []
+
+
+def events_of(events: list[dict], kind: str) -> list[dict]:
+    return [e for e in events if e["type"] == kind]
+
+
 def test_preempted_job_checkpoints_requeues_and_matches_an_uninterrupted_run(slurm_cluster, tmp_path):
     backend = CliBackend()
     steps = 120
@@ -119,9 +131,12 @@ def test_preempted_job_checkpoints_requeues_and_matches_an_uninterrupted_run(slu
     )
     log = job_log(info)
     assert info.state == JobState.COMPLETED, log
-    assert "USR1 received" in log and "requeueing job" in log
+    events = job_events(tmp_path / "logs", preempted)
+    assert events_of(events, "usr1") and events_of(events, "requeue")[0]["reason"] == "usr1", events
     # The requeued run tells hpkit's own requeue from Slurm's (a node failure).
-    assert "hpkit: restart 1: hpkit requeued the job itself after USR1" in log, log
+    runs = events_of(events, "run_started")
+    assert [(r["restart"], r["requeued_by"]) for r in runs] == [(0, None), (1, "hpkit")], runs
+    assert events_of(events, "end")[-1]["outcome"] == "completed"
     # A trainer that ignored the signal would run all its steps, save the last (save_final) and
     # "resume" at the end: the stop line and a resume short of the end are what prove it stopped.
     stops = re.findall(r"hpkit train: stopping at step (\d+) on signal (\d+)", log)
@@ -170,7 +185,8 @@ def test_a_killed_rank_ends_the_job_and_a_resubmission_resumes(slurm_cluster, tm
     info = wait_for(
         lambda: (i := backend.info(job)).state.finished and i, 60, "the job to end after a lost rank"
     )
-    assert time.monotonic() - killed_at < 30 + 15, "the job outlived the collective timeout"
+    # How soon after the kill: bench/bench_recovery.py (the event here: the job ended, not hung).
+    print(f"killed rank -> job ended {time.monotonic() - killed_at:.1f} s")
     assert info.state in (JobState.FAILED, JobState.CANCELLED), job_log(info)
 
     latest = (tmp_path / "killed-ckpt" / "latest").read_text().strip()

@@ -154,14 +154,17 @@ def run_with_fake_srun(tmp_path: Path, spec_data: dict) -> dict:
     script.write_text(render(parse_document(JobSpec, spec_data)))
     record = tmp_path / "record.json"
     env = {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        # The supervisor (python3 -m hpkit.supervise) runs from this environment, as `hpkit submit` arranges.
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
         "RECORD": str(record),
         "SLURM_JOB_ID": "42",
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_CPUS_ON_NODE": "4",
         "HOME": str(tmp_path),
     }
-    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        ["bash", str(script)], env=env, capture_output=True, text=True, timeout=30, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr
     return json.loads(record.read_text())
 

@@ -15,6 +15,7 @@ import pytest
 from hpkit.jobs import why
 from hpkit.jobs.why import Facts, SlurmRecord, decide
 from hpkit.jobs.why_scan import (
+    scan_events,
     scan_hang_verdict,
     scan_jobcomp,
     scan_metrics,
@@ -193,8 +194,25 @@ hpkit: restart 1: Slurm requeued the job after a node failure: node(s) node2 of 
 """
 
 
-def facts(text: str, records=(), extra=(), torchrun=None, source="/w/logs/job.out") -> Facts:
-    findings = scan_output(text.splitlines(keepends=True), source)
+EVENTS = "/w/logs/.hpkit-1.events.jsonl"
+
+
+def event(kind: str, restart: int = 0, attempt: int = 0, **fields) -> dict:
+    """One of the supervisor's events (hpkit.job_events), as it writes them."""
+    return {"time": 1.0, "type": kind, "job": "1", "restart": restart, "attempt": attempt, **fields}
+
+
+def events_text(events: list[dict]) -> str:
+    return "".join(json.dumps(e) + "\n" for e in events)
+
+
+def facts(
+    text: str, records=(), extra=(), torchrun=None, source="/w/logs/job.out", events=(), start_line=1
+) -> Facts:
+    """Findings as hpkit.jobs.why_gather makes them: the output from the last step's line on, then the events."""
+    findings = scan_output(text.splitlines(keepends=True), source, start_line)
+    if events:
+        findings += scan_events(events_text(list(events)).splitlines(keepends=True), EVENTS).findings
     return Facts("1", list(records), [*findings, *extra], [], torchrun)
 
 
@@ -265,17 +283,33 @@ def test_a_hang_verdict_beats_the_exit_75_that_torchrun_reports_first():
     assert_cited(v, HANG)
 
 
+RESTARTED = [
+    event("run_started", nodes="node[1-2]", hangs_dir="/w/logs/hangs", launcher="torchrun"),
+    event("restart", reason="hang", verdict=f"{HANG_DIR}/verdict.json", budget_left=0, max_restarts=1),
+]
+
+
 def test_a_hang_restarted_in_the_allocation_is_not_the_verdict():
-    restarted = HANG.replace(
-        " and the restart budget (resilience.max_restarts=0) is spent: ending the job",
-        ": restarting it in this allocation from the last checkpoint (restart 1 of 1)",
+    # The supervisor restarted the step after the hang: the new attempt's lines start after the old one's.
+    restart_line = len(HANG.splitlines())
+    later = HANG + "0: hpkit train: done steps=20 final_loss=4.1\n"
+    completed = facts(
+        later, [record("COMPLETED", exit_code="0:0")], events=RESTARTED, start_line=restart_line
     )
-    later = restarted + "0: hpkit train: done steps=20 final_loss=4.1\n"
-    assert decide(facts(later, [record("COMPLETED", exit_code="0:0")])).kind == why.COMPLETED
+    assert decide(completed).kind == why.COMPLETED
     # restarted, and the new attempt then failed on its own: not a hang
-    failing = restarted + "srun: error: node2: task 1: Exited with exit code 3\n"
+    failing = HANG + "srun: error: node2: task 1: Exited with exit code 3\n"
     verdict = scan_hang_verdict(HANG_VERDICT_JSON, f"{HANG_DIR}/verdict.json", restart=0)
-    v = decide(facts(failing, [record("FAILED", restarts=0)], extra=[verdict], torchrun=False))
+    v = decide(
+        facts(
+            failing,
+            [record("FAILED", restarts=0)],
+            extra=[verdict],
+            torchrun=False,
+            events=RESTARTED,
+            start_line=restart_line,
+        )
+    )
     assert (v.kind, v.rank, v.summary) == (
         why.PROGRAM_ERROR,
         1,
@@ -283,8 +317,37 @@ def test_a_hang_restarted_in_the_allocation_is_not_the_verdict():
     )
 
 
+def test_an_earlier_runs_hang_verdict_is_not_the_verdict_of_a_requeued_run():
+    """Run 0 hung (its verdict stays in the hangs folder) and was requeued; run 1 failed on its own."""
+    verdict = scan_hang_verdict(HANG_VERDICT_JSON, f"{HANG_DIR}/verdict.json", restart=0)
+    run1 = "srun: error: node2: task 1: Exited with exit code 3\n"
+    events = [event("run_started", restart=1, nodes="node[1-2]", requeued_by="hpkit")]
+    v = decide(facts(run1, [record("FAILED", restarts=1)], extra=[verdict], torchrun=False, events=events))
+    assert (v.kind, v.rank) == (why.PROGRAM_ERROR, 1), v.summary
+    # The same verdict in the run that wrote it is the verdict.
+    v = decide(facts(run1, [record("FAILED", restarts=0)], extra=[verdict], torchrun=False))
+    assert v.kind == why.HANG
+
+
+def test_a_hang_with_no_restart_left_is_named_by_the_end_event():
+    end = event(
+        "end",
+        outcome="hang_budget_spent",
+        exit=1,
+        verdict=f"{HANG_DIR}/verdict.json",
+        budget_left=0,
+        max_restarts=0,
+    )
+    v = decide(facts(HANG, [record("FAILED", exit_code="1:0")], torchrun=True, events=[end]))
+    assert v.kind == why.HANG and v.rank == 1 and v.summary.endswith(f"; stacks in {HANG_DIR}")
+    assert any(e.source == EVENTS for e in v.evidence)
+
+
+NODE_LOST_EVENTS = [event("node_lost", nodes=["node2"], exit=1, then="ended")]
+
+
 def test_a_lost_node_beats_the_survivors_connection_errors():
-    v = decide(facts(NODE_LOST, [record("NODE_FAIL", exit_code="0:15")]))
+    v = decide(facts(NODE_LOST, [record("NODE_FAIL", exit_code="0:15")], events=NODE_LOST_EVENTS))
     assert v.kind == why.NODE_FAILURE and v.node == "node2" and v.summary == "node failure: node2"
     assert not any("Connection closed" in e.text for e in v.evidence)
     assert_cited(v, NODE_LOST)
@@ -378,10 +441,11 @@ def test_cancelled_by_from_sacct():
 
 
 def test_preempted_and_requeued():
-    v = decide(facts(REQUEUED_USR1, [record("PENDING", restarts=1)]))
+    events = [event("usr1"), event("requeue", reason="usr1", to_restart=1, max_restarts=3, budget_left=2)]
+    v = decide(facts(REQUEUED_USR1, [record("PENDING", restarts=1)], events=events))
     assert v.kind == why.PREEMPTED
     assert v.summary.startswith("preempted and requeued (restart 1 of 3)")
-    assert_cited(v, REQUEUED_USR1)
+    assert_cited(v, events_text(events), EVENTS)
 
 
 def test_preempted_by_slurm():
@@ -391,12 +455,20 @@ def test_preempted_by_slurm():
     assert decide(facts(text, [record("PREEMPTED")])).kind == why.PREEMPTED
 
 
+TWO_RUNS_EVENTS = [
+    event("run_started", nodes="node[1-2]"),
+    event("node_lost", nodes=["node2"], exit=1, then="requeued"),
+    event("run_started", restart=1, nodes="node[1,3]", requeued_by="slurm", lost_nodes=["node2"]),
+]
+
+
 def test_only_the_last_run_of_a_requeued_job_counts():
-    v = decide(facts(TWO_RUNS, [record("COMPLETED", restarts=1)]))
+    second = 6  # the second run's first line (its events record the log's size then)
+    v = decide(facts(TWO_RUNS, [record("COMPLETED", restarts=1)], events=TWO_RUNS_EVENTS, start_line=second))
     assert v.kind == why.COMPLETED and v.summary == "completed after 1 restart(s)"
     # the same log, judged with the job still failing: the first run's KeyError is not this run's
     failed = TWO_RUNS.replace("0: hpkit train: done steps=20 final_loss=4.1 tokens_per_s=900 world=2\n", "")
-    v = decide(facts(failed, [record("FAILED", restarts=1)]))
+    v = decide(facts(failed, [record("FAILED", restarts=1)], events=TWO_RUNS_EVENTS, start_line=second))
     assert "KeyError" not in v.summary
 
 
@@ -444,7 +516,9 @@ def test_completed_and_not_ended_and_unknown():
 
 
 def test_json_has_the_verdict_its_evidence_and_what_could_not_be_read():
-    v = decide(Facts("7", [record("NODE_FAIL")], scan_output(NODE_LOST.splitlines(True), "/o"), ["sacct: x"]))
+    found = scan_output(NODE_LOST.splitlines(True), "/o")
+    found += scan_events(events_text(NODE_LOST_EVENTS).splitlines(True), EVENTS).findings
+    v = decide(Facts("7", [record("NODE_FAIL")], found, ["sacct: x"]))
     data = json.loads(json.dumps(v.to_json()))
     assert set(data) == {"job_id", "kind", "summary", "rank", "node", "state", "evidence", "unreadable"}
     assert data["kind"] == "node_failure" and data["node"] == "node2" and data["unreadable"] == ["sacct: x"]

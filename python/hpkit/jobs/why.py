@@ -7,16 +7,16 @@ findings made from log snippets.
 The rule, first match wins:
 
 1. Slurm says COMPLETED: completed, whatever happened before (a hang restarted, a requeue).
-2. A hang: the job script's "the step hung (...) ... ending the job", or the watchdog's verdict.json for the
-   last run that no "restarting it" line follows. It beats the exit 75 every rank then reports, and
+2. A hang: the supervisor's end event naming a hang verdict (the budget was spent), or the watchdog's
+   verdict.json for the last run that no restart event names (hpkit.job_events). It beats the exit 75 every rank then reports, and
    torchrun's "first observed failure", which is just the rank that exited first.
-3. A node failure (Slurm's NODE_FAIL, srun's "Node failure on", "DUE TO NODE FAILURE", hpkit's lost-node
-   lines, slurmctld's "Killing JobId=N on failed node"): the survivors' "Connection closed by peer" and
+3. A node failure (Slurm's NODE_FAIL, srun's "Node failure on", "DUE TO NODE FAILURE", the supervisor's
+   lost-node events, slurmctld's "Killing JobId=N on failed node"): the survivors' "Connection closed by peer" and
    exits are its consequences.
 4. Out of memory (an "exceeded memory limit" or oom-kill record, Slurm's OUT_OF_MEMORY): the SIGKILL that
    follows is the OOM killer's.
 5. The time limit ("DUE TO TIME LIMIT", slurmctld's "Time limit exhausted", Slurm's TIMEOUT).
-6. Preemption ("DUE TO PREEMPTION", PREEMPTED), or hpkit's own requeue after USR1.
+6. Preemption ("DUE TO PREEMPTION", PREEMPTED), or hpkit's own requeue after USR1 (its event, the runs file).
 7. A cancel request ("CANCELLED AT" a job without a reason, slurmctld's REQUEST_KILL_JOB with the uid,
    sacct's "CANCELLED by uid").
 8. The program: the launcher's first failure (torchrun's "Root Cause (first observed failure)" block, else
@@ -48,15 +48,17 @@ NOT_ENDED = "not_ended"
 UNKNOWN = "unknown"
 
 # What a finding says (hpkit.jobs.why_scan makes them).
-RUN_START = "run_start"  # hpkit's first line of a run: "hpkit: job N (restart K of at most M) on NODES"
+# The supervisor's events (hpkit.job_events) make RUN_START, USR1, REQUEUE, REQUEUED_AFTER_NODE, HANG_END,
+# HANG_RESTARTED, PROGRAM_FAILED and some NODE_LOST; the rest come from the output and Slurm's records.
+RUN_START = "run_start"  # a run's start event
 TRACEBACK = "traceback"  # a Python traceback's exception line; rank from the line's label
 LAUNCHER_ROOT = "launcher_root"  # torchrun's "Root Cause (first observed failure)" block
 TASK_FAILED = "task_failed"  # srun's "srun: error: NODE: task N: Exited with exit code C" / "task N: Killed"
 FAULT = "fault"  # "hpkit: fault injected (HPKIT_FAULT): exit on rank R before step N"
-PROGRAM_FAILED = "program_failed"  # "hpkit: the training program failed on healthy nodes (exit N)"
+PROGRAM_FAILED = "program_failed"  # the supervisor ended the job: the step failed on healthy nodes
 HANG_LINE = "hang_line"  # rank 0's "hpkit: hang: rank R on NODE held up step N ...; stacks ... in DIR"
-HANG_END = "hang_end"  # the job script's "the step hung (DIR) and the restart budget ... is spent"
-HANG_RESTARTED = "hang_restarted"  # the job script's "the step hung (DIR): restarting it in this allocation"
+HANG_END = "hang_end"  # the supervisor's end event: the step hung (verdict DIR) and no restart is left
+HANG_RESTARTED = "hang_restarted"  # the supervisor's restart event after a hang (verdict DIR)
 HANG_VERDICT = "hang_verdict"  # the watchdog's <output_dir>/hangs/<job>-<restart>-...-step<N>/verdict.json
 NODE_LOST = "node_lost"
 OOM_RECORD = "oom_record"
@@ -64,9 +66,9 @@ TIME_LIMIT_RECORD = "time_limit_record"
 PREEMPT_RECORD = "preempt_record"
 CANCEL_RECORD = "cancel_record"  # "*** JOB N ON node CANCELLED AT T ***" (no reason: someone cancelled it)
 CANCEL_REQUEST = "cancel_request"  # who: slurmctld's REQUEST_KILL_JOB ... uid U, sacct's "CANCELLED by U"
-USR1 = "usr1"  # "hpkit: USR1 received"
-REQUEUE = "requeue"  # hpkit requeued the job after USR1 (the script's line, the runs file)
-REQUEUED_AFTER_NODE = "requeued_after_node"  # "hpkit: restart K: Slurm requeued the job after a node failure"
+USR1 = "usr1"  # the supervisor's event: USR1 reached the job
+REQUEUE = "requeue"  # hpkit requeued the job (the supervisor's event, the runs file)
+REQUEUED_AFTER_NODE = "requeued_after_node"  # a run's start event: Slurm requeued it, previous nodes down
 TRAIN_DONE = "train_done"  # "hpkit train: done ..." or the metrics file's end record
 TRAIN_STOPPED = "train_stopped"  # "hpkit train: stopping at step N on signal S"
 LAST_STEP = "last_step"  # the metrics file's last step record
@@ -296,7 +298,7 @@ def _completed(record: SlurmRecord | None, found: _Found) -> _Call:
 
 def _hang(found: _Found, record: SlurmRecord | None, _torchrun: bool | None) -> _Call | None:
     # A hang's folder (<job>-<restart>-<attempt>-<n>-step<N>) ties the watchdog's line, its verdict.json and
-    # the job script's line together; the script may print it relative where the ranks wrote it absolute.
+    # the supervisor's events together; a line may name it relative where the ranks wrote it absolute.
     end = found.first(HANG_END)
     restarted = {_folder(f.where) for f in found.of(HANG_RESTARTED)}
     verdicts = [v for v in found.of(HANG_VERDICT) if _folder(v.where) not in restarted]

@@ -4,25 +4,29 @@ In order: Slurm's record (`scontrol show job` while slurmctld remembers the job;
 JobCompType=jobcomp/filetxt; sacct where accounting is kept), the note `hpkit submit` left (hpkit.jobs.index),
 the job's script (the controller's Command, else the note's), its output file(s) (StdOut/StdErr, else the
 script's --output/--error, else slurm-JOBID.out in its working directory), hpkit's files beside them (the
-hang watchdog's verdict.json folders, the runs file, the metrics file), and the slurmctld and slurmd logs
+supervisor's events file and runs file, hpkit.job_events; the hang watchdog's verdict.json folders; the
+metrics file), and the slurmctld and slurmd logs
 where this machine can read them. Whatever cannot be read is named in the verdict, not an error; only a
 job that nothing knows is one.
 """
 
 from __future__ import annotations
 
+import os
 import re
-import shlex
 import shutil
 import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from hpkit.errors import HpkitError
+from hpkit.job_events import events_path, runs_path
 from hpkit.jobs.files import files_for, spec_of_script
 from hpkit.jobs.index import recall
 from hpkit.jobs.why import Facts, Finding, SlurmRecord, Verdict, decide
 from hpkit.jobs.why_scan import (
+    JobEvents,
+    scan_events,
     scan_hang_verdict,
     scan_jobcomp,
     scan_metrics,
@@ -140,18 +144,49 @@ def gather(job_id: str, env: Mapping[str, str] | None = None) -> Facts:
     outputs = _outputs(controller, script_text, workdir, job_id, job_name)
     if not outputs:
         read.unreadable.append("job output: no output file on record")
+    events = _events(read, job_id, outputs)
     for output in outputs:
         lines = read.lines(output, "job output")
         if lines is not None:
-            findings += scan_output(lines, str(output))
+            findings += scan_output(lines, str(output), _start_line(output, events))
+    if events is not None:
+        findings += events.findings
 
     restarts = next((r.restarts for r in records if r.restarts is not None), None)
-    if script_text is not None and workdir is not None:
-        findings += _hpkit_files(read, job_id, script, script_text, workdir, restarts)
+    findings += _hpkit_files(read, job_id, script, workdir, outputs, events, restarts)
     nodes = next((r.nodes for r in records if r.nodes and r.nodes not in ("(null)", "None assigned")), "")
     findings += _slurm_logs(read, config, job_id, nodes)
-    torchrun = None if script_text is None else bool(re.search(r"^\s*srun .*\btorchrun\b", script_text, re.M))
+    torchrun = None if events is None or events.launcher is None else events.launcher == "torchrun"
     return Facts(job_id, records, findings, list(dict.fromkeys(read.unreadable)), torchrun)
+
+
+def _events(read: _Reader, job_id: str, outputs: list[Path]) -> JobEvents | None:
+    """The supervisor's events file, beside the job's log (None for a job that has none: not hpkit's)."""
+    for folder in dict.fromkeys(o.parent for o in outputs):
+        path = events_path(folder, job_id)
+        if path.exists():
+            lines = read.lines(path, "events file")
+            return scan_events(lines, str(path)) if lines is not None else None
+    return None
+
+
+def _start_line(output: Path, events: JobEvents | None) -> int:
+    """The line of `output` where the last step started: the first after the size the events recorded."""
+    if events is None:
+        return 1
+    size = events.logs.get(os.path.realpath(output))
+    if not size:
+        return 1
+    seen = number = 0
+    try:
+        with open(output, "rb") as handle:
+            for number, raw in enumerate(handle, 1):
+                if seen >= size:
+                    return number
+                seen += len(raw)
+    except OSError:
+        return 1
+    return number + 1 if seen >= size else 1
 
 
 def _why_not(unreadable: list[str]) -> str:
@@ -229,26 +264,21 @@ def _sbatch_option(script: str, option: str) -> str | None:
     return None
 
 
-def _script_word(script: str, variable: str, job_id: str) -> str | None:
-    """A `variable=WORD` line of hpkit's job script, as the shell reads it ($SLURM_JOB_ID filled in)."""
-    for line in script.splitlines():
-        if line.startswith(f"{variable}="):
-            try:
-                words = shlex.split(line[len(variable) + 1 :])
-            except ValueError:
-                return None
-            return words[0].replace("$SLURM_JOB_ID", job_id) if len(words) == 1 else None
-    return None
-
-
 def _hpkit_files(
-    read: _Reader, job_id: str, script: Path | None, script_text: str, workdir: Path, restarts: int | None
+    read: _Reader,
+    job_id: str,
+    script: Path | None,
+    workdir: Path | None,
+    outputs: list[Path],
+    events: JobEvents | None,
+    restarts: int | None,
 ) -> list[Finding]:
     found: list[Finding] = []
-    hangs = _script_word(script_text, "hangs_dir", job_id)
-    if hangs:
-        folder = workdir / hangs
-        for path in sorted(folder.glob(f"{job_id}-*-step*/verdict.json")):
+    # The hang watchdog's folder: the events name it; else the one beside the log (`<output_dir>/hangs`).
+    hangs = Path(events.hangs_dir) if events is not None and events.hangs_dir else None
+    hangs = hangs or (outputs[0].parent / "hangs" if outputs else None)
+    if hangs is not None:
+        for path in sorted(hangs.glob(f"{job_id}-*-step*/verdict.json")):
             match = _HANG_DIR.match(path.parent.name)
             text = read.text(path, "hang verdict")
             finding = (
@@ -256,14 +286,16 @@ def _hpkit_files(
             )
             if finding is not None:
                 found.append(finding)
-    runs = _script_word(script_text, "runs_file", job_id)
-    if runs:
-        path = workdir / runs
+    for folder in dict.fromkeys(o.parent for o in outputs):
+        path = runs_path(folder, job_id)
         if path.exists():
             lines = read.lines(path, "runs file")
             found += scan_runs_file(lines, str(path)) if lines is not None else []
+            break
     spec = spec_of_script(script) if script is not None else None
-    files = files_for(job_id, spec, workdir, restarts or 0) if spec is not None else None
+    files = (
+        files_for(job_id, spec, workdir, restarts or 0) if spec is not None and workdir is not None else None
+    )
     if files is not None and files.metrics_path.exists():
         lines = read.lines(files.metrics_path, "metrics file")
         found += scan_metrics(lines, str(files.metrics_path)) if lines is not None else []

@@ -1,17 +1,18 @@
 """Lines to findings for `hpkit why` (hpkit.jobs.why has the rule): one function per kind of source, each pure.
 
 The lines they know:
-- the job's output: hpkit's job script lines (slurm/templates/train.sbatch.j2: a run's first line, node failure,
-  requeue, hang restart, "training program failed on healthy nodes", USR1, budget spent), the ranks' output
-  labelled `R: ` (srun --label, hpkit.line_label) and `[rankR]: ` (torch), Python tracebacks, torchrun's
-  ChildFailedError block, srun's per-task lines, slurmstepd's `*** JOB|STEP ... CANCELLED AT ... ***`, and
-  memory-limit records;
+- the job's events file (hpkit.job_events, written by the job's supervisor, hpkit.supervise): each run's
+  start, USR1, restarts in the allocation, requeues, lost nodes, the end and its outcome. Only these, never
+  the supervisor's human-readable lines, carry what the supervisor decided;
+- the job's output: the ranks' output labelled `R: ` (srun --label, hpkit.line_label) and `[rankR]: ` (torch),
+  the hang watchdog's and the fault injector's lines, Python tracebacks, torchrun's ChildFailedError block,
+  srun's per-task lines, slurmstepd's `*** JOB|STEP ... CANCELLED AT ... ***`, and memory-limit records;
 - slurmctld's and slurmd's logs (the lines naming the job), the job-completion log (jobcomp/filetxt),
   `scontrol show job`, sacct, the hang watchdog's verdict.json, the runs file and the metrics file.
 
-A requeued job appends each run to one output file: only the last run's lines (from its "hpkit: job N
-(restart K ...)" line) count, since an earlier run's end is not the job's; likewise a step restarted after a
-hang starts over at the script's "restarting it in this allocation" line.
+A requeued job appends each run to one output file, and a step restarted in the allocation appends there
+too: only the last step's lines count (the events say where in the file it started), since an earlier
+run's or attempt's end is not the job's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import signal as signals
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
+from hpkit import job_events
 from hpkit.jobs.why import (
     CANCEL_RECORD,
     CANCEL_REQUEST,
@@ -65,7 +67,6 @@ _FOLLOW_ON = re.compile(
     r"NCCL communicator was aborted|Socket Timeout|ECONNRESET|EPIPE|ProcessGroup\w* is aborted",
     re.IGNORECASE,
 )
-_RUN = re.compile(r"^hpkit: job (\d+) \(restart (\d+) of at most (\d+)\) on (\S+),")
 _SRUN_TASK = re.compile(r"^srun: error: (\S+): tasks? ([\d,\-]+): (.+)$")
 _SRUN_NODE_FAIL = re.compile(r"^srun: error: Node failure on (\S+)")
 _STEPD = re.compile(
@@ -79,15 +80,6 @@ _OOM = re.compile(
 _STEPD_NODE = re.compile(r"slurmstepd-([^:\s]+):")
 _HANG = re.compile(r"^hpkit: hang: .*?; stacks of every rank in (\S+)$")
 _HANG_WHO = re.compile(r"rank (\d+) on (\S+?)[ ,]")
-_HANG_END = re.compile(r"^hpkit: the step hung \((.+)\) and the restart budget .* is spent")
-_HANG_RESTART = re.compile(r"^hpkit: the step hung \((.+)\): restarting it")
-_NODE_GONE = re.compile(r"^hpkit: the step ended \(exit (\d+)\) after node\(s\) (\S+) stopped answering")
-_NODE_IGNORED = re.compile(r"^hpkit: Slurm did not act on the lost node\(s\) (\S+):")
-_REQUEUED_NODE = re.compile(
-    r"^hpkit: restart (\d+): Slurm requeued the job after a node failure: node\(s\) (\S+)"
-)
-_REQUEUE = re.compile(r"^hpkit: requeueing job \d+ \((restart \d+ of \d+)\)")
-_PROGRAM_FAILED = re.compile(r"^hpkit: the training program failed on healthy nodes \((exit \d+)\)")
 _FAULT = re.compile(r"^hpkit: fault injected \(HPKIT_FAULT\): (\w+) on rank (\d+) before step (\d+)")
 _STOPPED = re.compile(r"^hpkit train: (stopping at step (\d+) on signal (\d+))")
 _ROOT_FIELD = re.compile(r"^\s*(\w+)\s*: (.*)$")
@@ -125,20 +117,18 @@ class _OpenRoot:
     fields: dict[str, tuple[str, Evidence]] = field(default_factory=dict)
 
 
-def scan_output(lines: Iterable[str], source: str) -> list[Finding]:
-    """The findings of a job's output file (stdout or stderr), from its last run only."""
+def scan_output(lines: Iterable[str], source: str, start_line: int = 1) -> list[Finding]:
+    """The findings of a job's output file (stdout or stderr), from `start_line` on (where the last step
+    started, as the job's events say; the whole file for a job without them)."""
     found: list[Finding] = []
     open_tracebacks: dict[str, _OpenTraceback] = {}
     root: _OpenRoot | None = None
     for number, raw in enumerate(lines, 1):
+        if number < start_line:
+            continue
         line = raw.rstrip("\r\n")
         ev = Evidence(source, number, line)
         rank, key, content = _label(line)
-        run = _RUN.match(content)
-        if run:
-            found, open_tracebacks, root = [], {}, None
-            found.append(Finding(RUN_START, (ev,), detail=run.group(4), restart=int(run.group(2))))
-            continue
         if root is not None:
             if content.startswith("=") and root.fields:
                 found.append(_root_finding(root))
@@ -156,12 +146,7 @@ def scan_output(lines: Iterable[str], source: str) -> list[Finding]:
             continue
         if key in open_tracebacks and _traceback_line(open_tracebacks, key, content, ev, found):
             continue
-        new = _line_findings(rank, content, ev)
-        if any(f.kind == HANG_RESTARTED for f in new):
-            # A new attempt of the step in the same allocation: what the hung one printed is over.
-            found = [f for f in found if f.kind in (RUN_START, HANG_RESTARTED)]
-            open_tracebacks, root = {}, None
-        found.extend(new)
+        found.extend(_line_findings(rank, content, ev))
     return found
 
 
@@ -282,22 +267,6 @@ def _hpkit_findings(content: str, ev: Evidence) -> list[Finding]:
         rank, node = (int(who.group(1)), who.group(2)) if who else (None, None)
         text = content.split("; stacks of every rank in ")[0]
         return [Finding(HANG_LINE, (ev,), rank=rank, node=node, detail=text, where=match.group(1))]
-    if match := _HANG_END.match(content):
-        return [Finding(HANG_END, (ev,), where=match.group(1))]
-    if match := _HANG_RESTART.match(content):
-        return [Finding(HANG_RESTARTED, (ev,), where=match.group(1))]
-    if match := _NODE_GONE.match(content):
-        return [Finding(NODE_LOST, (ev,), node=match.group(2), exit_code=int(match.group(1)))]
-    if match := _NODE_IGNORED.match(content):
-        return [Finding(NODE_LOST, (ev,), node=match.group(1))]
-    if match := _REQUEUED_NODE.match(content):
-        return [Finding(REQUEUED_AFTER_NODE, (ev,), node=match.group(2), restart=int(match.group(1)))]
-    if content.startswith("hpkit: USR1 received"):
-        return [Finding(USR1, (ev,))]
-    if match := _REQUEUE.match(content):
-        return [Finding(REQUEUE, (ev,), detail=match.group(1))]
-    if match := _PROGRAM_FAILED.match(content):
-        return [Finding(PROGRAM_FAILED, (ev,), detail=match.group(1))]
     if match := _FAULT.match(content):
         return [Finding(FAULT, (ev,), rank=int(match.group(2)), detail=match.group(1))]
     if match := _STOPPED.match(content):
@@ -492,3 +461,67 @@ def scan_metrics(lines: Iterable[str], source: str) -> list[Finding]:
                     signal=record.stopped_by_signal,
                 )
     return [f for f in (end, last_step if end is None else None) if f is not None]
+
+
+@dataclass(frozen=True)
+class JobEvents:
+    """What the job's events file says: its findings (the last run's), and where to read the rest."""
+
+    findings: list[Finding]
+    logs: dict[str, int]  # each log file's size when the last step (or run) started: its lines start there
+    hangs_dir: str | None = None
+    launcher: str | None = None
+
+
+def scan_events(lines: Iterable[str], source: str) -> JobEvents:
+    """The events file of hpkit's supervisor (hpkit.job_events): the last run's, from its last step's start.
+
+    A restart in the allocation starts the step over: what the earlier attempt did is over, except that it
+    was restarted (a hang verdict that was acted on is not the job's end)."""
+    found: list[Finding] = []
+    logs: dict[str, int] = {}
+    hangs_dir = launcher = None
+    for number, line, event in job_events.read(lines):
+        kind = event["type"]
+        evidence = (Evidence(source, number, line),)
+        restart = event.get("restart") if isinstance(event.get("restart"), int) else None
+        if isinstance(event.get("logs"), dict):
+            logs = {str(k): int(v) for k, v in event["logs"].items() if isinstance(v, int)}
+        if kind == job_events.RUN_STARTED:
+            found = [Finding(RUN_START, evidence, detail=str(event.get("nodes", "")), restart=restart)]
+            hangs_dir = event.get("hangs_dir") or hangs_dir
+            launcher = event.get("launcher") or launcher
+            lost = [str(n) for n in event.get("lost_nodes") or []]
+            if event.get("requeued_by") == "slurm" and lost:
+                found.append(Finding(REQUEUED_AFTER_NODE, evidence, node=",".join(lost), restart=restart))
+        elif kind == job_events.USR1:
+            found.append(Finding(USR1, evidence))
+        elif kind == job_events.RESTART:
+            found = [f for f in found if f.kind in (RUN_START, HANG_RESTARTED)]
+            if event.get("verdict"):
+                found.append(Finding(HANG_RESTARTED, evidence, where=_folder_of(event["verdict"])))
+        elif kind == job_events.REQUEUE:
+            detail = f"restart {event.get('to_restart')} of {event.get('max_restarts')}"
+            found.append(Finding(REQUEUE, evidence, detail=detail))
+        elif kind == job_events.NODE_LOST:
+            found += [
+                Finding(NODE_LOST, evidence, node=str(n), exit_code=event.get("exit")) for n in event["nodes"]
+            ]
+        elif kind == job_events.END:
+            found += _end_findings(event, evidence)
+    return JobEvents(found, logs, hangs_dir, launcher)
+
+
+def _folder_of(verdict: str) -> str:
+    return verdict.removesuffix("/verdict.json")
+
+
+def _end_findings(event: dict, evidence: tuple[Evidence, ...]) -> list[Finding]:
+    outcome = event.get("outcome")
+    if outcome == job_events.PROGRAM_FAILED:
+        return [Finding(PROGRAM_FAILED, evidence, detail=f"exit {event.get('exit')}")]
+    if outcome in (job_events.HANG_BUDGET_SPENT, job_events.BUDGET_SPENT) and event.get("verdict"):
+        return [Finding(HANG_END, evidence, where=_folder_of(event["verdict"]))]
+    if outcome == job_events.NODE_LOST_UNHANDLED:
+        return [Finding(NODE_LOST, evidence, node=str(n)) for n in event.get("nodes") or []]
+    return []

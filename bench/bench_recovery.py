@@ -1,0 +1,114 @@
+"""Recovery after a lost node: a spare inside the job (hpkit.supervise) vs Slurm's requeue, side by side.
+
+On a private 3-node local cluster (SlurmdTimeout 30 s), the same 2-node training job loses a node at its first
+checkpoint commit, each way: with `resilience.spare_nodes: 1` (the supervisor probes, swaps in the spare and
+restarts the step in the allocation) and without (slurmctld declares the node DOWN and requeues the job). The
+clock runs from the kill to the first step the resumed run logs. Then a rank killed with SIGKILL in a job
+without restarts: the seconds until the job has ended (the survivors must not wait out a collective timeout).
+
+Targets (they were assertions in tests/integration/test_node_loss.py and test_resilience.py; the tests keep
+the events): spare <= 30 s and below SlurmdTimeout; spare / requeue <= 0.5; killed rank -> end < 45 s.
+
+    python3 bench/bench_recovery.py [--rounds 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "python"), str(REPO / "tests"), str(REPO / "tests" / "integration")]
+
+from test_node_loss import (  # noqa: E402  (the scenarios are the integration tests')
+    SLURMD_TIMEOUT_S,
+    requeue_after_node_loss,
+    spare_after_node_loss,
+)
+from test_resilience import losses, submit, training_spec, wait_for  # noqa: E402
+
+from hpkit import devcluster  # noqa: E402
+from hpkit.slurm import CliBackend, JobState  # noqa: E402
+
+STEPS = 60
+
+
+def reference(env: dict[str, str], work: Path) -> dict[int, float]:
+    work.mkdir()
+    job = submit(training_spec("reference", work, STEPS, interval=1000), work, env)
+    wait_for(lambda: CliBackend().info(job).state.finished, 300, "the reference job")
+    return losses(work / "reference.jsonl")
+
+
+def killed_rank_s(env: dict[str, str], work: Path) -> float:
+    """Seconds from a SIGKILLed rank to the end of its job (max_restarts 0, collective timeout 30 s)."""
+    work.mkdir()
+    spec = training_spec("killed", work, 150, interval=20, launcher="srun")
+    spec["resilience"]["max_restarts"] = 0
+    job = submit(spec, work, env)
+    wait_for(lambda: max(losses(work / "killed.jsonl"), default=0) >= 5, 240, "the first steps")
+    pids = subprocess.run(["scontrol", "listpids", job], env=env, capture_output=True, text=True).stdout
+    for line in pids.splitlines()[1:]:
+        pid = line.split()[0]
+        cmdline = (
+            Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0") if Path(f"/proc/{pid}").exists() else []
+        )
+        if cmdline and Path(cmdline[0].decode()).name.startswith("python") and b"train" in cmdline:
+            killed = time.monotonic()
+            os.kill(int(pid), 9)
+            break
+    else:
+        raise RuntimeError(f"no training rank of job {job}")
+    info = wait_for(lambda: (i := CliBackend().info(job)).state.finished and i, 120, "the job to end")
+    assert info.state in (JobState.FAILED, JobState.CANCELLED), info.state
+    return time.monotonic() - killed
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--port", default="7747")
+    parser.add_argument("--first-job-id", default="24000")
+    args = parser.parse_args()
+    spare, requeue, killed = [], [], []
+    with tempfile.TemporaryDirectory(prefix="hpkit-bench-recovery-") as tmp:
+        work = Path(tmp)
+        env = devcluster.client_env(
+            work / "cluster", args.port, args.first_job_id, nodes=3, slurmd_timeout=SLURMD_TIMEOUT_S
+        )
+        env.update(TMPDIR=str(work), PATH=f"{Path(sys.executable).parent}:{env['PATH']}")
+        saved = os.environ.get("SLURM_CONF")
+        with devcluster.running(env):
+            os.environ["SLURM_CONF"] = env["SLURM_CONF"]  # CliBackend asks the cluster SLURM_CONF names
+            try:
+                ref = reference(env, work / "reference")
+                for n in range(args.rounds):  # alternating which path goes first
+                    paths = [("spare", spare), ("requeue", requeue)]
+                    for name, out in paths if n % 2 == 0 else paths[::-1]:
+                        run = spare_after_node_loss if name == "spare" else requeue_after_node_loss
+                        where = work / f"{name}-{n}"
+                        out.append(
+                            run(env, ref, where) if name == "spare" else run(env, ref, where, "worker")
+                        )
+                    killed.append(killed_rank_s(env, work / f"killed-{n}"))
+            finally:
+                if saved is None:
+                    os.environ.pop("SLURM_CONF", None)
+                else:
+                    os.environ["SLURM_CONF"] = saved
+    s, r, k = statistics.median(spare), statistics.median(requeue), statistics.median(killed)
+    print(f"TIME recovery_spare_s = {s:.1f} (target <= 30 and < SlurmdTimeout {SLURMD_TIMEOUT_S})")
+    print(f"TIME recovery_requeue_s = {r:.1f}")
+    print(f"RATIO recovery spare/requeue = {s / r:.2f} (target <= 0.5)")
+    print(f"TIME killed_rank_to_end_s = {k:.1f} (target < 45: collective timeout 30 s + 15)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,236 @@
+"""The supervisor's one boundary to Slurm: `Cluster` (a protocol), and `SlurmCli`, which shells out.
+
+Everything the state machine (hpkit.supervise.machine) asks of Slurm or of the clock goes through here, so
+that a test hands it a scripted fake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+# srun's line for a task that failed: "srun: error: NODE: task(s) N[,M-K]: Exited with exit code C".
+_TASK_ERROR = re.compile(r"^srun: error: ([^:\s]+): tasks? ([\d,\-]+): (.+)$")
+PROBE_TIMEOUT_S = 5  # a healthy node starts a task well within a second
+NODES_ANSWER_TIMEOUT_S = 60
+
+
+@dataclass(frozen=True)
+class TaskExit:
+    """One of srun's per-task error lines."""
+
+    node: str
+    tasks: str  # "1" or "0,2-3", as srun writes it
+    outcome: str  # "Exited with exit code 3", "Killed", "Terminated"
+
+    @property
+    def exit_code(self) -> int | None:
+        match = re.match(r"Exited with exit code (\d+)", self.outcome)
+        return int(match.group(1)) if match else None
+
+    @classmethod
+    def parse(cls, line: str) -> TaskExit | None:
+        match = _TASK_ERROR.match(line.strip())
+        return cls(match.group(1), match.group(2), match.group(3).strip()) if match else None
+
+
+class Step(Protocol):
+    """A running `srun` of the job's launch command."""
+
+    def poll(self) -> int | None: ...
+    def task_exits(self) -> list[TaskExit]: ...
+    def signal(self, signum: int) -> None: ...
+    def kill(self) -> None: ...
+    def wait(self) -> int: ...
+
+
+class Cluster(Protocol):
+    def start_step(self, srun_args: Sequence[str], env: Mapping[str, str]) -> Step: ...
+    def unanswering(self, nodes: Sequence[str]) -> list[str]:
+        """The nodes, of those given, that do not start a task within PROBE_TIMEOUT_S."""
+        ...
+
+    def all_answer(self, node_count: int) -> bool:
+        """Whether every node of the job still starts a task (a dead slurmd fails this at once)."""
+        ...
+
+    def lost_nodes(self, nodelist: str, states: str) -> list[str]:
+        """The nodes of `nodelist` that slurmctld calls gone: sinfo's %t matches `states`."""
+        ...
+
+    def hostnames(self, nodelist: str) -> list[str]: ...
+    def node_addr(self, node: str) -> str: ...
+    def slurmd_timeout(self) -> int: ...
+    def set_requeue(self, job_id: str, on: bool) -> bool: ...
+    def requeue(self, job_id: str) -> bool: ...
+    def replace_node(self, node: str) -> bool:
+        """HyperPod: set the node to fail with reason Action:Replace, which its agent acts on."""
+        ...
+
+    def cancel_steps(self, job_id: str) -> None:
+        """SIGKILL what is left of the job's steps (in the background: slurmctld may be trying a dead node)."""
+        ...
+
+    def hyperpod(self) -> bool: ...
+    def monotonic(self) -> float: ...
+    def sleep(self, seconds: float) -> None: ...
+
+
+class _SrunStep:
+    """srun in its own process group: its stderr is passed through, and its per-task error lines kept."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str]):
+        self._proc = subprocess.Popen(list(argv), env=dict(env), stderr=subprocess.PIPE)
+        self._exits: list[TaskExit] = []
+        self._lock = threading.Lock()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self._proc.stderr is not None
+        for raw in self._proc.stderr:
+            sys.stderr.buffer.write(raw)
+            sys.stderr.buffer.flush()
+            task = TaskExit.parse(raw.decode(errors="replace"))
+            if task is not None:
+                with self._lock:
+                    self._exits.append(task)
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def task_exits(self) -> list[TaskExit]:
+        with self._lock:
+            return list(self._exits)
+
+    def signal(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            self._proc.send_signal(signum)
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+
+    def wait(self) -> int:
+        status = self._proc.wait()
+        self._reader.join(timeout=5)
+        return status if status >= 0 else 128 - status
+
+
+def _run(args: Sequence[str], timeout: float = 60) -> subprocess.CompletedProcess[str] | None:
+    try:
+        return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+class SlurmCli:
+    """The real cluster: Slurm's commands on the batch host."""
+
+    def start_step(self, srun_args: Sequence[str], env: Mapping[str, str]) -> Step:
+        return _SrunStep(srun_args, env)
+
+    def unanswering(self, nodes: Sequence[str]) -> list[str]:
+        probes = [
+            (
+                node,
+                subprocess.Popen(
+                    [
+                        "srun",
+                        "--overlap",
+                        "--nodes=1",
+                        "--ntasks=1",
+                        f"--nodelist={node}",
+                        "--time=1",
+                        "true",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+            )
+            for node in nodes
+        ]
+        deadline = time.monotonic() + PROBE_TIMEOUT_S
+        out = []
+        for node, proc in probes:
+            try:
+                status = proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                status = -1
+            if status != 0:
+                out.append(node)
+        return out
+
+    def all_answer(self, node_count: int) -> bool:
+        done = _run(
+            ["srun", "--overlap", f"--nodes={node_count}", "--ntasks-per-node=1", "--time=1", "true"],
+            timeout=NODES_ANSWER_TIMEOUT_S,
+        )
+        return done is not None and done.returncode == 0
+
+    def lost_nodes(self, nodelist: str, states: str) -> list[str]:
+        if not nodelist:
+            return []
+        done = _run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N %t"])
+        if done is None or done.returncode != 0:
+            return []
+        lost = {
+            words[0]
+            for line in done.stdout.splitlines()
+            if len(words := line.split()) == 2 and re.search(states, words[1])
+        }
+        return sorted(lost)
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        done = _run(["scontrol", "show", "hostnames", nodelist])
+        return done.stdout.split() if done is not None and done.returncode == 0 else []
+
+    def node_addr(self, node: str) -> str:
+        done = _run(["scontrol", "show", "node", node])
+        match = re.search(r"NodeAddr=(\S+)", done.stdout) if done is not None else None
+        return match.group(1) if match else node
+
+    def slurmd_timeout(self) -> int:
+        done = _run(["scontrol", "show", "config"])
+        match = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", done.stdout, re.M) if done is not None else None
+        return int(match.group(1)) if match else 300
+
+    def set_requeue(self, job_id: str, on: bool) -> bool:
+        done = _run(["scontrol", "update", f"JobId={job_id}", f"Requeue={int(on)}"])
+        return done is not None and done.returncode == 0
+
+    def requeue(self, job_id: str) -> bool:
+        done = _run(["scontrol", "requeue", job_id])
+        return done is not None and done.returncode == 0
+
+    def replace_node(self, node: str) -> bool:
+        done = _run(["scontrol", "update", f"node={node}", "state=fail", "reason=Action:Replace"])
+        return done is not None and done.returncode == 0
+
+    def cancel_steps(self, job_id: str) -> None:
+        def cancel() -> None:
+            done = _run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"])
+            for step in done.stdout.split() if done is not None else []:
+                if not step.endswith((".batch", ".extern")):
+                    _run(["scancel", "--signal=KILL", step])
+
+        threading.Thread(target=cancel, daemon=True).start()
+
+    def hyperpod(self) -> bool:
+        return os.path.isdir("/opt/sagemaker_cluster")
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)

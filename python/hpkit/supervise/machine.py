@@ -1,0 +1,464 @@
+"""The job's recovery state machine: run the step, and when it ends decide what comes next.
+
+After a step ends, first match wins:
+1. USR1 came (a time limit or preemption is near): requeue while the budget lasts.
+2. With spares: nodes that do not answer, or a hang verdict's culprit nodes, are swapped for spares and the
+   step restarts in the allocation; a lost node with no spare left requeues the job.
+3. A hang verdict of this attempt: the step restarts in the allocation from the last checkpoint.
+4. A failed step without spares: a node slurmctld calls gone (or one that stops answering) is Slurm's to
+   requeue or end; every node answering is the program's own failure, which is not requeued.
+Every restart, in the allocation or by a requeue, is paid from one budget (hpkit.supervise.budget).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hpkit import job_events as ev
+from hpkit.supervise.budget import Budget
+from hpkit.supervise.cluster import Cluster, Step, TaskExit
+from hpkit.supervise.hangs import culprit_nodes, verdict_path
+from hpkit.supervise.plan import Plan, Run
+
+POLL_S = 0.5
+# A step that has started to fail (a failed task, a hang verdict) and still runs this long after is stopped
+# and its nodes probed: srun would otherwise wait for slurmctld to declare a dead node down (SlurmdTimeout).
+STEP_GRACE_S = 3.0
+
+
+@dataclass
+class _Restart:
+    """The step restarts in the allocation."""
+
+
+@dataclass
+class _End:
+    exit: int
+
+
+class Supervisor:
+    def __init__(
+        self,
+        plan: Plan,
+        run: Run,
+        cluster: Cluster,
+        srun_args: Sequence[str],
+        step_command: str,
+        env: Mapping[str, str],
+        say: Callable[[str], None] = print,
+        usr1_flag: Path | None = None,
+    ):
+        self.plan, self.run_, self.cluster = plan, run, cluster
+        self.srun_args, self.step_command, self.env = list(srun_args), step_command, dict(env)
+        self._say = say
+        self.usr1_flag = usr1_flag
+        folder = run.path(plan.output_dir)
+        self.events_file = ev.events_path(folder, run.job_id)
+        self.runs_file = ev.runs_path(folder, run.job_id)
+        self.budget_file = ev.budget_path(folder, run.job_id)
+        self.hangs_dir = run.path(plan.hangs_dir)
+        self.budget = Budget(plan.max_restarts)
+        self.attempt = 0
+        self.signalled = False
+        self.step: Step | None = None
+        self._forwarded: Step | None = None
+        self.step_nodes: list[str] = []
+        self.spares: list[str] = []
+        self.logs: Callable[[], dict[str, int]] = dict
+        self._probe: Future[list[str]] | None = None
+        self.probed: list[str] | None = None
+
+    # -- what it tells: one line for people, one event for hpkit why ------------------------------------------
+
+    def say(self, text: str) -> None:
+        self._say(f"hpkit: {text}")
+
+    def event(self, kind: str, **fields: Any) -> None:
+        record = {
+            "type": kind,
+            "job": self.run_.job_id,
+            "restart": self.run_.restart,
+            "attempt": self.attempt,
+        }
+        try:
+            ev.append(self.events_file, {**record, **fields})
+        except OSError as exc:
+            self.say(f"warning: cannot write the events file {self.events_file}: {exc.strerror or exc}")
+
+    # -- signals --------------------------------------------------------------------------------------------
+
+    def on_usr1(self) -> None:
+        """Slurm's warning signal: remember it, and pass it to the step (once per step)."""
+        if not self.signalled:
+            self.signalled = True
+            self.say("USR1 received: asking the ranks to checkpoint and stop")
+            self.event(ev.USR1)
+        if self.step is not None and self._forwarded is not self.step:
+            self._forwarded = self.step
+            self.step.signal(signal.SIGUSR1)
+
+    def _check_flag(self) -> None:
+        if self.usr1_flag is not None and self.usr1_flag.exists():
+            self.on_usr1()
+
+    # -- the run --------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        ended = self.start_run()
+        if ended is not None:
+            return ended
+        while True:
+            self._check_flag()
+            status = self.run_step()
+            decision = self.after_step(status)
+            if isinstance(decision, _End):
+                return decision.exit
+            self.attempt += 1
+
+    def start_run(self) -> int | None:
+        """Place the steps, settle the budget for this run, record it; an exit status if the run must not go on."""
+        run, plan = self.run_, self.plan
+        nodes = self.cluster.hostnames(run.nodelist) or [run.batch_host]
+        if plan.spare_nodes:
+            # The batch host is the first spare: losing a training node never takes this supervisor with it.
+            ordered = [n for n in nodes if n != run.batch_host] + [n for n in nodes if n == run.batch_host]
+            self.step_nodes, self.spares = ordered[: plan.nodes], ordered[plan.nodes :]
+        else:
+            self.step_nodes = nodes
+        self.budget = Budget.load(self.budget_file, plan.max_restarts)
+        requeued_by, lost = self._previous_run()
+        for restart in range(1, run.restart + 1):
+            self.budget.count_run(restart)  # a requeue hpkit did not count (Slurm's) counts now
+        self._save_budget()
+        self.say(
+            f"job {run.job_id} (restart {run.restart} of at most {plan.max_restarts}) on {run.nodelist}; "
+            f"{self.budget.left} restart(s) left"
+        )
+        if plan.spare_nodes:
+            self.say(
+                f"steps run on {' '.join(self.step_nodes)}; spare node(s): {' '.join(self.spares) or 'none'}"
+            )
+        self.event(
+            ev.RUN_STARTED,
+            nodes=run.nodelist,
+            batch_host=run.batch_host,
+            step_nodes=self.step_nodes,
+            spares=self.spares,
+            max_restarts=plan.max_restarts,
+            budget_left=self.budget.left,
+            launcher=plan.launcher,
+            hangs_dir=str(self.hangs_dir),
+            logs=self.logs(),
+            requeued_by=requeued_by,
+            lost_nodes=lost,
+        )
+        if self.budget.used > plan.max_restarts:
+            self.say(
+                f"the restart budget (resilience.max_restarts={plan.max_restarts}) is spent: not resuming"
+            )
+            self.event(ev.END, outcome=ev.BUDGET_SPENT, exit=1, **self._budget_fields())
+            return 1
+        if (plan.requeue_on_failure and not self.budget.can_restart()) or (
+            not plan.requeue_on_failure and run.restart >= 1
+        ):
+            # A node failure must now end the job, not requeue it: the budget is spent, or only hpkit's own
+            # USR1 requeue was meant (resilience.requeue_on_failure is off).
+            self.requeue_off()
+        with contextlib.suppress(OSError):
+            self.runs_file.write_text(f"nodes {run.nodelist}\n", encoding="utf-8")
+        return None
+
+    def _previous_run(self) -> tuple[str | None, list[str]]:
+        """Who requeued this run ("hpkit", "slurm" or None for a first run) and the previous run's lost nodes."""
+        restart = self.run_.restart
+        if restart <= 0:
+            return None, []
+        try:
+            lines = self.runs_file.read_text(encoding="utf-8").splitlines()
+        except OSError:
+            lines = []
+        if f"requeued-by-hpkit {restart}" in lines:
+            self.say(
+                f"restart {restart}: hpkit requeued the job itself after USR1 (time limit or preemption)"
+            )
+            return "hpkit", []
+        previous = next((line.split(" ", 1)[1] for line in lines if line.startswith("nodes ")), "")
+        lost = self.cluster.lost_nodes(previous, self.plan.lost_node_states) if previous else []
+        if lost:
+            self.say(
+                f"restart {restart}: Slurm requeued the job after a node failure: node(s) {','.join(lost)} "
+                f"of the previous run ({previous}) are down"
+            )
+        else:
+            self.say(
+                f"restart {restart}: Slurm requeued the job (node failure, preemption or administrator); the "
+                f"previous run's nodes ({previous or 'unknown'}) are up now"
+            )
+        return "slurm", lost
+
+    def requeue_off(self) -> None:
+        ok = self.cluster.set_requeue(self.run_.job_id, False)
+        if not ok:
+            self.say(f"warning: could not turn Slurm's requeue off for job {self.run_.job_id}")
+        self.event(ev.REQUEUE_OFF, ok=ok)
+
+    def _save_budget(self) -> None:
+        try:
+            self.budget.save(self.budget_file)
+        except OSError as exc:
+            self.say(f"warning: cannot keep the restart budget in {self.budget_file}: {exc.strerror or exc}")
+
+    def _budget_fields(self) -> dict[str, int]:
+        return {"budget_left": self.budget.left, "max_restarts": self.plan.max_restarts}
+
+    # -- one step -------------------------------------------------------------------------------------------
+
+    def step_argv(self) -> list[str]:
+        placement: list[str] = []
+        if self.plan.spare_nodes:
+            placement = [
+                *(["--overlap"] if self.attempt else []),
+                f"--nodes={self.plan.nodes}",
+                f"--ntasks={self.plan.step_tasks}",
+                f"--ntasks-per-node={self.plan.tasks_per_node}",
+                f"--nodelist={','.join(self.step_nodes)}",
+            ]
+        # The launch command is shell text rendered by hpkit.render (quoted there): bash reads it once.
+        return [
+            "bash",
+            "-c",
+            f'exec srun "$@" {self.step_command}',
+            "hpkit-step",
+            *self.srun_args,
+            *placement,
+        ]
+
+    def step_env(self) -> dict[str, str]:
+        first = self.step_nodes[0] if self.step_nodes else self.run_.batch_host
+        return {
+            **self.env,
+            "HPKIT_STEP_ATTEMPT": str(self.attempt),
+            # Rendezvous on the step's first node, by its NodeAddr (node names need not resolve in DNS);
+            # hpkit-torchrun serves the store there, and only there.
+            "MASTER_ADDR": self.cluster.node_addr(first),
+            "HPKIT_RDZV_NODE": first,
+        }
+
+    def run_step(self) -> int:
+        """Start the step, watch it, and return its exit status once it has ended (or been stopped)."""
+        self.event(ev.STEP_STARTED, nodes=self.step_nodes, spares=self.spares, logs=self.logs())
+        step = self.cluster.start_step(self.step_argv(), self.step_env())
+        self.step = step
+        if self.signalled:
+            self.on_usr1()  # a signal that came before the step: passed on now
+        self._probe, self.probed = None, None
+        failing_since: float | None = None
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            while step.poll() is None:
+                self._check_flag()
+                if self.plan.spare_nodes and not self.signalled:
+                    now = self.cluster.monotonic()
+                    if failing_since is None and (step.task_exits() or self.verdict() is not None):
+                        failing_since = now
+                        # Probe while the step has its grace: the answer is ready when it is needed.
+                        self._probe = pool.submit(self.cluster.unanswering, list(self.step_nodes))
+                    if failing_since is not None and now - failing_since >= STEP_GRACE_S:
+                        self.say(
+                            f"the step is failing and still running {STEP_GRACE_S:.0f} s later: stopping it"
+                        )
+                        step.kill()
+                        self.cluster.cancel_steps(self.run_.job_id)
+                        break
+                self.cluster.sleep(POLL_S)
+            status = step.wait()
+            self.probed = self._probe.result() if self._probe is not None else None
+        self.step = None
+        self.event(
+            ev.STEP_ENDED,
+            exit=status,
+            signalled=self.signalled,
+            tasks=[{**asdict(t), "exit_code": t.exit_code} for t in step.task_exits()],
+        )
+        return status
+
+    def verdict(self) -> Path | None:
+        return verdict_path(self.hangs_dir, self.run_.job_id, self.run_.restart, self.attempt)
+
+    # -- after the step -------------------------------------------------------------------------------------
+
+    def after_step(self, status: int) -> _Restart | _End:
+        if self.signalled:
+            return self.requeue(status, "usr1")
+        if status == 0:
+            self.event(ev.END, outcome=ev.COMPLETED, exit=0, **self._budget_fields())
+            return _End(0)
+        verdict = self.verdict()
+        if self.plan.spare_nodes:
+            decided = self._spares(status, verdict)
+            if decided is not None:
+                return decided
+        if verdict is not None:
+            folder = str(verdict.parent)
+            if self.budget.can_restart():
+                self._restart("hang", verdict)
+                self.say(
+                    f"the step hung ({folder}): restarting it in this allocation from the last checkpoint "
+                    f"(restart {self.budget.used} of {self.plan.max_restarts})"
+                )
+                return _Restart()
+            self.say(
+                f"the step hung ({folder}) and the restart budget (resilience.max_restarts="
+                f"{self.plan.max_restarts}) is spent: ending the job"
+            )
+            self.event(
+                ev.END,
+                outcome=ev.HANG_BUDGET_SPENT,
+                exit=status,
+                verdict=str(verdict),
+                **self._budget_fields(),
+            )
+            return _End(status)
+        if self.plan.spare_nodes:
+            return self._program_failed(status)  # every node answered the probe, and no hang named one
+        return self._failed_without_spares(status)
+
+    def _restart(self, reason: str, verdict: Path | None) -> None:
+        self.budget.spend()
+        self._save_budget()
+        self.event(
+            ev.RESTART,
+            reason=reason,
+            verdict=str(verdict) if verdict else None,
+            nodes=self.step_nodes,
+            spares=self.spares,
+            **self._budget_fields(),
+        )
+        if self.plan.requeue_on_failure and not self.budget.can_restart():
+            self.requeue_off()
+
+    def _spares(self, status: int, verdict: Path | None) -> _Restart | _End | None:
+        lost = self.probed if self.probed is not None else self.cluster.unanswering(list(self.step_nodes))
+        self.event(ev.PROBE, nodes=self.step_nodes, unanswering=lost)
+        suspects = culprit_nodes(verdict) if verdict is not None else []
+        if not lost and not suspects:
+            return None
+        self.say(
+            f"the step ended (exit {status}); node(s) not answering: {' '.join(lost) or 'none'}; "
+            f"hang culprit node(s): {' '.join(suspects) or 'none'}"
+        )
+        if not self.budget.can_restart():
+            self.say(
+                f"the restart budget (resilience.max_restarts={self.plan.max_restarts}) is spent: ending the job"
+            )
+            outcome = ev.HANG_BUDGET_SPENT if verdict is not None else ev.BUDGET_SPENT
+            verdict_field = str(verdict) if verdict else None
+            self.event(ev.END, outcome=outcome, exit=status, verdict=verdict_field, **self._budget_fields())
+            return _End(status)
+        unreplaced = self._swap([*lost, *suspects])
+        still_lost = [n for n in unreplaced if n in lost]
+        if still_lost:
+            self.say(f"no spare node left for {' '.join(still_lost)}")
+            return self.requeue(status, "no_spare")
+        self._restart("hang" if verdict is not None and not lost else "node", verdict)
+        self.say(
+            f"restarting the step on {','.join(self.step_nodes)} in this allocation from the last checkpoint "
+            f"(restart {self.budget.used} of {self.plan.max_restarts}; spare(s) left: {' '.join(self.spares) or 'none'})"
+        )
+        return _Restart()
+
+    def _swap(self, bad: list[str]) -> list[str]:
+        """Put a spare in the place of each bad step node while spares last; returns the ones left in place."""
+        unreplaced = []
+        for node in dict.fromkeys(bad):
+            if node not in self.step_nodes:
+                continue
+            if not self.spares:
+                unreplaced.append(node)
+                continue
+            spare = self.spares.pop(0)
+            self.step_nodes[self.step_nodes.index(node)] = spare
+            self.say(f"node {node} is out of the job's steps; spare {spare} takes its place")
+            self.event(ev.SPARE_SWAP, node=node, spare=spare, spares_left=list(self.spares))
+            if self.plan.replace_bad_nodes and self.cluster.hyperpod():
+                ok = self.cluster.replace_node(node)
+                self.say(
+                    f"asked HyperPod to replace node {node}"
+                    if ok
+                    else f"warning: could not ask for node {node}'s replacement; an administrator can run: "
+                    f'scontrol update node={node} state=fail reason="Action:Replace"'
+                )
+                self.event(ev.REPLACE_ASKED, node=node, ok=ok)
+        return unreplaced
+
+    def requeue(self, status: int, reason: str) -> _End:
+        run = self.run_
+        if not self.budget.can_restart():
+            self.say(f"restart budget of {self.plan.max_restarts} spent: not requeueing")
+            outcome = ev.SIGNALLED if reason == "usr1" else ev.BUDGET_SPENT
+            self.event(ev.END, outcome=outcome, exit=status, **self._budget_fields())
+            return _End(status)
+        self.budget.count_run(run.restart + 1)
+        self._save_budget()
+        self.say(
+            f"requeueing job {run.job_id} (restart {self.budget.used} of {self.plan.max_restarts}); "
+            "it resumes from its last checkpoint"
+        )
+        try:
+            with open(self.runs_file, "a", encoding="utf-8") as runs:
+                runs.write(f"requeued-by-hpkit {run.restart + 1}\n")
+        except OSError:
+            pass
+        self.event(ev.REQUEUE, reason=reason, to_restart=run.restart + 1, **self._budget_fields())
+        if not self.plan.requeue_on_failure:
+            # The job is not requeueable (no --requeue), so that a node failure ends it: this requeue only.
+            self.cluster.set_requeue(run.job_id, True)
+        ok = self.cluster.requeue(run.job_id)
+        if not ok:
+            self.say(f"warning: scontrol requeue {run.job_id} failed")
+        self.event(ev.END, outcome=ev.REQUEUED, exit=0, requeued=ok, **self._budget_fields())
+        return _End(0 if ok else max(status, 1))
+
+    def _program_failed(self, status: int) -> _End:
+        self.say(f"the training program failed on healthy nodes (exit {status}); not requeued")
+        self.event(ev.END, outcome=ev.PROGRAM_FAILED, exit=status, **self._budget_fields())
+        return _End(status)
+
+    def _failed_without_spares(self, status: int) -> _End:
+        """A step with a task on a lost node returns once slurmctld has declared the node failed, and slurmctld
+        then requeues the job (or ends it), this supervisor with it. Only a step that fails while every node
+        answers is the program's own failure (bad code, bad data): requeueing it would only fail again."""
+        nodelist, states = self.run_.nodelist, self.plan.lost_node_states
+        lost = self.cluster.lost_nodes(nodelist, states)
+        if not lost and not self.cluster.all_answer(len(self.step_nodes)):
+            # The surviving ranks can fail before slurmctld has noticed the node: wait for its verdict rather
+            # than call a node failure the program's.
+            deadline = self.cluster.monotonic() + self.cluster.slurmd_timeout() + 30
+            while not lost and self.cluster.monotonic() < deadline:
+                self.cluster.sleep(2)
+                lost = self.cluster.lost_nodes(nodelist, states)
+        if not lost:
+            return self._program_failed(status)
+        requeued = self.plan.requeue_on_failure and self.budget.can_restart()
+        then = (
+            "Slurm requeues the job, which resumes from its last checkpoint"
+            if requeued
+            else f"the restart budget (resilience.max_restarts={self.plan.max_restarts}) is used up, so Slurm "
+            "ends the job as NODE_FAIL"
+            if self.plan.requeue_on_failure
+            else "resilience.requeue_on_failure is off, so Slurm ends the job as NODE_FAIL"
+        )
+        self.say(f"the step ended (exit {status}) after node(s) {','.join(lost)} stopped answering: {then}")
+        self.event(ev.NODE_LOST, nodes=lost, exit=status, then="requeued" if requeued else "ended")
+        self.cluster.sleep(self.cluster.slurmd_timeout() + 30)
+        self.say(f"Slurm did not act on the lost node(s) {','.join(lost)}: ending the job")
+        self.event(ev.END, outcome=ev.NODE_LOST_UNHANDLED, exit=status, nodes=lost, **self._budget_fields())
+        return _End(status)
+
+
+__all__ = ["STEP_GRACE_S", "Supervisor", "TaskExit"]

@@ -1,0 +1,59 @@
+"""What the rendered job script hands the supervisor: the restart policy (JSON, decided by hpkit.render) and
+the run's own facts (Slurm's environment)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The job's restart policy and step shape, as hpkit.render decided them."""
+
+    max_restarts: int
+    requeue_on_failure: bool
+    spare_nodes: int
+    nodes: int  # nodes a step runs on
+    step_tasks: int
+    tasks_per_node: int
+    replace_bad_nodes: bool
+    launcher: str
+    output_dir: str  # where the log, the events, runs and budget files go (relative: to the job's cwd)
+    hangs_dir: str  # where the hang watchdog writes its verdicts (relative: to the job's cwd)
+    lost_node_states: str  # a regex over sinfo's short states (%t)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+
+    def to_json(self) -> str:
+        return json.dumps({name: getattr(self, name) for name in self.__dataclass_fields__}, sort_keys=True)
+
+
+@dataclass(frozen=True)
+class Run:
+    """This run of the job, from Slurm's variables."""
+
+    job_id: str
+    restart: int  # SLURM_RESTART_COUNT: how many times Slurm has requeued the job
+    nodelist: str  # SLURM_JOB_NODELIST
+    batch_host: str  # SLURMD_NODENAME of the batch script
+    cwd: Path
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> Run:
+        return cls(
+            job_id=env.get("SLURM_JOB_ID", "0"),
+            restart=int(env.get("SLURM_RESTART_COUNT") or 0),
+            nodelist=env.get("SLURM_JOB_NODELIST", ""),
+            batch_host=env.get("SLURMD_NODENAME", ""),
+            cwd=Path(os.getcwd()),
+        )
+
+    def path(self, relative: str) -> Path:
+        return (self.cwd / relative).resolve() if not Path(relative).is_absolute() else Path(relative)

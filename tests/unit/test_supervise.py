@@ -1,0 +1,438 @@
+"""The job supervisor's state machine (hpkit.supervise.machine) against a scripted cluster.
+
+Every Slurm call goes through one boundary (hpkit.supervise.cluster.Cluster); here a fake plays the steps a
+case scripts (their exits, srun's per-task errors, a hang verdict the watchdog would write) and the nodes'
+answers, and records what the supervisor asked. The real cluster runs the same machine in
+tests/integration (test_hang_recovery.py, test_node_loss.py, test_resilience.py, test_why_jobs.py).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from hpkit import job_events as ev
+from hpkit.supervise.cluster import TaskExit
+from hpkit.supervise.machine import Supervisor
+from hpkit.supervise.plan import Plan, Run
+
+JOB = "77"
+
+
+@dataclass
+class StepScript:
+    """One step as a case plays it: it runs `polls` polls, then exits `exit` (at once when killed)."""
+
+    exit: int = 0
+    polls: int = 1
+    tasks: list[TaskExit] = field(default_factory=list)
+    on_start: Callable[[int], None] | None = None  # given the attempt; e.g. writes a hang verdict
+    exit_on_usr1: int | None = None  # exits with this once it gets USR1
+
+
+class FakeStep:
+    def __init__(self, script: StepScript):
+        self.script = script
+        self.polls = script.polls
+        self.signals: list[int] = []
+        self.status: int | None = None
+
+    def poll(self) -> int | None:
+        if self.status is None:
+            self.polls -= 1
+            if self.polls <= 0:
+                self.status = self.script.exit
+        return self.status
+
+    def task_exits(self) -> list[TaskExit]:
+        return list(self.script.tasks)
+
+    def signal(self, signum: int) -> None:
+        self.signals.append(signum)
+        if signum == signal.SIGUSR1 and self.script.exit_on_usr1 is not None:
+            self.polls, self.script.exit = 1, self.script.exit_on_usr1
+
+    def kill(self) -> None:
+        self.status = 137
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            pass
+        assert self.status is not None
+        return self.status
+
+
+class FakeCluster:
+    def __init__(self, steps: list[StepScript], nodes: Sequence[str] = ("node1", "node2")):
+        self.scripts = list(steps)
+        self.nodes = list(nodes)
+        self.unanswering_nodes: set[str] = set()  # probes of these fail
+        self.down: set[str] = set()  # sinfo calls these down
+        self.answer = True
+        self.calls: list[str] = []
+        self.started: list[tuple[list[str], dict[str, str], FakeStep]] = []
+        self.clock = 0.0
+
+    def start_step(self, srun_args: Sequence[str], env: Mapping[str, str]) -> FakeStep:
+        step = FakeStep(self.scripts.pop(0))
+        self.started.append((list(srun_args), dict(env), step))
+        if step.script.on_start is not None:
+            step.script.on_start(int(env["HPKIT_STEP_ATTEMPT"]))
+        return step
+
+    def unanswering(self, nodes: Sequence[str]) -> list[str]:
+        self.calls.append(f"probe {','.join(nodes)}")
+        return [n for n in nodes if n in self.unanswering_nodes]
+
+    def all_answer(self, node_count: int) -> bool:
+        return self.answer
+
+    def lost_nodes(self, nodelist: str, states: str) -> list[str]:
+        return sorted(self.down)
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        return list(self.nodes)
+
+    def node_addr(self, node: str) -> str:
+        return f"10.0.0.{node[-1]}"
+
+    def slurmd_timeout(self) -> int:
+        return 10
+
+    def set_requeue(self, job_id: str, on: bool) -> bool:
+        self.calls.append(f"requeue flag {int(on)}")
+        return True
+
+    def requeue(self, job_id: str) -> bool:
+        self.calls.append(f"scontrol requeue {job_id}")
+        return True
+
+    def replace_node(self, node: str) -> bool:
+        self.calls.append(f"replace {node}")
+        return True
+
+    def cancel_steps(self, job_id: str) -> None:
+        self.calls.append("cancel steps")
+
+    def hyperpod(self) -> bool:
+        return True
+
+    def monotonic(self) -> float:
+        return self.clock
+
+    def sleep(self, seconds: float) -> None:
+        self.clock += seconds
+
+
+def plan(**fields) -> Plan:
+    base = dict(
+        max_restarts=2,
+        requeue_on_failure=True,
+        spare_nodes=0,
+        nodes=2,
+        step_tasks=2,
+        tasks_per_node=1,
+        replace_bad_nodes=False,
+        launcher="torchrun",
+        output_dir="logs",
+        hangs_dir="logs/hangs",
+        lost_node_states="^(down|fail)|[*]$",
+    )
+    return Plan(**{**base, **fields})
+
+
+@dataclass
+class Outcome:
+    exit: int
+    lines: list[str]
+    events: list[dict]
+    cluster: FakeCluster
+    supervisor: Supervisor
+
+
+def supervise(
+    tmp_path: Path,
+    cluster: FakeCluster,
+    restart: int = 0,
+    batch_host: str = "node1",
+    usr1_flag: Path | None = None,
+    **plan_fields,
+) -> Outcome:
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    lines: list[str] = []
+    run = Run(job_id=JOB, restart=restart, nodelist="node[1-3]", batch_host=batch_host, cwd=tmp_path)
+    sup = Supervisor(
+        plan(**plan_fields),
+        run,
+        cluster,
+        ["--kill-on-bad-exit=1"],
+        "hpkit train",
+        {},
+        lines.append,
+        usr1_flag,
+    )
+    status = sup.run()
+    return Outcome(status, lines, events(tmp_path), cluster, sup)
+
+
+def events(tmp_path: Path) -> list[dict]:
+    path = ev.events_path(tmp_path / "logs", JOB)
+    return [e for _, _, e in ev.read(path.read_text().splitlines())] if path.exists() else []
+
+
+def of(outcome: Outcome, kind: str) -> list[dict]:
+    return [e for e in outcome.events if e["type"] == kind]
+
+
+def hang_at(tmp_path: Path, restart: int = 0, culprit: str | None = None) -> Callable[[int], None]:
+    """What the watchdog leaves when it stops a hung step (hpkit.runtime.hang_watchdog's layout)."""
+
+    def write(attempt: int) -> None:
+        folder = tmp_path / "logs" / "hangs" / f"{JOB}-{restart}-{attempt}-0-step5"
+        folder.mkdir(parents=True)
+        (folder / "culprit_nodes").write_text(f"{culprit}\n" if culprit else "")
+        (folder / "verdict.json").write_text(json.dumps({"line": "hpkit: hang: rank 1", "culprits": [1]}))
+
+    return write
+
+
+def test_a_hang_restarts_the_step_in_the_allocation(tmp_path):
+    cluster = FakeCluster([StepScript(exit=75, on_start=hang_at(tmp_path)), StepScript(exit=0)])
+    out = supervise(tmp_path, cluster)
+    assert out.exit == 0
+    restart = of(out, ev.RESTART)
+    assert len(restart) == 1 and restart[0]["reason"] == "hang" and restart[0]["budget_left"] == 1
+    assert restart[0]["verdict"].endswith(f"{JOB}-0-0-0-step5/verdict.json")
+    assert [e["attempt"] for e in of(out, ev.STEP_STARTED)] == [0, 1]
+    assert [env["HPKIT_STEP_ATTEMPT"] for _, env, _ in cluster.started] == ["0", "1"]
+    assert "scontrol requeue 77" not in cluster.calls
+    assert of(out, ev.END)[0]["outcome"] == ev.COMPLETED
+    # Every event names its job, run and attempt, and when it happened.
+    for event in out.events:
+        assert {"type", "time", "job", "restart", "attempt"} <= set(event), event
+
+
+def test_a_lost_node_is_swapped_for_a_spare_and_the_step_restarts_on_it(tmp_path):
+    cluster = FakeCluster(
+        [
+            StepScript(exit=1, polls=100, tasks=[TaskExit("node1", "0", "Killed")]),
+            StepScript(exit=0),
+        ],
+        nodes=["node1", "node2", "node3"],
+    )
+    cluster.unanswering_nodes = {"node1"}
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1)
+    assert out.exit == 0
+    # The batch host is the spare; the step runs on the others, rendezvous on the first.
+    first_argv, first_env, first = cluster.started[0]
+    assert "--nodelist=node1,node2" in first_argv and "--overlap" not in first_argv
+    assert first_env["MASTER_ADDR"] == "10.0.0.1" and first_env["HPKIT_RDZV_NODE"] == "node1"
+    # The failing step was stopped after its grace, not waited for.
+    assert first.status == 137 and "cancel steps" in cluster.calls
+    swap = of(out, ev.SPARE_SWAP)
+    assert swap == [{**swap[0], "node": "node1", "spare": "node3", "spares_left": []}]
+    second_argv, second_env, _ = cluster.started[1]
+    assert "--nodelist=node3,node2" in second_argv and "--overlap" in second_argv
+    assert second_env["MASTER_ADDR"] == "10.0.0.3"
+    assert of(out, ev.RESTART)[0]["reason"] == "node"
+    assert of(out, ev.PROBE)[0]["unanswering"] == ["node1"]
+    ended = of(out, ev.STEP_ENDED)[0]
+    assert ended["tasks"] == [{"node": "node1", "tasks": "0", "outcome": "Killed", "exit_code": None}]
+    assert "scontrol requeue 77" not in cluster.calls
+
+
+def test_replace_bad_nodes_asks_hyperpod_to_replace_the_swapped_node(tmp_path):
+    cluster = FakeCluster(
+        [StepScript(exit=75, on_start=hang_at(tmp_path, culprit="node2")), StepScript(exit=0)],
+        nodes=["node1", "node2", "node3"],
+    )
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1, replace_bad_nodes=True)
+    assert out.exit == 0 and "replace node2" in cluster.calls
+    assert of(out, ev.REPLACE_ASKED)[0]["node"] == "node2"
+    assert of(out, ev.RESTART)[0]["reason"] == "hang"
+
+
+def test_a_lost_node_with_no_spare_left_requeues_the_job(tmp_path):
+    def lose_node2(_attempt: int) -> None:
+        cluster.unanswering_nodes.add("node2")
+
+    cluster = FakeCluster(
+        [
+            StepScript(exit=1, tasks=[TaskExit("node1", "0", "Killed")]),
+            StepScript(exit=1, tasks=[TaskExit("node2", "1", "Killed")], on_start=lose_node2),
+        ],
+        nodes=["node1", "node2", "node3"],
+    )
+    cluster.unanswering_nodes = {"node1"}
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1, max_restarts=3)
+    assert out.exit == 0
+    assert cluster.calls[-1] == "scontrol requeue 77"
+    requeue = of(out, ev.REQUEUE)
+    assert requeue[0]["reason"] == "no_spare" and requeue[0]["to_restart"] == 1
+    assert requeue[0]["budget_left"] == 1  # a swap and a requeue: two of three
+    runs = ev.runs_path(tmp_path / "logs", JOB).read_text()
+    assert runs.splitlines()[-1] == "requeued-by-hpkit 1"
+
+
+def test_usr1_during_a_step_is_passed_on_and_requeues(tmp_path):
+    flag = tmp_path / "usr1"
+    cluster = FakeCluster([StepScript(exit=0, polls=4, exit_on_usr1=0, on_start=lambda _: flag.touch())])
+    out = supervise(tmp_path, cluster, usr1_flag=flag)
+    assert out.exit == 0
+    assert cluster.started[0][2].signals == [signal.SIGUSR1]
+    assert of(out, ev.USR1) and of(out, ev.REQUEUE)[0]["reason"] == "usr1"
+    assert cluster.calls[-1] == "scontrol requeue 77"
+    assert json.loads(ev.budget_path(tmp_path / "logs", JOB).read_text())["used"] == 1
+
+
+def test_a_usr1_that_came_during_set_up_reaches_the_step(tmp_path):
+    flag = tmp_path / "usr1"
+    flag.touch()
+    cluster = FakeCluster([StepScript(exit=0, polls=50, exit_on_usr1=0)])
+    out = supervise(tmp_path, cluster, usr1_flag=flag, requeue_on_failure=False)
+    assert cluster.started[0][2].signals == [signal.SIGUSR1]
+    # Not requeueable by Slurm (no --requeue): the flag goes on for hpkit's own requeue only.
+    assert cluster.calls[-2:] == ["requeue flag 1", "scontrol requeue 77"]
+    assert out.exit == 0
+
+
+def test_a_program_failing_on_healthy_nodes_is_not_requeued(tmp_path):
+    cluster = FakeCluster([StepScript(exit=3, tasks=[TaskExit("node2", "1", "Exited with exit code 3")])])
+    out = supervise(tmp_path, cluster)
+    assert out.exit == 3
+    assert not any("requeue" in call for call in cluster.calls)
+    end = of(out, ev.END)[0]
+    assert end["outcome"] == ev.PROGRAM_FAILED and end["exit"] == 3
+    assert of(out, ev.STEP_ENDED)[0]["tasks"][0]["exit_code"] == 3
+
+
+def test_a_program_failing_with_spares_and_answering_nodes_uses_no_spare(tmp_path):
+    cluster = FakeCluster(
+        [StepScript(exit=3, tasks=[TaskExit("node1", "0", "Exited with exit code 3")])],
+        nodes=["node1", "node2", "node3"],
+    )
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1)
+    assert out.exit == 3 and not of(out, ev.SPARE_SWAP)
+    assert of(out, ev.END)[0]["outcome"] == ev.PROGRAM_FAILED
+
+
+def test_a_lost_node_without_spares_is_left_to_slurm(tmp_path):
+    cluster = FakeCluster([StepScript(exit=1)])
+    cluster.down = {"node2"}
+    out = supervise(tmp_path, cluster)
+    lost = of(out, ev.NODE_LOST)[0]
+    assert lost["nodes"] == ["node2"] and lost["then"] == "requeued"
+    assert not any("requeue" in call for call in cluster.calls)  # slurmctld requeues, not hpkit
+    assert of(out, ev.END)[0]["outcome"] == ev.NODE_LOST_UNHANDLED
+
+
+def test_a_spent_budget_ends_the_job_and_names_the_budget(tmp_path):
+    cluster = FakeCluster(
+        [StepScript(exit=75, on_start=hang_at(tmp_path)), StepScript(exit=75, on_start=hang_at(tmp_path))]
+    )
+    out = supervise(tmp_path, cluster, max_restarts=1)
+    assert out.exit == 75
+    end = of(out, ev.END)[0]
+    assert end["outcome"] == ev.HANG_BUDGET_SPENT and end["budget_left"] == 0 and end["max_restarts"] == 1
+    assert end["verdict"].endswith(f"{JOB}-0-1-0-step5/verdict.json")
+    assert any("resilience.max_restarts=1" in line for line in out.lines), out.lines
+    # The last restart spent: Slurm's own requeue is turned off, so a node failure cannot go past it.
+    assert "requeue flag 0" in cluster.calls
+
+
+def test_one_budget_across_a_requeue_and_restarts_in_the_allocation(tmp_path):
+    """max_restarts 2, a hang on every attempt, a requeue between: exactly two restarts, then the end.
+
+    (`restarts + attempt < max_restarts`, the old script's rule, allowed a third: restart 1 of the second run.)
+    """
+    flag = tmp_path / "usr1"
+    first = FakeCluster(
+        [
+            StepScript(exit=75, on_start=hang_at(tmp_path, restart=0)),
+            StepScript(exit=0, polls=5, exit_on_usr1=0, on_start=lambda _: flag.touch()),
+        ]
+    )
+    out = supervise(tmp_path, first, usr1_flag=flag)
+    assert out.exit == 0 and first.calls[-1] == "scontrol requeue 77"
+    flag.unlink()
+    second = FakeCluster([StepScript(exit=75, on_start=hang_at(tmp_path, restart=1))] * 3)
+    out = supervise(tmp_path, second, restart=1, usr1_flag=flag)
+    assert out.exit == 75
+    restarts = [e for e in out.events if e["type"] in (ev.RESTART, ev.REQUEUE)]
+    assert [(e["type"], e["restart"], e["budget_left"]) for e in restarts] == [
+        (ev.RESTART, 0, 1),
+        (ev.REQUEUE, 0, 0),
+    ]
+    assert len(second.started) == 1
+    end = of(out, ev.END)[-1]
+    assert end["outcome"] == ev.HANG_BUDGET_SPENT and end["restart"] == 1 and end["budget_left"] == 0
+    assert of(out, ev.RUN_STARTED)[-1]["requeued_by"] == "hpkit"
+
+
+def test_a_requeue_slurm_made_counts_against_the_budget(tmp_path):
+    (tmp_path / "logs").mkdir()
+    ev.runs_path(tmp_path / "logs", JOB).write_text("nodes node[1-2]\n")
+    cluster = FakeCluster([StepScript(exit=0)])
+    cluster.down = {"node2"}
+    out = supervise(tmp_path, cluster, restart=1, max_restarts=1)
+    started = of(out, ev.RUN_STARTED)[0]
+    assert started["requeued_by"] == "slurm" and started["lost_nodes"] == ["node2"]
+    assert started["budget_left"] == 0
+    assert "requeue flag 0" in cluster.calls  # the last restart: a further node failure ends the job
+
+
+def test_a_run_past_the_budget_runs_nothing(tmp_path):
+    (tmp_path / "logs").mkdir()
+    cluster = FakeCluster([])
+    out = supervise(tmp_path, cluster, restart=3, max_restarts=2)
+    assert out.exit == 1 and not cluster.started
+    assert of(out, ev.END)[0]["outcome"] == ev.BUDGET_SPENT
+
+
+@pytest.mark.parametrize("restart", [0, 1])
+def test_without_requeue_on_failure_a_requeued_run_turns_slurms_requeue_off(tmp_path, restart):
+    cluster = FakeCluster([StepScript(exit=0)])
+    supervise(tmp_path, cluster, restart=restart, requeue_on_failure=False)
+    assert ("requeue flag 0" in cluster.calls) == (restart == 1)
+
+
+def test_the_rendered_script_hands_the_supervisor_its_plan():
+    from hpkit.render import render, supervise_plan
+    from hpkit.spec import JobSpec
+    from hpkit.validation import parse_document
+
+    spec = parse_document(
+        JobSpec,
+        {
+            "name": "r",
+            "nodes": 2,
+            "resilience": {"max_restarts": 1, "spare_nodes": 1, "replace_bad_nodes": True},
+        },
+    )
+    got = Plan.from_json(supervise_plan(spec))
+    assert (got.max_restarts, got.spare_nodes, got.nodes, got.replace_bad_nodes) == (1, 1, 2, True)
+    assert got.hangs_dir.endswith("/hangs")
+    script = render(spec)
+    assert "python3 -m hpkit.supervise --plan " in script
+    # The template lays out; the supervisor decides: no restart logic is left in the script.
+    for bash_logic in ("scontrol requeue", "Action:Replace", "sinfo", "verdict.json", "restarts +"):
+        assert bash_logic not in script, bash_logic
+
+
+def test_requeue_on_failure_and_spares_need_a_restart_budget():
+    from hpkit.errors import SpecError
+    from hpkit.render import render
+    from hpkit.spec import JobSpec
+    from hpkit.validation import parse_document
+
+    with pytest.raises(SpecError, match="requeue_on_failure: true needs a restart budget"):
+        parse_document(JobSpec, {"name": "r", "resilience": {"max_restarts": 0, "requeue_on_failure": True}})
+    with pytest.raises(SpecError, match=r"spare_nodes: 1 needs a restart budget.*max_restarts > 0"):
+        parse_document(JobSpec, {"name": "r", "resilience": {"max_restarts": 0, "spare_nodes": 1}})
+    script = render(parse_document(JobSpec, {"name": "r", "resilience": {"max_restarts": 0}}))
+    assert "#SBATCH --no-requeue" in script
