@@ -436,3 +436,67 @@ def test_requeue_on_failure_and_spares_need_a_restart_budget():
         parse_document(JobSpec, {"name": "r", "resilience": {"max_restarts": 0, "spare_nodes": 1}})
     script = render(parse_document(JobSpec, {"name": "r", "resilience": {"max_restarts": 0}}))
     assert "#SBATCH --no-requeue" in script
+
+
+# The rendered script and the real supervisor, with Slurm's commands faked: each appends its argv to $CALLS.
+FAKE_SCONTROL = """#!/bin/bash
+echo "scontrol $*" >>"$CALLS"
+case "$1 $2" in
+  "show hostnames")
+    # Slurm's warning signal reaches the batch shell while the supervisor sets up (the shell is its parent).
+    [[ -n ${USR1_AT_SETUP:-} ]] && kill -USR1 "$(ps -o ppid= -p "$PPID" | tr -d ' ')"
+    printf 'node1\\nnode2\\n' ;;
+  "show node") echo "NodeName=$3 NodeAddr=10.0.0.9" ;;
+esac
+"""
+# The step: waits for the USR1 the supervisor passes on, then exits as ranks that saved and stopped do.
+FAKE_SRUN = """#!/bin/bash
+trap 'echo "srun got USR1" >>"$CALLS"; exit 0' USR1
+echo "srun $*" >>"$CALLS"
+for _ in $(seq 100); do sleep 0.1; done
+exit 1
+"""
+
+
+def test_a_usr1_during_set_up_reaches_the_step_and_requeues_through_the_rendered_script(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from hpkit.render import render
+    from hpkit.spec import JobSpec
+    from hpkit.validation import parse_document
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("scontrol", FAKE_SCONTROL), ("srun", FAKE_SRUN)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    spec = {"name": "u", "nodes": 2, "launcher": "srun", "command": ["true"], "output_dir": "out"}
+    spec["resilience"] = {"max_restarts": 1}
+    (tmp_path / "out").mkdir()
+    script = tmp_path / "job.sbatch"
+    script.write_text(render(parse_document(JobSpec, spec)))
+    calls = tmp_path / "calls"
+    env = {
+        "PATH": f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "CALLS": str(calls),
+        "USR1_AT_SETUP": "1",
+        "SLURM_JOB_ID": "42",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURMD_NODENAME": "node1",
+        "TMPDIR": str(tmp_path),
+        "HOME": str(tmp_path),
+    }
+    proc = subprocess.run(
+        ["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = calls.read_text().splitlines()
+    # The supervisor passed the signal on at once: the step ended (the fake srun, as a real one does this
+    # early, may die of it before its trap is set), and the job was requeued.
+    assert seen[-1] == "scontrol requeue 42", seen
+    events = [e for _, _, e in ev.read(ev.events_path(tmp_path / "out", "42").read_text().splitlines())]
+    assert [e["type"] for e in events if e["type"] in ("usr1", "requeue")] == ["usr1", "requeue"], events
+    assert [e["signalled"] for e in events if e["type"] == "step_ended"] == [True], events
+    assert not list(tmp_path.glob("hpkit-usr1-*")), "the flag file is left behind"
