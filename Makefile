@@ -38,6 +38,7 @@ system-deps:
 	command -v munged >/dev/null || missing="$$missing munge"; \
 	command -v sbatch >/dev/null || missing="$$missing slurm-client"; \
 	command -v mpirun >/dev/null || missing="$$missing openmpi-bin libopenmpi-dev"; \
+	command -v faketime >/dev/null || missing="$$missing faketime"; \
 	ls /usr/lib/*/libpmix.so >/dev/null 2>&1 || missing="$$missing libpmix-dev"; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \

@@ -8,6 +8,9 @@ Faults, and where their timestamp comes from:
 - `sleep`: the rank sleeps in Python before a step (HPKIT_FAULT hang, its own log line's clock);
 - `skip`: the rank leaves out the step's loss all-reduce and goes on (HPKIT_FAULT skip, its log line's clock);
 - `frozen-node`: SIGSTOP to every process of one node, its torchrun agent included (the drill's clock).
+  Node 0 (nodeA) holds rank 0 and torchrun's store, which carries the watchdog's reports: its freezing is
+  found by the store's silence (reason "store"). Node 1 (nodeB) holds the judge: its freezing is found by the
+  standby on node 0 (reason "stopped").
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from _sides import REPO, run_env
 from hpkit.rendezvous import free_local_ports
+from hpkit.runtime.hang_board import clear_reports, reports_of
 
 NODES = ("nodeA", "nodeB")
 PER_NODE = 2
@@ -39,6 +43,7 @@ class Trial:
     verdict: dict | None = None
     verdict_at: float = 0.0
     log: str = ""
+    clean_verdict: bool = False  # a hang was called during the clean seconds before the fault
 
     @property
     def expected(self) -> list[int]:
@@ -50,6 +55,9 @@ class Trial:
     def correct(self) -> bool:
         if self.verdict is None:
             return False
+        if self.fault == "frozen-node":
+            node = NODES[self.target]
+            return self.verdict["culprits"] == self.expected and f"node {node}" in self.verdict["line"]
         nodes = {int(r): n for r, n in self.verdict["nodes"].items()}
         named = all(f"rank {r} on {nodes[r]}" in self.verdict["line"] for r in self.expected)
         return self.verdict["culprits"] == self.expected and named
@@ -75,9 +83,26 @@ def _config(out: Path, min_s: float, checkpoint_every: int | None) -> Path:
     return path
 
 
-def launch(out: Path, min_s: float, env_extra: dict[str, str], checkpoint_every: int | None = None):
-    """Start both agents; returns their Popen objects (each the leader of its own process group)."""
+# libfaketime shifts both clocks of every process it is preloaded into (shared/notes/clock-skew.md).
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1"
+
+
+def skewed(seconds: float) -> dict[str, str]:
+    """The environment that runs a node's agent and ranks with its clocks `seconds` ahead."""
+    return {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": f"{seconds:+.0f}s", "FAKETIME_NO_CACHE": "1"}
+
+
+def launch(
+    out: Path,
+    min_s: float,
+    env_extra: dict[str, str],
+    checkpoint_every: int | None = None,
+    node_env: dict[str, dict[str, str]] | None = None,
+):
+    """Start both agents; returns their Popen objects (each the leader of its own process group).
+    `node_env` adds variables to one node's agent and ranks (a skewed clock)."""
     out.mkdir(parents=True, exist_ok=True)
+    clear_reports(out / "hangs")  # a killed earlier drill in this folder left its node-local reports
     config = _config(out, min_s, checkpoint_every)
     port = free_local_ports()
     agents = []
@@ -85,7 +110,7 @@ def launch(out: Path, min_s: float, env_extra: dict[str, str], checkpoint_every:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i)]
         cmd += ["--nproc-per-node", str(PER_NODE), "--master-addr", "127.0.0.1", "--master-port", str(port)]
         cmd += ["-m", "hpkit", "train", "--config", str(config)]
-        env = run_env(out, SLURMD_NODENAME=node, **env_extra)
+        env = run_env(out, SLURMD_NODENAME=node, **env_extra, **(node_env or {}).get(node, {}))
         log = open(out / f"{node}.log", "w")  # noqa: SIM115 (closed with the process)
         agents.append(
             subprocess.Popen(
@@ -96,14 +121,8 @@ def launch(out: Path, min_s: float, env_extra: dict[str, str], checkpoint_every:
 
 
 def beats(out: Path) -> dict[int, dict]:
-    found = {}
-    for path in (out / "hangs" / ".beats").glob("*/rank*.json"):
-        try:
-            beat = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        found[beat["rank"]] = beat
-    return found
+    """Every rank's newest report, read from the node-local boards (all "nodes" share this host's /dev/shm)."""
+    return reports_of(out / "hangs")
 
 
 def _tree(pid: int) -> list[int]:
@@ -142,14 +161,23 @@ def _wait_verdict(out: Path, deadline: float) -> Path | None:
     return None
 
 
-def run_trial(trial: Trial, out: Path, min_s: float, timeout_s: float = 240) -> Trial:
+def run_trial(
+    trial: Trial,
+    out: Path,
+    min_s: float,
+    timeout_s: float = 240,
+    node_env: dict[str, dict[str, str]] | None = None,
+    clean_s: float = 0.0,
+) -> Trial:
+    """One drill. `clean_s`: seconds of clean training, once every rank has reached the step before the fault,
+    before a SIGSTOP fault is injected; `trial.clean_verdict` says whether a hang was called meanwhile."""
     fault_log = out / "faults.jsonl"
     env: dict[str, str] = {"HPKIT_FAULT_LOG": str(fault_log)}
     if trial.fault == "sleep":
         env["HPKIT_FAULT"] = f"hang:rank={trial.target},step={FAULT_STEP}"
     elif trial.fault == "skip":
         env["HPKIT_FAULT"] = f"skip:rank={trial.target},step={FAULT_STEP}"
-    agents = launch(out, min_s, env)
+    agents = launch(out, min_s, env, node_env=node_env)
     deadline = time.time() + timeout_s
     try:
         if trial.fault in ("sleep", "skip"):
@@ -165,6 +193,13 @@ def run_trial(trial: Trial, out: Path, min_s: float, timeout_s: float = 240) -> 
                 time.sleep(0.05)
             else:
                 raise TimeoutError("the ranks never reached the fault step")
+            if clean_s:
+                time.sleep(clean_s)
+                # Any hang folder, or an agent gone, is a false alarm.
+                trial.clean_verdict = any((out / "hangs").glob("*-step*")) or any(
+                    a.poll() is not None for a in agents
+                )
+                seen = beats(out)
             if trial.fault == "sigstop":
                 pids = [seen[trial.target]["pid"]]
             else:

@@ -9,7 +9,8 @@ finished can end FAILED. And torchrun decides who hosts by hostname: an agent th
 hpkit's job scripts name the store's node (HPKIT_RDZV_NODE, next to MASTER_ADDR). On that node this
 launcher binds the store itself before torchrun starts (torchrun's agent shares it: multi-tenant), says
 plainly when the port is taken, and after a successful run waits until every other agent has said it is
-done with the store. Elsewhere it tells torchrun not to try hosting. Without HPKIT_RDZV_NODE or
+done with the store. Elsewhere it tells torchrun not to try hosting. Its workers learn the store's address
+(HPKIT_WATCH_STORE): the hang watchdog's nodes report through it. Without HPKIT_RDZV_NODE or
 SLURMD_NODENAME (a bare launch) it is torchrun unchanged.
 """
 
@@ -22,6 +23,8 @@ import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
+
+from hpkit.watch_store import export
 
 # How long the store's host waits for the other agents after its own run succeeded. They are done
 # within a second of the exit barrier; an agent that died never reports, and then the host stops waiting.
@@ -69,6 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     agents = _max_nodes(args.nnodes)
     counter = done_key(args.rdzv_id)
     store = _serve(host, port) if is_host else None
+    # The hang watchdog's nodes report through this store too: it lives outside the training processes.
+    export(os.environ, host, port, os.environ.get(RDZV_NODE_ENV, ""))
     _run(args)  # raises on failure: the step ends then, and nobody needs the store any more
     if store is not None:
         _wait_for_agents(store, counter, agents - 1)

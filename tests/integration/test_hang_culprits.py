@@ -1,14 +1,17 @@
 """The hang watchdog names culprits that heartbeats and totals alone would miss, in a real `hpkit train` on two
-"nodes" of two ranks (two torchrun agents, FSDP x TP over gloo; bench/_hang_trials.py, the same drill the
-bench repeats 20 times per fault):
+"nodes" of two ranks (two torchrun agents, FSDP x TP over gloo; bench/_hang_trials.py, the same drill the bench
+repeats 20 times per fault), with nodeB's clocks running 30 s ahead of nodeA's (libfaketime on its agent and
+ranks, wall and monotonic both), as on a cluster whose NTP has drifted:
 
 - a rank that leaves out the step's loss all-reduce and goes on to the next step's all-gather: its count of
-  collectives entered equals everyone's, so only the per-group comparison (whose wait began first) names it;
-- a whole node frozen (its torchrun agent and both ranks SIGSTOPped), the node that holds rank 0 and the
-  rendezvous store: a live rank on the other node writes the verdict, naming the node.
+  collectives entered equals everyone's, so only the per-group comparison (whose wait began first, told by
+  ages, not by the two nodes' clocks) names it;
+- nodeA frozen (its torchrun agent and both ranks SIGSTOPped): it holds rank 0 and torchrun's store, through
+  which the nodes report, so nodeB finds the store silent and names nodeA;
+- nodeB frozen: it holds the judge; the standby on nodeA takes over and names nodeB;
+- a rank stopped on the skewed node after 15 s of clean training (no hang called in those 15 s): named.
 
-Both drills run side by side (their waits overlap); each must name its culprit within min_s + 10 s of the
-fault's own timestamp.
+All four drills run side by side. How fast each is named is the bench's to measure (bench_hang_detection.py).
 """
 
 from __future__ import annotations
@@ -21,19 +24,29 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from _hang_trials import Trial, run_trial
+from _hang_trials import Trial, run_trial, skewed
 
 pytestmark = pytest.mark.dist
 
 MIN_S = 5.0
+SKEW = {"nodeB": skewed(30)}
+CLEAN_S = 3 * MIN_S
 
 
 @pytest.fixture(scope="module")
 def drills(tmp_path_factory) -> dict[str, Trial]:
     root = tmp_path_factory.mktemp("drills")
-    wanted = {"skip": Trial("skip", 1), "frozen-node": Trial("frozen-node", 0)}
+    wanted = {
+        "skip": (Trial("skip", 1), 0.0),
+        "store-node": (Trial("frozen-node", 0), 0.0),
+        "judge-node": (Trial("frozen-node", 1), 0.0),
+        "skewed-rank": (Trial("sigstop", 3), CLEAN_S),
+    }
     with ThreadPoolExecutor(len(wanted)) as pool:
-        futures = {k: pool.submit(run_trial, t, root / k, MIN_S, 300) for k, t in wanted.items()}
+        futures = {
+            k: pool.submit(run_trial, t, root / k, MIN_S, 300, node_env=SKEW, clean_s=clean)
+            for k, (t, clean) in wanted.items()
+        }
         return {k: f.result() for k, f in futures.items()}
 
 
@@ -49,7 +62,6 @@ def test_a_rank_that_skips_a_collective_is_named_though_its_totals_match(drills)
     assert trial.verdict["culprits"] == [1] and trial.verdict["reason"] == "skipped", trial.verdict
     assert "rank 1 on nodeA" in trial.verdict["line"] and "left out a collective" in trial.verdict["line"]
     assert trial.verdict["line"] in trial.log
-    assert trial.detection_s <= MIN_S + 10, f"named after {trial.detection_s:.1f} s"
     # Every rank left its stacks and its flight-recorder trace, which holds the collectives compared.
     for rank in range(4):
         assert "most recent call first" in (folder / f"rank{rank}.txt").read_text()
@@ -58,17 +70,38 @@ def test_a_rank_that_skips_a_collective_is_named_though_its_totals_match(drills)
     assert (folder / "culprit_nodes").read_text() == "nodeA\n"
 
 
-def test_a_frozen_node_holding_rank_0_is_named_by_a_rank_on_the_other_node(drills):
-    trial = drills["frozen-node"]
+def test_a_frozen_node_holding_rank_0_and_the_store_is_named_by_the_other_node(drills):
+    trial = drills["store-node"]
     folder = _folder(trial)
     verdict = trial.verdict
-    assert verdict["culprits"] == [0, 1] and verdict["reason"] == "stopped", verdict
-    assert "node nodeA froze" in verdict["line"] and verdict["line"] in trial.log
-    assert trial.detection_s <= MIN_S + 10, f"named after {trial.detection_s:.1f} s"
+    assert verdict["reason"] == "store" and verdict["culprits"] == [0, 1], verdict
+    assert "store on node nodeA" in verdict["line"] and "has not answered node nodeB" in verdict["line"]
+    assert verdict["line"] in trial.log
     assert (folder / "culprit_nodes").read_text() == "nodeA\n"
     # The frozen ranks could not dump; the live ones did, and one of them wrote the verdict.
-    assert verdict["no_stacks"] == [0, 1]
     for rank in (2, 3):
         assert "most recent call first" in (folder / f"rank{rank}.txt").read_text()
     attempt = folder.name.rsplit("-step", 1)[0]
     assert [p.name for p in (folder.parent / ".writers" / attempt).iterdir()] in (["rank2"], ["rank3"])
+
+
+def test_a_frozen_judge_is_named_by_the_standby(drills):
+    trial = drills["judge-node"]
+    folder = _folder(trial)
+    verdict = trial.verdict
+    assert verdict["reason"] == "stopped" and verdict["culprits"] == [2, 3], verdict
+    assert "node nodeB froze" in verdict["line"] and verdict["judge"] == "nodeA"
+    assert verdict["no_stacks"] == [2, 3]
+    assert (folder / "culprit_nodes").read_text() == "nodeB\n"
+
+
+def test_a_node_whose_clock_runs_30_s_ahead_raises_no_hang_and_its_stopped_rank_is_named(drills):
+    trial = drills["skewed-rank"]
+    assert not trial.clean_verdict, "a hang was called during clean training"
+    verdict = trial.verdict
+    assert verdict is not None, trial.log[-5000:]
+    assert verdict["reason"] == "stopped" and verdict["culprits"] == [3], verdict
+    assert "rank 3 on nodeB" in verdict["line"]
+    # Nothing of the watchdog's was written under the output folder before the hang: only the hang's own files.
+    hangs = Path(verdict["stacks"]).parent
+    assert sorted(p.name for p in hangs.iterdir()) == sorted([".writers", Path(verdict["stacks"]).name])

@@ -27,6 +27,7 @@ from test_resilience import TINY_MODEL, submit, wait_for
 
 from _clusters import slot
 from hpkit import devcluster
+from hpkit.runtime.hang_board import reports_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.dist]
 
@@ -93,16 +94,9 @@ def training(name: str, work: Path, **resilience) -> dict:
 
 
 def beats(work: Path) -> list[dict]:
-    """The training ranks' heartbeats (hpkit.runtime.hang_watchdog) that show three steps done."""
-    found = []
-    for path in (work / "logs" / "hangs" / ".beats").glob("*/rank*.json"):
-        try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
-            continue
-        if data.get("step", 0) >= 3:
-            found.append(data)
-    return found
+    """The training ranks' reports (hpkit.runtime.hang_board: node-local, and every node of the local cluster
+    shares this host's /dev/shm) that show three steps done."""
+    return [r for r in reports_of(work / "logs" / "hangs").values() if r.get("step", 0) >= 3]
 
 
 def state(job: str, env) -> dict[str, str]:

@@ -1,4 +1,5 @@
-"""The hang watchdog's shared rule: when a job is stalled, and which rank holds it up."""
+"""The hang watchdog's rule (when a job is stalled, and which rank holds it up) and its channel (node boards,
+node summaries through a store, one judge, standbys, the store's silence)."""
 
 from __future__ import annotations
 
@@ -6,42 +7,44 @@ import json
 
 import pytest
 
-from hpkit.runtime.hang_watchdog import Beat, attempt_id, decide, top_frame
+from hpkit.runtime.hang_rules import RankView, decide
+from hpkit.runtime.hang_watchdog import attempt_id, top_frame
 
 NOW = 1000.0
 
 
-def beat(rank: int, **kw) -> Beat:
+def beat(rank: int, step_end: float = NOW - 30, beat_at: float = NOW - 0.5, **kw) -> RankView:
+    """A rank as the judge sees it at NOW; times are given on one clock and turned into the ages it reads."""
     fields = dict(
         rank=rank,
         node=f"node{rank // 2 + 1}",
         pid=100 + rank,
         step=5,
-        step_end=NOW - 30,
+        since_step_s=NOW - step_end,
         phase="step",
         collectives=40,
-        beat_at=NOW - 0.5,
+        age_s=NOW - beat_at,
         median_step_s=0.5,
     )
-    return Beat(**{**fields, **kw})
+    return RankView(**{**fields, **kw})
 
 
 def test_a_job_that_finishes_steps_is_not_stalled():
     beats = [beat(r, step_end=NOW - 1) for r in range(4)]
-    assert decide(beats, NOW, min_s=10, factor=10, world=4) is None
+    assert decide(beats, min_s=10, factor=10, world=4) is None
 
 
 def test_the_limit_is_the_larger_of_min_s_and_factor_times_the_median_step():
     beats = [beat(r, step_end=NOW - 30, median_step_s=5.0) for r in range(4)]
-    assert decide(beats, NOW, min_s=10, factor=10, world=4) is None  # 30 s < 10 x 5 s
-    verdict = decide(beats, NOW, min_s=10, factor=5, world=4)
+    assert decide(beats, min_s=10, factor=10, world=4) is None  # 30 s < 10 x 5 s
+    verdict = decide(beats, min_s=10, factor=5, world=4)
     assert verdict is not None and verdict.threshold_s == 25
 
 
 def test_a_stopped_rank_is_named_first_even_inside_a_collective():
     beats = [beat(r) for r in range(4)]
     beats[2] = beat(2, beat_at=NOW - 20, collectives=41)  # frozen after entering one more collective
-    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+    verdict = decide(beats, min_s=10, factor=10, world=4)
     assert verdict is not None and verdict.culprits == [2] and verdict.reason == "stopped"
     assert "rank 2 on node2" in verdict.line() and "heartbeat stopped" in verdict.line()
 
@@ -49,12 +52,12 @@ def test_a_stopped_rank_is_named_first_even_inside_a_collective():
 def test_the_rank_behind_in_collectives_is_the_culprit():
     beats = [beat(r, collectives=41) for r in range(4)]
     beats[3] = beat(3, collectives=40)  # sleeping before the all-reduce the others are in
-    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+    verdict = decide(beats, min_s=10, factor=10, world=4)
     assert verdict is not None and verdict.culprits == [3] and verdict.reason == "behind"
 
 
 def test_when_no_rank_stands_out_the_line_names_the_candidates():
-    verdict = decide([beat(r) for r in range(2)], NOW, min_s=10, factor=10, world=2)
+    verdict = decide([beat(r) for r in range(2)], min_s=10, factor=10, world=2)
     assert verdict is not None and verdict.reason == "unknown" and verdict.culprits == [0, 1]
     assert "cannot be told" in verdict.line() and "rank 0 on node1, rank 1 on node1" in verdict.line()
 
@@ -62,11 +65,11 @@ def test_when_no_rank_stands_out_the_line_names_the_candidates():
 def test_saves_the_start_and_missing_ranks_hold_the_clock():
     beats = [beat(r) for r in range(4)]
     beats[1] = beat(1, phase="save")
-    assert decide(beats, NOW, min_s=10, factor=10, world=4) is None
+    assert decide(beats, min_s=10, factor=10, world=4) is None
     starting = [beat(r, phase="start", step_end=NOW - 30) for r in range(4)]
-    assert decide(starting, NOW, min_s=10, factor=10, world=4, start_s=60) is None
-    assert decide(starting, NOW, min_s=10, factor=10, world=4, start_s=20) is not None
-    assert decide([beat(r) for r in range(3)], NOW, min_s=10, factor=10, world=4) is None
+    assert decide(starting, min_s=10, factor=10, world=4, start_s=60) is None
+    assert decide(starting, min_s=10, factor=10, world=4, start_s=20) is not None
+    assert decide([beat(r) for r in range(3)], min_s=10, factor=10, world=4) is None
 
 
 def test_attempts_differ_across_restarts_and_agree_across_ranks():
@@ -107,15 +110,14 @@ def grouped(
 ):
     groups = {
         name: [
-            members,
             entered.get(name, 10),
             (ops or {}).get(name, "gloo:all_reduce"),
-            (at or {}).get(name, 900.0),
+            NOW - (at or {}).get(name, 900.0),  # how long ago the newest op started
         ]
         for name, members in PAIRS.items()
         if rank in members
     }
-    return beat(rank, groups=groups, collectives=sum(g[1] for g in groups.values()))
+    return beat(rank, groups=groups, collectives=sum(g[0] for g in groups.values()))
 
 
 def test_the_rank_others_wait_for_and_that_waits_for_nobody_is_behind():
@@ -127,7 +129,7 @@ def test_the_rank_others_wait_for_and_that_waits_for_nobody_is_behind():
         grouped(2, {"tp1": 11}, at={"tp1": 901}),
         grouped(3, {"dp1": 11}, at={"dp1": 906}),
     ]
-    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+    verdict = decide(beats, min_s=10, factor=10, world=4)
     assert verdict is not None and (verdict.culprits, verdict.reason) == ([1], "behind"), verdict
     assert "rank 1 on node1" in verdict.line() and "has not entered" in verdict.line()
 
@@ -146,7 +148,7 @@ def test_a_rank_that_left_a_collective_out_is_found_though_its_totals_match():
         ]
         beats[1].step = 6
         assert len({b.collectives for b in beats}) == 1
-        verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+        verdict = decide(beats, min_s=10, factor=10, world=4)
         assert verdict is not None, skipper_at
         assert (verdict.culprits, verdict.reason, verdict.group) == ([1], "skipped", "w"), skipper_at
         assert "left out a collective" in verdict.line()
@@ -155,23 +157,23 @@ def test_a_rank_that_left_a_collective_out_is_found_though_its_totals_match():
 def test_at_equal_counts_the_rank_in_a_different_collective_is_named():
     beats = [grouped(r, {}) for r in WORLD]
     beats[2] = grouped(2, {}, ops={"w": "gloo:all_gather"})
-    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+    verdict = decide(beats, min_s=10, factor=10, world=4)
     assert verdict is not None and (verdict.culprits, verdict.reason) == ([2], "mismatch")
     tie = [grouped(0, {}), grouped(1, {}, ops={"tp0": "gloo:broadcast"})] + [grouped(r, {}) for r in (2, 3)]
-    verdict = decide(tie, NOW, min_s=10, factor=10, world=4)
+    verdict = decide(tie, min_s=10, factor=10, world=4)
     assert verdict is not None and verdict.reason == "unknown" and verdict.culprits == [0, 1]
 
 
 def test_a_frozen_node_is_named_as_a_node_and_a_freezing_rank_is_waited_for():
     beats = [beat(r, beat_at=NOW - 8) if r < 2 else beat(r) for r in WORLD]
-    verdict = decide(beats, NOW, min_s=10, factor=10, world=4)
+    verdict = decide(beats, min_s=10, factor=10, world=4)
     assert verdict is not None and verdict.culprits == [0, 1] and verdict.frozen_nodes() == ["node1"]
     assert "node node1 froze" in verdict.line()
     one = [beat(0, beat_at=NOW - 8)] + [beat(r) for r in (1, 2, 3)]
-    assert decide(one, NOW, min_s=10, factor=10, world=4).frozen_nodes() == []
+    assert decide(one, min_s=10, factor=10, world=4).frozen_nodes() == []
     # A beat 2-5 s old: the rank may be freezing now; no verdict until it is fresh or stale.
     late = [beat(0, beat_at=NOW - 3)] + [beat(r) for r in (1, 2, 3)]
-    assert decide(late, NOW, min_s=10, factor=10, world=4) is None
+    assert decide(late, min_s=10, factor=10, world=4) is None
 
 
 def test_newest_ops_reads_the_flight_recorders_newest_collective_per_group():
@@ -231,3 +233,182 @@ def test_faults_parse_the_skip_kind_and_log_when_they_fire(tmp_path, monkeypatch
     assert (record["kind"], record["rank"], record["step"]) == ("skip", 1, 3) and record["at"] > 0
     with pytest.raises(ValueError, match="skip"):
         faults.Fault.parse("freeze:rank=1")
+
+
+def test_only_live_ranks_hold_the_clock_a_rank_stopped_inside_a_save_is_named():
+    # Rank 2 stopped (SIGSTOP, a frozen node) while its report said "save": its last word must not hold the
+    # clock for ever. Judged over every report instead of the live ones, this job would never be called hung.
+    beats = [beat(r) for r in WORLD]
+    beats[2] = beat(2, phase="save", beat_at=NOW - 20)
+    verdict = decide(beats, min_s=10, factor=10, world=4)
+    assert verdict is not None and (verdict.culprits, verdict.reason) == ([2], "stopped")
+    starting = [beat(r) for r in WORLD]
+    starting[3] = beat(3, phase="start", step_end=NOW - 30, beat_at=NOW - 20)
+    verdict = decide(starting, min_s=10, factor=10, world=4, start_s=600)
+    assert verdict is not None and verdict.culprits == [3]
+
+
+# The channel, driven by hand: three nodes of two ranks, every node's leader calling Uplink.step once a "second"
+# on a fake clock, all through one in-memory store that counts its requests.
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class CountingStore:
+    def __init__(self) -> None:
+        from hpkit.runtime.hang_watchdog import MemoryStore
+
+        self.inner, self.calls = MemoryStore(), 0
+
+    def __getattr__(self, name):
+        method = getattr(self.inner, name)
+
+        def call(*args):
+            self.calls += 1
+            return method(*args)
+
+        return call
+
+
+def cluster(nodes: int = 3, per_node: int = 2):
+    from hpkit.runtime.hang_channel import Judge, Uplink
+
+    clock, store = Clock(), CountingStore()
+    uplinks = []
+    for i in range(nodes):
+        judge = Judge(nodes, nodes * per_node, min_s=10, factor=10, start_s=600, clock=clock)
+        uplinks.append(
+            Uplink(lambda: store, i, nodes, judge, lambda v: {"line": v.line(), **v.__dict__}, clock)
+        )
+    return clock, store, uplinks
+
+
+def reports(node: int, per_node: int, step: int, since: float, seq: int) -> dict[int, dict]:
+    return {
+        r: {
+            "rank": r,
+            "pid": 10 + r,
+            "seq": seq,
+            "step": step,
+            "since_step_s": since,
+            "phase": "step",
+            "median_step_s": 0.5,
+        }
+        for r in range(node * per_node, (node + 1) * per_node)
+    }
+
+
+def run_seconds(
+    clock, store, uplinks, seconds: int, frozen=(), stalled_from: int | None = None, stopped_rank=None
+):
+    from hpkit.runtime.hang_channel import summarize
+
+    for _ in range(seconds):
+        clock.now += 1
+        t = int(clock.now)
+        for i, up in enumerate(uplinks):
+            if i in frozen:
+                continue
+            since = 0.2 if stalled_from is None or t < stalled_from else t - stalled_from
+            reps = reports(i, 2, 5, since, t)
+            ages = {r: 0.0 for r in reps}
+            if stopped_rank in reps:
+                ages[stopped_rank] = float(t - stalled_from) if stalled_from and t > stalled_from else 0.0
+            up.offer(summarize(f"node{i}", i, t, reps, ages))
+            up.step(store)
+
+
+def test_one_judge_reads_one_summary_per_node_and_its_verdict_reaches_every_leader():
+    clock, store, uplinks = cluster()
+    run_seconds(clock, store, uplinks, 20)
+    assert [u.judging for u in uplinks] == [False, True, False]  # node 1 judges, nodes 2 and 0 stand by
+    assert all(u.verdict is None for u in uplinks)
+    # Steady state: per second one compare_set per node, the judge's multi_get, two standbys' multi_get.
+    before = store.calls
+    run_seconds(clock, store, uplinks, 10)
+    assert (store.calls - before) / 10 == 3 + 3
+    # Rank 4 (node 2) stops at t=31; nothing finishes after it.
+    run_seconds(clock, store, uplinks, 25, stalled_from=31, stopped_rank=4)
+    judge = uplinks[1]
+    assert (
+        judge.verdict is not None
+        and judge.verdict["culprits"] == [4]
+        and judge.verdict["reason"] == "stopped"
+    )
+    run_seconds(clock, store, uplinks, 1)
+    assert all(u.verdict is not None and u.verdict["culprits"] == [4] for u in uplinks)
+
+
+def test_a_frozen_judge_is_named_by_the_standby_that_takes_over():
+    clock, store, uplinks = cluster()
+    run_seconds(clock, store, uplinks, 20)
+    # Node 1 (the judge) freezes at t=21: its summaries stop changing; nothing finishes after.
+    run_seconds(clock, store, uplinks, 30, frozen={1}, stalled_from=21)
+    standby = uplinks[2]
+    assert standby.judging and not uplinks[0].judging
+    assert standby.verdict is not None and standby.verdict["culprits"] == [2, 3], standby.verdict
+    assert "node node1 froze" in standby.verdict["line"]
+
+
+def test_a_node_that_cannot_reach_the_store_waits_for_the_judge_then_names_the_store():
+    from hpkit.runtime.hang_rules import store_verdict
+
+    common = dict(
+        step=5, store="10.0.0.1:29500", store_node="n0", reporter="n3", store_ranks={0: "n0", 1: "n0"}
+    )
+    # Silent store but steps still finish here: a slow store, no hang.
+    assert store_verdict(silent_s=60, local_stalled_s=1, local_threshold_s=10, grace_s=5, **common) is None
+    # Stalled, but not yet past the limit plus the judge's head start.
+    assert store_verdict(silent_s=14, local_stalled_s=14, local_threshold_s=10, grace_s=5, **common) is None
+    verdict = store_verdict(silent_s=16, local_stalled_s=16, local_threshold_s=10, grace_s=5, **common)
+    assert verdict is not None and verdict.reason == "store" and verdict.culprit_nodes() == ["n0"]
+    assert "store on node n0 (10.0.0.1:29500) has not answered node n3" in verdict.line()
+
+
+def test_an_unreachable_store_leaves_the_uplink_silent():
+    from hpkit.runtime.hang_channel import Judge, Uplink
+
+    clock = Clock()
+
+    def refuse():
+        raise RuntimeError("connection refused")
+
+    up = Uplink(refuse, 0, 2, Judge(2, 4, 10, 10, 600, clock), lambda v: {}, clock).start()
+    up._thread.join(5)
+    clock.now = 12
+    assert up.silent_s() == 12 and up.verdict is None
+
+
+def test_node_boards_are_node_local_and_ages_are_counted_on_the_readers_clock(tmp_path):
+    from hpkit.runtime.hang_board import Freshness, NodeBoard, board_dir, reports_of
+
+    folder = board_dir(tmp_path / "hangs", "7-0-0-0", {"HPKIT_WATCH_BOARD": str(tmp_path / "shm")})
+    a0, a1 = NodeBoard(folder, "a", 0).open(), NodeBoard(folder, "a", 1).open()
+    b2 = NodeBoard(folder, "b", 2).open()
+    for board, rank in ((a0, 0), (a1, 1), (b2, 2)):
+        board.write({"rank": rank, "seq": 1})
+    assert sorted(a0.read()) == [0, 1] and sorted(b2.read()) == [2]
+    found = reports_of(tmp_path / "hangs", {"HPKIT_WATCH_BOARD": str(tmp_path / "shm")})
+    assert sorted(found) == [0, 1, 2]
+    clock = Clock()
+    fresh = Freshness(clock)
+    assert fresh.see(1, 1) == 0
+    clock.now = 3
+    assert fresh.see(1, 1) == 3  # the counter did not move for 3 s of this reader's clock
+    assert fresh.see(1, 2) == 0
+    for board in (a0, a1, b2):
+        board.close()
+    assert not folder.exists()
+
+
+def test_node_place_follows_the_launcher():
+    from hpkit.runtime.hang_watchdog import node_place
+
+    assert node_place(5, 8, {"GROUP_RANK": "2", "GROUP_WORLD_SIZE": "4"}) == (2, 4)
+    assert node_place(5, 8, {"SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2"}) == (1, 2)
+    assert node_place(5, 8, {"LOCAL_WORLD_SIZE": "4"}) == (1, 2)
+    assert node_place(5, 8, {}) == (5, 8)

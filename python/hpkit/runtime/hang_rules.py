@@ -1,0 +1,245 @@
+"""The hang watchdog's rule: when a job is stalled, and which rank or node holds it up. Pure and torch-free.
+
+Every figure is an age in seconds, measured on one clock at a time and added up along the way a report
+travelled (the rank's own clock, then its node leader's, then the judge's): no wall-clock time from one host is
+ever compared with another host's, so nodes whose clocks disagree by minutes are judged the same.
+
+- stalled: no rank has finished a step for `max(min_s, factor x median step time)`; a live rank in a checkpoint
+  save or in the start-up load (first step included) holds the clock, since those are long by design; no
+  verdict while some rank's report is between fresh and stale (`LATE_S`..`STALE_S` old: it may be freezing);
+- culprit, compared per process group as the flight recorder's analyser does:
+  - stopped: a rank whose reports stopped (a stopped process, a frozen or cut-off node) is named first, and a
+    node all of whose ranks stopped is named as a node;
+  - behind: in each group, a member that has entered more collectives waits for the members that entered
+    fewer; the ranks that others wait for and that wait for nobody never reached the collective;
+  - skipped: waits that run in a circle come from a rank that left a collective out and went on to the next:
+    the rank the most others wait for, then the one with the most steps finished, then the one behind in the
+    wait that began first (the oldest newest-collective);
+  - mismatch: members at the same count whose newest collectives differ: the minority is named;
+  - else no rank is singled out and the line names every candidate.
+- store: a node that has not reached the watchdog's store for a while, while its own ranks finish no step,
+  names the store's node (frozen, or cut off), or itself (its own link is down): see `store_verdict`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+# A report older than this is a stopped rank or node (its watchdog thread stopped too), not a busy one:
+# one report a second, and room for a loaded host's scheduling.
+STALE_S = 5.0
+# A report this old may come from a rank that is freezing now: judge once it is fresh again or stale.
+LATE_S = 2.0
+
+
+@dataclass
+class RankView:
+    """One rank as the judge sees it now."""
+
+    rank: int
+    node: str
+    pid: int
+    step: int  # steps finished
+    since_step_s: float  # since its last step ended (or its watchdog started)
+    phase: str  # "start", "step", "save"
+    age_s: float  # since its report was last seen changing
+    median_step_s: float | None = None
+    collectives: int = 0
+    # process group name -> [collectives entered, newest op, how long ago that op started]
+    groups: dict[str, list[Any]] = field(default_factory=dict)
+
+    @property
+    def live(self) -> bool:
+        return self.age_s < STALE_S
+
+
+@dataclass(frozen=True)
+class Verdict:
+    step: int
+    stalled_s: float
+    threshold_s: float
+    culprits: list[int]
+    reason: str  # "stopped", "behind", "skipped", "mismatch", "unknown", "store"
+    nodes: dict[int, str]
+    top_frames: dict[int, str]
+    group: str = ""  # the process group the culprit holds up, where one was compared
+    # reason "store": the store's address and node, and the node that could not reach it
+    store: str = ""
+    store_node: str = ""
+    reporter: str = ""
+
+    def frozen_nodes(self) -> list[str]:
+        """Nodes every rank of which stopped reporting."""
+        culprits = set(self.culprits) if self.reason == "stopped" else set()
+        nodes = sorted({self.nodes[r] for r in culprits if r in self.nodes})
+        return [n for n in nodes if all(r in culprits for r, node in self.nodes.items() if node == n)]
+
+    def culprit_nodes(self) -> list[str]:
+        """The nodes to leave out of the next step (a spare takes their place)."""
+        if self.reason == "store":
+            return [self.store_node] if self.store_node else []
+        return sorted({self.nodes[r] for r in self.culprits if r in self.nodes})
+
+    def line(self) -> str:
+        if self.reason == "store":
+            where = f"node {self.store_node} ({self.store})" if self.store_node else self.store
+            return (
+                f"hpkit: hang: the watchdog's store on {where} has not answered node {self.reporter} for "
+                f"{self.stalled_s:.0f} s while no step finished (limit {self.threshold_s:.0f} s): "
+                f"{self.store_node or 'its node'} froze or is cut off, or {self.reporter}'s own link is down"
+            )
+        where = ", ".join(f"rank {r} on {self.nodes.get(r, '?')}" for r in self.culprits)
+        frame = self.top_frames.get(self.culprits[0], "") if len(self.culprits) == 1 else ""
+        at = f" at {frame}" if frame else ""
+        group = f" (process group {self.group})" if self.group else ""
+        if self.reason == "stopped":
+            frozen = self.frozen_nodes()
+            if frozen:
+                why = f"node {', '.join(frozen)} froze or is cut off: every rank on it stopped reporting"
+            else:
+                why = "its heartbeat stopped (process stopped or node frozen)"
+        elif self.reason == "behind":
+            why = f"it has not entered the collective the other ranks wait in{group}"
+        elif self.reason == "skipped":
+            why = f"it left out a collective the other ranks wait in{group} and went on to the next"
+        elif self.reason == "mismatch":
+            why = f"its collective differs from the one the other ranks are in{group}"
+        else:
+            return (
+                f"hpkit: hang: no rank finished step {self.step + 1} for {self.stalled_s:.0f} s "
+                f"(limit {self.threshold_s:.0f} s); the culprit cannot be told, candidates: {where}"
+            )
+        return (
+            f"hpkit: hang: {where} held up step {self.step + 1} for {self.stalled_s:.0f} s "
+            f"(limit {self.threshold_s:.0f} s): {why}{at}"
+        )
+
+
+def threshold_s(medians: list[float], min_s: float, factor: float) -> float:
+    return max(min_s, factor * statistics.median(medians)) if medians else min_s
+
+
+def decide(
+    views: list[RankView], min_s: float, factor: float, world: int, start_s: float = 600.0
+) -> Verdict | None:
+    """A verdict when the job is stalled, else None."""
+    if len(views) < world:
+        return None  # not every rank has reported yet: nothing to compare
+    # Only the live ranks' phases count: a rank that stopped inside a save would otherwise hold the clock
+    # for ever (it is the culprit, not a reason to wait).
+    live = [v for v in views if v.live]
+    if any(v.phase == "save" for v in live):
+        return None  # a checkpoint save is long by design (and ends in a collective the others wait in)
+    if any(v.phase == "start" and v.since_step_s < start_s for v in live):
+        return None  # the start-up load and first step: allowed start_s
+    limit = threshold_s([v.median_step_s for v in views if v.median_step_s], min_s, factor)
+    stalled = min(v.since_step_s for v in views)
+    if stalled < limit:
+        return None
+    if any(LATE_S <= v.age_s < STALE_S for v in views):
+        return None  # a rank may be freezing right now: judge once its report is fresh again or stale
+    step = min(v.step for v in views)
+    nodes = {v.rank: v.node for v in views}
+    stopped = sorted(v.rank for v in views if not v.live)
+    if stopped:
+        return Verdict(step, stalled, limit, stopped, "stopped", nodes, {})
+    culprits, reason, group = blame(views)
+    return Verdict(step, stalled, limit, culprits, reason, nodes, {}, group)
+
+
+def blame(views: list[RankView]) -> tuple[list[int], str, str]:
+    """Which live ranks hold the others up, from the collectives each entered per process group."""
+    everyone = sorted(v.rank for v in views)
+    if not any(v.groups for v in views):
+        # Reports without per-group counts: compare the totals.
+        least = min(v.collectives for v in views)
+        behind = sorted(v.rank for v in views if v.collectives == least)
+        return (behind, "behind", "") if len(behind) < len(views) else (everyone, "unknown", "")
+    # group -> rank -> (entered, op, how long ago the op started)
+    groups: dict[str, dict[int, tuple[int, str, float]]] = {}
+    for v in views:
+        for name, (entered, op, age) in v.groups.items():
+            groups.setdefault(name, {})[v.rank] = (int(entered), str(op), float(age))
+    waits_for: dict[int, set[int]] = {}
+    # (minus how long ago the wait started: the smallest began first, group, who is waited for)
+    pending: list[tuple[float, str, list[int]]] = []
+    for name, seen in sorted(groups.items()):
+        if len(seen) < 2:
+            continue
+        low = min(e for e, _, _ in seen.values())
+        behind = sorted(r for r, (e, _, _) in seen.items() if e == low)
+        ahead = [r for r, (e, _, _) in seen.items() if e > low]
+        for r in ahead:
+            waits_for.setdefault(r, set()).update(behind)
+        if ahead:
+            pending.append((-max(seen[r][2] for r in ahead), name, behind))
+    if waits_for:
+        waited = set().union(*waits_for.values())
+        sinks = sorted(waited - set(waits_for))
+        if sinks:
+            group = next((g for _, g, behind in sorted(pending) if set(behind) & set(sinks)), "")
+            return sinks, "behind", group
+        # A circle: one rank left a collective out and went on to the next, where it waits for a peer that
+        # waits in the left-out one. The skipper is waited for by the most ranks (everyone else in the group
+        # it skipped in), has finished the most steps (the skip let it finish its step), and, last, is
+        # behind in the wait that began first (not always: a fast skipper may reach its next collective
+        # before the slowest peer reached the skipped one).
+        step = {v.rank: v.step for v in views}
+        waiters: dict[int, set[int]] = {}
+        for r, targets in waits_for.items():
+            for t in targets:
+                waiters.setdefault(t, set()).add(r)
+        first_wait = {}
+        for began, name, behind in sorted(pending, reverse=True):
+            for r in behind:
+                first_wait[r] = (began, name)
+        score = {r: (len(waiters[r]), step.get(r, 0), -first_wait[r][0]) for r in waiters}
+        best = max(score.values())
+        culprits = sorted(r for r, sc in score.items() if sc == best)
+        return culprits, "skipped", first_wait[culprits[0]][1]
+    for name, seen in sorted(groups.items()):
+        ops = Counter(op for _, op, _ in seen.values() if op)
+        if len(ops) < 2:
+            continue
+        counts = sorted(ops.values())
+        if counts[0] < counts[1]:
+            odd = min(ops, key=lambda op: ops[op])
+            return sorted(r for r, (_, op, _) in seen.items() if op == odd), "mismatch", name
+        return sorted(seen), "unknown", name
+    return everyone, "unknown", ""
+
+
+def store_verdict(
+    *,
+    silent_s: float,
+    local_stalled_s: float,
+    local_threshold_s: float,
+    grace_s: float,
+    step: int,
+    store: str,
+    store_node: str,
+    reporter: str,
+    store_ranks: dict[int, str],
+) -> Verdict | None:
+    """A node that cannot reach the watchdog's store judges alone, and only once both its store has been silent
+    and its own ranks have finished no step for the limit plus `grace_s`: a live judge names a cut-off node
+    within the limit, so it speaks first (one verdict per attempt), and a store that is merely slow while
+    training goes on raises nothing."""
+    wait = local_threshold_s + grace_s
+    if silent_s < wait or local_stalled_s < wait:
+        return None
+    return Verdict(
+        step,
+        local_stalled_s,
+        local_threshold_s,
+        sorted(store_ranks),
+        "store",
+        dict(store_ranks),
+        {},
+        store=store,
+        store_node=store_node,
+        reporter=reporter,
+    )
