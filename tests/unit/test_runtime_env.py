@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -141,3 +143,21 @@ def test_a_taken_master_port_is_one_line_naming_it(tmp_path):
         f"hpkit train: error: rank 0: MASTER_PORT {port} is already in use on 127.0.0.1: another job or "
         "program holds it; pick a free port (torchrun --standalone or --rdzv-endpoint HOST:0 chooses one)"
     ]
+
+
+def test_groups_made_after_the_world_inherit_the_jobs_collective_timeout():
+    # A DeviceMesh dimension or the checkpointer's gloo group got torch's 30-minute default, not
+    # resilience.collective_timeout_s: a dead peer held such a collective for half an hour.
+    script = (
+        "import torch.distributed as dist\n"
+        "from hpkit.runtime.env import DeviceInfo, LaunchEnv, init_distributed\n"
+        "launch = LaunchEnv(rank=0, world_size=1, local_rank=0, local_world_size=1, master_addr='127.0.0.1',"
+        " master_port=1, source='test')\n"
+        "init_distributed(launch, DeviceInfo('cpu', None, 'gloo', 'cpu'), timeout_s=42)\n"
+        "group = dist.new_group(backend='gloo')\n"
+        "import torch\n"
+        "print(group._get_backend(torch.device('cpu')).options._timeout.total_seconds())\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "42.0"

@@ -14,6 +14,7 @@ import socket
 import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from hpkit.errors import HpkitError
 from hpkit.rendezvous import DEFAULT_PORT, port_for_job
@@ -203,6 +204,19 @@ def choose_device(launch: LaunchEnv) -> DeviceInfo:
     return DeviceInfo("cpu", None, "gloo", platform.processor() or platform.machine() or "cpu")
 
 
+def groups_inherit_timeout(timeout: Any) -> None:
+    """Make the job's collective timeout the default of every process group made after the world's.
+
+    torch gives a group made later (DeviceMesh's dimensions, the checkpointer's gloo group) its own default, 30
+    minutes for gloo and 10 for NCCL, not the world's: a collective in one of them waited that long on a dead
+    peer, and during a checkpoint save the hang watchdog (which holds its clock for saves) stayed quiet."""
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timeout
+    if c10d.default_pg_nccl_timeout is not None:
+        c10d.default_pg_nccl_timeout = timeout
+
+
 def init_distributed(launch: LaunchEnv, device: DeviceInfo, timeout_s: float = 600.0) -> None:
     """Join the process group (also for a world of one, so that every code path is the same)."""
     import datetime
@@ -221,6 +235,7 @@ def init_distributed(launch: LaunchEnv, device: DeviceInfo, timeout_s: float = 6
         dist.init_process_group(
             device.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout, **kwargs
         )
+        groups_inherit_timeout(timeout)
         return
     # env:// rather than tcp://: under torchrun the agent already serves the store on MASTER_PORT
     # (TORCHELASTIC_USE_AGENT_STORE), and only env:// knows to join it instead of binding the port again.
@@ -231,6 +246,7 @@ def init_distributed(launch: LaunchEnv, device: DeviceInfo, timeout_s: float = 6
     os.environ["LOCAL_RANK"] = str(launch.local_rank)
     try:
         dist.init_process_group(backend=device.backend, init_method="env://", timeout=timeout, **kwargs)
+        groups_inherit_timeout(timeout)
     except dist.DistNetworkError as exc:
         if "EADDRINUSE" not in str(exc):
             raise
