@@ -72,7 +72,20 @@ def summarize(
                 _aged_groups(rep.get("groups") or {}, age),
             ]
         )
-    return json.dumps({"node": node, "index": index, "seq": seq, "ranks": ranks}, separators=(",", ":"))
+    # A header line the judge reads every second, then the ranks, which it reads only once the job may be
+    # stalled: parsing 16k ranks a second would cost the judge's rank most of a 100 ms budget.
+    newest = min((entry[3] for entry in ranks), default=0.0)
+    header = {"node": node, "index": index, "seq": seq, "newest_step_s": newest}
+    return json.dumps(header, separators=(",", ":")) + "\n" + json.dumps(ranks, separators=(",", ":"))
+
+
+def parse_summary(text: str, ranks: bool = True) -> dict[str, Any]:
+    """A node summary: its header, and its ranks (`ranks` False: the header alone, which is cheap)."""
+    head, _, body = text.partition("\n")
+    summary = json.loads(head)
+    if ranks:
+        summary["ranks"] = json.loads(body) if body else []
+    return summary
 
 
 def _aged_groups(groups: dict[str, list[Any]], age: float) -> dict[str, list[Any]]:
@@ -96,7 +109,8 @@ def views(summary: dict[str, Any], summary_age: float) -> list[RankView]:
                 age_s=float(age) + summary_age,
                 median_step_s=median,
                 collectives=int(collectives),
-                groups=_aged_groups(groups, summary_age) if groups else {},
+                groups=groups or {},
+                groups_age_s=summary_age,
             )
         )
     return out
@@ -123,15 +137,23 @@ class Judge:
             self._all_seen = True
         raw = store.multi_get(keys)
         started = time.perf_counter()
-        seen: list[RankView] = []
+        texts, ages, newest = [], [], float("inf")
         for value in raw:
             text = value.decode() if isinstance(value, bytes) else str(value)
             if text.startswith(VERDICT_MARK):
                 return None  # a verdict is already out (another judge's)
-            summary = json.loads(text)
-            age = self._fresh.see(summary["index"], summary["seq"])
-            seen.extend(views(summary, age))
-        verdict = decide(seen, self.min_s, self.factor, self.world, self.start_s)
+            header = parse_summary(text, ranks=False)
+            age = self._fresh.see(header["index"], header["seq"])
+            texts.append(text)
+            ages.append(age)
+            newest = min(newest, float(header.get("newest_step_s", 0.0)) + age)
+        verdict = None
+        # Some rank finished a step within min_s (the smallest limit there is): not stalled, whatever the rest.
+        if newest >= self.min_s:
+            seen: list[RankView] = []
+            for text, age in zip(texts, ages, strict=True):
+                seen.extend(views(parse_summary(text), age))
+            verdict = decide(seen, self.min_s, self.factor, self.world, self.start_s)
         self.last_decision_s = time.perf_counter() - started
         return verdict
 
@@ -231,7 +253,7 @@ class Uplink:
         if self._want_first and self._first_incomplete() and store.check([node_key(0)]):
             first = store.get(node_key(0)).decode()
             if not first.startswith(VERDICT_MARK):
-                self.first_summary = json.loads(first)
+                self.first_summary = parse_summary(first)
         if not self.judging and 0 < self.position <= STANDBYS:
             self.judging = self._judges_ahead_stopped(store)
         if self.judging:
@@ -256,7 +278,7 @@ class Uplink:
             text = value.decode() if isinstance(value, bytes) else str(value)
             if text.startswith(VERDICT_MARK):
                 return False
-            if self._ahead.see(i, json.loads(text)["seq"]) < STALE_S:
+            if self._ahead.see(i, parse_summary(text, ranks=False)["seq"]) < STALE_S:
                 return False
         return True
 

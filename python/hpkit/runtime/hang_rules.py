@@ -48,8 +48,11 @@ class RankView:
     age_s: float  # since its report was last seen changing
     median_step_s: float | None = None
     collectives: int = 0
-    # process group name -> [collectives entered, newest op, how long ago that op started]
+    # process group name -> [collectives entered, newest op, how long ago that op started, as of the report]
     groups: dict[str, list[Any]] = field(default_factory=dict)
+    # Seconds to add to each op's age: how old the report is (kept apart so that a judge reading thousands of
+    # ranks does not rebuild every rank's groups)
+    groups_age_s: float = 0.0
 
     @property
     def live(self) -> bool:
@@ -162,7 +165,7 @@ def blame(views: list[RankView]) -> tuple[list[int], str, str]:
     groups: dict[str, dict[int, tuple[int, str, float]]] = {}
     for v in views:
         for name, (entered, op, age) in v.groups.items():
-            groups.setdefault(name, {})[v.rank] = (int(entered), str(op), float(age))
+            groups.setdefault(name, {})[v.rank] = (int(entered), str(op), float(age) + v.groups_age_s)
     waits_for: dict[int, set[int]] = {}
     # (minus how long ago the wait started: the smallest began first, group, who is waited for)
     pending: list[tuple[float, str, list[int]]] = []
