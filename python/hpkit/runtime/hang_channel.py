@@ -221,10 +221,13 @@ class Uplink:
         except Exception:  # the store cannot be reached: silent_s grows, the board thread judges that
             return
         while not self._stop.is_set() and self.verdict is None:
+            stepped = self._offered
             # A store error is a silent store (silent_s grows); never take the rank down.
             with contextlib.suppress(Exception):
                 self.step(store)
-            pause(self._stop.is_set, self._beat_s)
+            # Sent as soon as the board thread offers the next summary: a timer of its own would add up to a
+            # second between a rank's report and the judge.
+            pause(lambda sent=stepped: self._stop.is_set() or self._offered is not sent, 2 * self._beat_s)
 
     def step(self, store: Store) -> None:
         """One round: send the summary, watch the judges ahead, judge if it is this node's turn."""
