@@ -262,12 +262,16 @@ class CliBackend:
         """The controller's records (squeue --json), by job id: all of them, or those named.
 
         22.05's `squeue --json` ignores filters and returns every job, so we filter here; later
-        versions honour `--jobs`. A controller that does not answer makes squeue exit 0 with an
-        `errors` list in the JSON (22.05) or exit non-zero: both raise TransientSlurmError.
+        versions honour `--jobs` and, like plain squeue, leave out ended jobs unless asked for every
+        state (24.11: a COMPLETED job named by `--jobs` is simply missing). A controller that does not
+        answer makes squeue exit 0 with an `errors` list in the JSON (22.05) or exit non-zero: both
+        raise TransientSlurmError.
         """
         args = ["squeue", "--json"]
-        if job_ids and self.version >= (23, 2):
-            args.append(f"--jobs={','.join(job_ids)}")
+        if self.version >= (23, 2):
+            args.append("--states=all")
+            if job_ids:
+                args.append(f"--jobs={','.join(job_ids)}")
         try:
             proc = _run(args, env=self.env, check=False)
         except SlurmError as exc:  # a timeout: the controller is busy or down
@@ -422,8 +426,13 @@ def expand_output_pattern(pattern: str, record: dict) -> str | None:
 
 
 def _json_int(value: object) -> int | None:
-    # OpenAPI v0.0.38 gives ints; later versions wrap numbers as {"set": true, "number": N}
-    # or exit codes as {"return_code": {...}, "signal": {...}}.
+    """A number from any OpenAPI version of Slurm's JSON, None when unset or infinite.
+
+    v0.0.38 (22.05) gives ints (an exit code as a wait status); v0.0.39+ (23.02 .. 24.11's v0.0.42) wrap
+    numbers as {"set", "infinite", "number"} and exit codes as {"status": [...], "return_code": {number},
+    "signal": {"id": {number}, "name"}}, returned here as a wait status. A job killed by a signal has
+    no return code (`set` false) and its signal set: (0, signal), as 22.05's wait status says.
+    """
     if isinstance(value, bool):
         return None
     if isinstance(value, int):
@@ -431,20 +440,27 @@ def _json_int(value: object) -> int | None:
     if isinstance(value, dict):
         if "return_code" in value:
             code = _json_int(value.get("return_code"))
-            sig = (
-                _json_int((value.get("signal") or {}).get("id"))
-                if isinstance(value.get("signal"), dict)
-                else 0
-            )
-            return None if code is None else (code << 8) | (sig or 0)
-        if value.get("set", True) and "number" in value:
+            signal = value.get("signal")
+            sig = _json_int(signal.get("id")) if isinstance(signal, dict) else None
+            if code is None and sig is None:
+                return None
+            return ((code or 0) << 8) | ((sig or 0) & 0x7F)
+        if value.get("set", True) and not value.get("infinite", False) and "number" in value:
             return _json_int(value["number"])
     return None
 
 
+# Flags that 22.05's job_state string (and squeue's %T) gives before the base state, in its order: a
+# cancelled job whose steps are still being killed is COMPLETING, not yet CANCELLED.
+_STATE_FLAGS_FIRST = ("COMPLETING", "CONFIGURING", "RESIZING", "REQUEUED")
+
+
 def _json_state(value: object) -> str:
-    if isinstance(value, list):  # 23.02+: a list of flags, the base state first
-        return str(value[0]) if value else ""
+    if isinstance(
+        value, list
+    ):  # 23.02+: the base state first, then flags (24.11: ["CANCELLED", "COMPLETING"])
+        words = [str(v) for v in value]
+        return next((flag for flag in _STATE_FLAGS_FIRST if flag in words), words[0] if words else "")
     return str(value or "")
 
 

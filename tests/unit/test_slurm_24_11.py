@@ -1,0 +1,169 @@
+"""hpkit's Slurm readers against real records of Slurm 24.11.5 (HyperPod's Slurm; data_parser v0.0.42).
+
+The records in tests/fixtures/slurm-24.11 were captured from `make cluster-up SLURM=24.11` (see the README
+there): every shape that hpkit.slurm reads, with the states a job goes through.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpkit import slurm
+from hpkit.slurm import CliBackend, JobState, parse_scontrol_record
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm-24.11"
+
+
+def records(name: str) -> dict[str, dict]:
+    data = json.loads((FIXTURES / name).read_text())
+    assert data["meta"]["slurm"]["release"] == "24.11.5"
+    assert data["meta"]["plugin"]["data_parser"] == "data_parser/v0.0.42"
+    return {str(job["job_id"]): job for job in data["jobs"]}
+
+
+def info(name: str, job_id: str) -> slurm.JobInfo:
+    return CliBackend()._from_record(records(name)[job_id], with_stdout=False)
+
+
+@pytest.mark.parametrize(
+    ("job_id", "state", "exit_code", "signal", "reason", "nodes"),
+    [
+        ("9001", JobState.COMPLETED, 0, 0, "None", "node[1-2]"),
+        ("9002", JobState.FAILED, 3, 0, "NonZeroExitCode", "node1"),  # exit 3
+        ("9003", JobState.FAILED, 0, 9, "RaisedSignal", "node2"),  # kill -9: no return code, signal 9
+        ("9004", JobState.TIMEOUT, 0, 15, "TimeLimit", "node1"),
+        ("9005", JobState.PENDING, 0, 0, "JobHeldUser", ""),  # scontrol requeuehold of a running job
+        ("9006", JobState.CANCELLED, 0, 15, "None", "node1"),  # scancel
+        ("9007", JobState.RUNNING, 0, 0, "None", "node1"),  # its second run, after scontrol requeue
+        ("9008", JobState.PENDING, 0, 0, "BeginTime", ""),
+    ],
+)
+def test_every_state_of_squeue_json(job_id, state, exit_code, signal, reason, nodes):
+    """`squeue --json --states=all`: states as lists, numbers as {set, infinite, number}, exit codes as
+    {status, return_code, signal}."""
+    job = info("squeue-states-all.json", job_id)
+    assert (job.state, job.exit_code, job.signal, job.reason, job.nodes) == (
+        state,
+        exit_code,
+        signal,
+        reason,
+        nodes,
+    )
+    assert job.user == "root" and job.node_count == (2 if job_id == "9001" else 1)
+
+
+def test_a_failed_and_a_signalled_job_read_as_22_05s_wait_status_would():
+    failed = info("squeue-states-all.json", "9002")
+    assert failed.summary() == "job 9002 (fail): FAILED, exit code 3, reason NonZeroExitCode, on node1"
+    killed = info("squeue-states-all.json", "9003")
+    assert killed.summary() == "job 9003 (sig): FAILED, exit code 0, signal 9, reason RaisedSignal, on node2"
+
+
+def test_times_and_limits():
+    demo = info("squeue-states-all.json", "9000")
+    assert demo.time_limit_min == 15 and demo.end_time - demo.start_time == 51  # the demo job, 51 s
+    assert info("squeue-states-all.json", "9004").time_limit_min == 1
+    # An unlimited job: {"set": false, "infinite": true}
+    assert records("squeue-states-all.json")["9008"]["time_limit"] == {
+        "set": False,
+        "infinite": True,
+        "number": 0,
+    }
+    assert info("squeue-states-all.json", "9008").time_limit_min is None
+
+
+def test_running_and_requeued_jobs():
+    running = info("squeue-active.json", "9005")
+    assert (running.state, running.nodes, running.reason) == (JobState.RUNNING, "node2", "None")
+    requeued = records("squeue-active.json")["9007"]  # just after `scontrol requeue`
+    assert requeued["restart_cnt"] == 1
+    assert info("squeue-active.json", "9007").state == JobState.PENDING
+
+
+def test_a_job_whose_steps_are_still_being_killed_is_completing_not_ended():
+    """24.11 lists ["CANCELLED", "COMPLETING"] while the steps die; 22.05 said COMPLETING. `wait` must not
+    return before the steps are gone."""
+    raw = records("squeue-completing.json")
+    assert raw["9009"]["job_state"] == ["CANCELLED", "COMPLETING"]
+    assert raw["9010"]["job_state"] == ["PENDING", "COMPLETING"]  # requeued, its old run still ending
+    for job_id in ("9009", "9010"):
+        job = info("squeue-completing.json", job_id)
+        assert job.state == JobState.COMPLETING and not job.state.finished
+
+
+def test_stdout_is_the_expanded_path_without_asking_scontrol(monkeypatch):
+    """24.11 gives the expanded output path (`-o logs/%x-%j.out` in the submit directory)."""
+    monkeypatch.setattr(slurm, "_run", lambda *a, **k: pytest.fail(f"no Slurm call expected: {a}"))
+    record = records("squeue-states-all.json")["9001"]
+    assert CliBackend()._stdout(record) == "/tmp/hpkit-u/cap/logs/ok-9001.out"
+
+
+class FakeSlurm:
+    """slurm._run answering from the captured outputs; records each command."""
+
+    def __init__(self, squeue: str | None, sacct_c: str = ""):
+        self.calls: list[list[str]] = []
+        self.squeue = squeue
+        self.sacct_c = sacct_c
+
+    def __call__(self, args, env=None, check=True):
+        self.calls.append(args)
+        done = lambda rc, out="", err="": subprocess.CompletedProcess(args, rc, out, err)  # noqa: E731
+        if args[:2] == ["sinfo", "--version"]:
+            return done(0, (FIXTURES / "sinfo-version.txt").read_text())
+        if args[0] == "squeue":
+            if self.squeue is None:  # the one job named has left the controller
+                return done(1, "", (FIXTURES / "squeue-unknown-job.stderr").read_text())
+            return done(0, self.squeue)
+        if args[0] == "sacct" and "-c" in args:
+            return done(0, self.sacct_c)
+        if args[0] == "sacct":  # no slurmdbd on the local cluster
+            return done(1, "", "Slurm accounting storage is disabled\n")
+        raise AssertionError(args)
+
+
+def test_version_and_the_squeue_call(monkeypatch):
+    fake = FakeSlurm((FIXTURES / "squeue-states-all.json").read_text())
+    monkeypatch.setattr(slurm, "_run", fake)
+    backend = CliBackend()
+    assert backend.version == (24, 11)
+    found = backend.poll(["9002", "9001"])
+    # Ended jobs are asked for by state: without --states=all, 24.11 leaves them out even when named.
+    assert fake.calls[-1] == ["squeue", "--json", "--states=all", "--jobs=9002,9001"]
+    assert found["9002"].state == JobState.FAILED and found["9001"].state == JobState.COMPLETED
+
+
+def test_a_forgotten_job_is_read_from_the_completion_log(monkeypatch):
+    """squeue exits 1 for a single unknown job; sacct without slurmdbd fails; `sacct -c` answers."""
+    fake = FakeSlurm(None, (FIXTURES / "sacct-completion-log.txt").read_text())
+    monkeypatch.setattr(slurm, "_run", fake)
+    monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
+    found = CliBackend().poll(["9003"])
+    assert [c[:2] for c in fake.calls[1:]] == [["squeue", "--json"], ["sacct", "-n"], ["sacct", "-c"]]
+    job = found["9003"]
+    assert (job.state, job.exit_code, job.signal, job.nodes) == (JobState.FAILED, 0, 9, "node2")
+
+
+def test_the_completion_log_lines():
+    fake = FakeSlurm(None, (FIXTURES / "sacct-completion-log.txt").read_text())
+    rows = {line.split("|")[0]: line.split("|") for line in fake.sacct_c.splitlines()}
+    assert rows["9004"][2:4] == ["TIMEOUT", "0:0"] and rows["9006"][2:4] == ["CANCELLED", "0:0"]
+    assert JobState.parse(rows["9004"][2]) == JobState.TIMEOUT
+
+
+def test_scontrol_show_job_record():
+    fields = parse_scontrol_record((FIXTURES / "scontrol-show-job-signaled.txt").read_text().strip())
+    assert fields["JobState"] == "FAILED" and fields["ExitCode"] == "0:9"
+    assert fields["Reason"] == "RaisedSignal:9(Killed)"
+    assert fields["StdOut"] == "/tmp/hpkit-u/cap/sig-9003.out"
+    assert fields["NodeList"] == "node2" and fields["Restarts"] == "0"
+
+
+def test_sinfo_node_states(monkeypatch):
+    text = (FIXTURES / "sinfo-nodes.txt").read_text()
+    monkeypatch.setattr(slurm, "_run", lambda args, env=None: subprocess.CompletedProcess(args, 0, text, ""))
+    assert slurm.node_states() == {"node1": "mix", "node2": "idle"}
