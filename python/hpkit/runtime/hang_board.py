@@ -2,8 +2,9 @@
 
 Every rank writes its report once a second to a small file in node-local memory (`/dev/shm`), never to the
 shared filesystem; its node-mates read the folder, so a node's ranks see each other without any traffic
-leaving the node. Ages are told by a counter in each report seen changing on the reader's own monotonic
-clock (`Freshness`), never by a time written by another process.
+leaving the node. A report's age is read on the host's monotonic clock, which every process of the node shares
+(the report says when it was written on it); a counter seen changing on the reader's own clock (`Freshness`) is
+the fallback, and the only measure across nodes, whose clocks are never compared.
 
 The folder is keyed by the run's hangs folder and the attempt, so two jobs (or two emulated nodes of one
 test host) never share one: `<root>/hpkit-watch-<uid>/<run key>-<attempt>/<node>/rank<r>.json`, with

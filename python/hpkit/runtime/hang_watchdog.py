@@ -10,7 +10,8 @@ Its steady-state cost grows with no shared resource as the job grows:
 - one node's leader judges every node's summary with the rule in `hang_rules`; two standbys take over from
   a judge that stops; the judge's verdict comes back to every leader in the reply to its next summary;
 - nothing is written under the output folder (the shared filesystem) until a hang is called;
-- every age is a counter seen changing on the reader's own monotonic clock: nodes' clocks are never compared.
+- ages within a node are read on the host's monotonic clock, which its processes share; across nodes, an age is a
+  counter seen changing on the reader's own monotonic clock: nodes' clocks are never compared.
 
 On a hang each rank writes its stacks (all threads, faulthandler, which needs nothing from a stuck main thread)
 and its flight-recorder trace to `<hangs>/<attempt>-step<N>/rank<r>.txt` and `fr-rank<r>.json`; a node's leader
@@ -340,6 +341,7 @@ class HangWatchdog:
             "node": self.node,
             "pid": os.getpid(),
             "seq": self._seq,
+            "at": time.monotonic(),  # read only by the ranks of this host (one monotonic clock)
             "step": self._step,
             "since_step_s": round(time.monotonic() - self._step_end, 3),
             "phase": self._phase,
@@ -355,9 +357,8 @@ class HangWatchdog:
         self.board.write(self.report())
         reports = self.board.read()
         self._reports = reports
-        ages = {
-            r: 0.0 if r == self.rank else self._fresh.see(r, rep.get("seq")) for r, rep in reports.items()
-        }
+        now = time.monotonic()
+        ages = {r: 0.0 if r == self.rank else self._age(r, rep, now) for r, rep in reports.items()}
         posted = self.board.verdict()
         if posted is not None:
             return posted, False
@@ -377,6 +378,16 @@ class HangWatchdog:
         uplink.offer(summarize(self.node, self.index, self._summaries, reports, ages))
         record = self._store_silence(uplink, reports, ages)
         return (record, True) if record is not None else (None, False)
+
+    def _age(self, rank: int, report: dict[str, Any], now: float) -> float:
+        """How old a node-mate's report is. Processes of one host share its monotonic clock, so the time the
+        report says it was written is exact; the counter seen changing (up to a beat late) is the fallback
+        where that time cannot be read on this clock (another time namespace)."""
+        counted = self._fresh.see(rank, report.get("seq"))
+        at = report.get("at")
+        if isinstance(at, (int, float)) and 0.0 <= now - at <= counted + 2 * BEAT_S:
+            return now - at
+        return counted
 
     def _new_uplink(self) -> Uplink:
         judge = Judge(self.nodes, self.world, self.min_s, self.factor, self.start_s, time.monotonic)
