@@ -13,16 +13,22 @@ export PATH := $(BIN):$(PATH)
 DEV_CLUSTER_DIR ?= $(CURDIR)/.dev-cluster
 export HPKIT_DEV_CLUSTER_DIR := $(DEV_CLUSTER_DIR)
 export SLURM_CONF := $(DEV_CLUSTER_DIR)/etc/slurm.conf
+# The local cluster's Slurm: 22.05 (Debian 12's packages) or 24.11 (HyperPod's, run from a Debian trixie root that
+# slurm/dev/slurm-root.sh builds once into ~/.cache/hpkit; its commands are wrappers in .dev-cluster/bin).
+SLURM ?= 22.05
+ifeq ($(SLURM),24.11)
+export PATH := $(DEV_CLUSTER_DIR)/bin:$(PATH)
+endif
 # Short and outside the checkout: munge's socket path must fit in a sockaddr_un (108 bytes).
 TEST_TMP ?= /tmp/hpkit-test
 
-.PHONY: help setup system-deps venv demo demo-container test test-gpu test-unit lint cluster-up cluster-down bench bench-anchor clean
+.PHONY: help setup system-deps slurm-root venv demo demo-container test test-gpu test-unit lint cluster-up cluster-down bench bench-anchor clean
 
 help:
 	@echo "make demo         install, start the local Slurm cluster, run a 2-node training job"
 	@echo "make demo-container  the same job inside the CPU image (Slurm's OCI containers, runc; root)"
 	@echo "make test         install and run the whole test suite (lint included)"
-	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2)"
+	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2 SLURM=22.05|24.11)"
 	@echo "make cluster-down stop it"
 	@echo "make test-gpu     the CUDA half of the suite (tests/gpu), on a GPU machine"
 	@echo "make lint         ruff + shellcheck"
@@ -40,6 +46,7 @@ system-deps:
 	command -v mpirun >/dev/null || missing="$$missing openmpi-bin libopenmpi-dev"; \
 	command -v faketime >/dev/null || missing="$$missing faketime"; \
 	ls /usr/lib/*/libpmix.so >/dev/null 2>&1 || missing="$$missing libpmix-dev"; \
+	if [ "$(SLURM)" = 24.11 ]; then command -v mmdebstrap >/dev/null || missing="$$missing mmdebstrap"; fi; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" != 0 ]; then echo "missing Debian packages:$$missing; run: sudo apt-get install$$missing" >&2; exit 1; fi; \
@@ -58,7 +65,11 @@ venv: $(VENV)/.installed
 setup: system-deps venv
 
 cluster-up: system-deps
-	slurm/dev/up.sh
+	SLURM=$(SLURM) slurm/dev/up.sh
+
+# The Slurm 24.11 root (SLURM=24.11 clusters, and the tests marked slurm_24_11), built once per machine.
+slurm-root: image-test-deps
+	@slurm/dev/slurm-root.sh >/dev/null
 
 cluster-down:
 	slurm/dev/down.sh
@@ -69,6 +80,7 @@ demo: setup cluster-up
 # The demo job inside the CPU image: builds it (podman's Docker API where no engine answers), exports it as an
 # OCI bundle (OCI_BUNDLE, default .dev-cluster/images/hpkit-cpu) and runs it with container.runtime: oci.
 demo-container: setup cluster-up image-test-deps
+	@if [ "$(SLURM)" = 24.11 ]; then echo "demo-container: Slurm 24.11's OCI containers are not wired yet (runc is not in its root); use SLURM=22.05" >&2; exit 2; fi
 	BIN=$(BIN) scripts/demo-container.sh
 
 lint: venv
@@ -81,7 +93,7 @@ lint: venv
 # Three workers, whole files each (a file shares its clusters and fixtures): the suite mostly waits on
 # Slurm and on torch launches, so side by side it takes about half the wall time (tests/_clusters.py gives
 # every worker its own clusters).
-test: setup lint image-test-deps
+test: setup lint image-test-deps slurm-root
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
 	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 3 --dist loadfile tests
 

@@ -5,7 +5,7 @@ clusters whose job ids meet modulo 3000 would also meet on rendezvous ports. Eve
 slot: ports `base + 100 * worker + offset` and job ids `base + 1000 * worker + offset`, where `worker` is
 the pytest-xdist worker (gw0, gw1, gw2; 0 without xdist) and the bases are HPKIT_TEST_CLUSTER_PORT /
 HPKIT_TEST_FIRST_JOB_ID. Offsets leave each cluster 10 ports (a controller and up to 9 nodes) and 50 to
-400 job ids. Three workers fill the 3000 rendezvous ports: two checkouts testing on one host at once share
+350 job ids. Three workers fill the 3000 rendezvous ports: two checkouts testing on one host at once share
 them, and can collide.
 """
 
@@ -20,7 +20,8 @@ MAX_WORKERS = 3  # 3 * 1000 job ids: one rendezvous port each (hpkit.rendezvous.
 
 # cluster name -> (port offset, job-id offset)
 OFFSETS = {
-    "session": (0, 0),  # 400 job ids
+    "session": (0, 0),  # 350 job ids
+    "slurm-24.11": (80, 350),  # 50 job ids: the session's Slurm 24.11 cluster (tests marked slurm_24_11)
     "node-loss": (10, 400),
     "all-nodes": (20, 500),
     "polling": (30, 600),

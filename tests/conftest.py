@@ -34,8 +34,9 @@ def repo() -> Path:
 
 
 @pytest.fixture(scope="session")
-def slurm_cluster(tmp_path_factory) -> dict[str, str]:
-    """Start a 2-node x 2-CPU cluster for this test session; returns the environment for clients."""
+def slurm_cluster_22_05(tmp_path_factory) -> dict[str, str]:
+    """Start a 2-node x 2-CPU cluster of the host's Slurm (22.05) for this test session; returns the
+    environment for clients, which is also this process's for the session (SLURM_CONF, PYTHONPATH)."""
     if shutil.which("slurmctld") is None:
         pytest.fail("slurmctld not found: `make test` installs slurm-wlm; run it, or `make system-deps`")
     # Not a developer's `make cluster-up` cluster, nor another xdist worker's: its own directory,
@@ -55,6 +56,56 @@ def slurm_cluster(tmp_path_factory) -> dict[str, str]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster_24_11(tmp_path_factory) -> dict[str, str]:
+    """The same cluster under Slurm 24.11 (HyperPod's), run from the trixie root that slurm/dev/slurm-root.sh
+    builds once per machine (`make test` builds it first); its clients are the wrappers in <dir>/bin."""
+    env = devcluster.client_env(tmp_path_factory.mktemp("slurm-24.11"), *slot("slurm-24.11"), slurm="24.11")
+    try:
+        devcluster.up(env)
+    except devcluster.DevClusterError as exc:
+        pytest.fail(str(exc))
+    yield env
+    devcluster.down(env)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(request) -> dict[str, str]:
+    """The session's local cluster: Slurm 22.05; a test marked `slurm_24_11` runs once on each version.
+
+    Under 24.11 (function-scoped there, by the parametrization below) this process's SLURM_CONF, PATH and
+    PYTHONPATH point at the 24.11 cluster for the test, so that `CliBackend()` and `hpkit` reach it too.
+    """
+    version = getattr(request, "param", "22.05")
+    if version == "22.05":
+        return request.getfixturevalue("slurm_cluster_22_05")
+    env = request.getfixturevalue("slurm_cluster_24_11")
+    patch = pytest.MonkeyPatch()
+    for key in ("SLURM_CONF", "PATH", "PYTHONPATH"):
+        patch.setenv(key, env[key])
+    request.addfinalizer(patch.undo)
+    return env
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "slurm_24_11: runs on the local cluster under Slurm 22.05 and again under 24.11 (HyperPod's)",
+    )
+
+
+def pytest_generate_tests(metafunc):
+    """`@pytest.mark.slurm_24_11`: the test runs on the 22.05 cluster and again on the 24.11 one."""
+    if metafunc.definition.get_closest_marker("slurm_24_11") and "slurm_cluster" in metafunc.fixturenames:
+        metafunc.parametrize(
+            "slurm_cluster",
+            devcluster.SLURM_VERSIONS,
+            indirect=True,
+            scope="function",
+            ids=lambda v: f"slurm{v}",
+        )
 
 
 def _ci() -> bool:
@@ -106,6 +157,19 @@ SLOW_FILES_FIRST = (
 )
 
 
-def pytest_collection_modifyitems(items):
+def _left_off_24_11(item) -> bool:
+    """`@pytest.mark.slurm_24_11(launcher="torchrun")`: on 24.11, only the parameters named (fewer jobs)."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or callspec.params.get("slurm_cluster") != "24.11":
+        return False
+    marker = item.get_closest_marker("slurm_24_11")
+    return any(callspec.params.get(name) != value for name, value in marker.kwargs.items())
+
+
+def pytest_collection_modifyitems(config, items):
+    left_off = [item for item in items if _left_off_24_11(item)]
+    if left_off:
+        config.hook.pytest_deselected(items=left_off)
+        items[:] = [item for item in items if item not in left_off]
     rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order otherwise kept

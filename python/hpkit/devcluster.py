@@ -19,6 +19,8 @@ from hpkit.errors import HpkitError
 PYTHON_DIR = Path(__file__).resolve().parents[1]
 DEV_DIR = PYTHON_DIR.parent / "slurm" / "dev"
 SCRIPT_TIMEOUT_S = 120
+# The Slurm versions slurm/dev/up.sh runs: the host's Debian 12 packages, and HyperPod's from a trixie root.
+SLURM_VERSIONS = ("22.05", "24.11")
 
 
 class DevClusterError(HpkitError):
@@ -35,14 +37,18 @@ def client_env(
     slurmd_timeout: int | None = None,
     min_job_age: int | None = None,
     memory_kill: bool = False,
+    slurm: str = "22.05",
 ) -> dict[str, str]:
     """The environment for slurm/dev's scripts and the cluster's clients (sbatch, squeue, its jobs).
 
     `base` (default: this process's environment) is copied, not changed. `slurmd_timeout`: seconds
     before a silent node is declared DOWN; `min_job_age`: seconds the controller keeps an ended job
     (slurm/dev's defaults where None); `memory_kill`: schedule memory and kill a step over its job's --mem
-    (slurm/dev/up.sh's MEMORY_KILL).
+    (slurm/dev/up.sh's MEMORY_KILL); `slurm`: "22.05" (the host's packages) or "24.11" (from a Debian
+    trixie root, through the wrappers that up.sh writes in `<state_dir>/bin`, first on this PATH).
     """
+    if slurm not in SLURM_VERSIONS:
+        raise DevClusterError(f"slurm must be one of {', '.join(SLURM_VERSIONS)}, not {slurm!r}")
     env = dict(os.environ if base is None else base)
     env.update(
         HPKIT_DEV_CLUSTER_DIR=str(state_dir),
@@ -50,10 +56,13 @@ def client_env(
         FIRST_JOB_ID=str(first_job_id),
         NODES=str(nodes),
         CPUS=str(cpus),
+        SLURM=slurm,
         SLURM_CONF=str(Path(state_dir) / "etc" / "slurm.conf"),
         # Jobs import hpkit from this checkout whichever Python runs them.
         PYTHONPATH=os.pathsep.join(p for p in (str(PYTHON_DIR), env.get("PYTHONPATH")) if p),
     )
+    if slurm != "22.05":
+        env["PATH"] = os.pathsep.join(p for p in (str(Path(state_dir) / "bin"), env.get("PATH")) if p)
     if slurmd_timeout is not None:
         env["SLURMD_TIMEOUT"] = str(slurmd_timeout)
     if min_job_age is not None:

@@ -6,6 +6,8 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 dir=${HPKIT_DEV_CLUSTER_DIR:-$(cd "$here/../.." && pwd)/.dev-cluster}
 [[ -d $dir/run ]] || { echo "cluster-down: nothing to stop in $dir"; exit 0; }
 export SLURM_CONF=$dir/etc/slurm.conf
+# A SLURM=24.11 cluster's commands are its wrappers into the Slurm 24.11 root (up.sh).
+if [[ -x $dir/bin/.in-root ]]; then export PATH=$dir/bin:$PATH; fi
 
 # Jobs first, so their steps end before the slurmds that watch them.
 if [[ -s $dir/run/slurmctld.pid ]] && kill -0 "$(cat "$dir/run/slurmctld.pid")" 2>/dev/null; then
@@ -13,19 +15,26 @@ if [[ -s $dir/run/slurmctld.pid ]] && kill -0 "$(cat "$dir/run/slurmctld.pid")" 
   scancel --quiet 2>/dev/null || true
 fi
 
+# TERM to every daemon of a kind at once, then wait for them all (KILL after 5 s): 24.11's slurmd takes
+# about 2 s to stop, so one after the other would cost 2 s a node.
 stop() {
-  local pidfile=$1 pid
-  [[ -s $pidfile ]] || return 0
-  pid=$(cat "$pidfile")
-  if kill -0 "$pid" 2>/dev/null; then
-    kill "$pid" 2>/dev/null || true
+  local pidfile pid pids=()
+  for pidfile in "$@"; do
+    [[ -s $pidfile ]] || continue
+    pid=$(cat "$pidfile")
+    if kill -0 "$pid" 2>/dev/null; then
+      kill "$pid" 2>/dev/null || true
+      pids+=("$pid")
+    fi
+  done
+  for pid in "${pids[@]}"; do
     for _ in $(seq 1 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
     if kill -0 "$pid" 2>/dev/null; then kill -9 "$pid" 2>/dev/null || true; fi
-  fi
-  rm -f "$pidfile"
+  done
+  rm -f "$@"
 }
 
-for pidfile in "$dir"/run/slurmd-*.pid; do [[ -e $pidfile ]] && stop "$pidfile"; done
+stop "$dir"/run/slurmd-*.pid
 stop "$dir/run/slurmctld.pid"
 stop "$dir/run/munged.pid"
 echo "cluster-down: stopped the cluster in $dir"

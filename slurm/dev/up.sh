@@ -18,6 +18,12 @@
 #                          CPU asked for) and enforced: jobacct_gather/linux reads each step's memory
 #                          every second and kills a step over its job's --mem (OverMemoryKill), as a
 #                          cluster without cgroups does. Default 0: memory is neither (2 GiB nodes)
+#   SLURM                  22.05: the host's Debian 12 packages (default). 24.11 (HyperPod's): the daemons and
+#                          the client commands run from a Debian trixie root (slurm-root.sh builds and caches it
+#                          once per machine) through wrappers in <dir>/bin, first on PATH in <dir>/etc/env
+#   HPKIT_SLURM_BINDS      24.11: paths (colon-separated) that jobs use besides the checkout, /tmp, $HOME and <dir>
+#
+# <dir>/etc/env sets SLURM_CONF (and PATH for 24.11): `. <dir>/etc/env` and sbatch, squeue, hpkit reach this cluster.
 set -euo pipefail
 
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -29,6 +35,7 @@ first_job_id=${FIRST_JOB_ID:-1}
 slurmd_timeout=${SLURMD_TIMEOUT:-30}
 min_job_age=${MIN_JOB_AGE:-600}
 memory_kill=${MEMORY_KILL:-0}
+slurm=${SLURM:-22.05}
 
 die() { echo "cluster-up: $*" >&2; exit 1; }
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, not '$nodes'"
@@ -40,17 +47,57 @@ fi
 [[ $slurmd_timeout =~ ^[1-9][0-9]*$ ]] || die "SLURMD_TIMEOUT must be a positive integer, not '$slurmd_timeout'"
 [[ $min_job_age =~ ^[1-9][0-9]*$ ]] || die "MIN_JOB_AGE must be a positive integer, not '$min_job_age'"
 [[ $memory_kill =~ ^[01]$ ]] || die "MEMORY_KILL must be 0 or 1, not '$memory_kill'"
-for cmd in munged slurmctld slurmd scontrol sinfo; do
-  command -v "$cmd" >/dev/null || die "$cmd not found: install Debian's slurm-wlm and munge (make system-deps)"
-done
+[[ $slurm == 22.05 || $slurm == 24.11 ]] || die "SLURM must be 22.05 (the host's packages) or 24.11, not '$slurm'"
 [[ $(id -u) == 0 ]] || die "run as root: slurmd must be able to start jobs as any user"
 
 alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
+if alive "$dir/run/slurmctld.pid" && [[ $(cat "$dir/etc/slurm-version" 2>/dev/null || echo 22.05) != "$slurm" ]]; then
+  die "the cluster in $dir runs Slurm $(cat "$dir/etc/slurm-version" 2>/dev/null || echo 22.05), not $slurm: stop it first (make cluster-down)"
+fi
 mkdir -p "$dir"/{etc,state,run,log,munge,spool,tmp}
 chmod 0755 "$dir/munge"
 conf=$dir/etc/slurm.conf
 export SLURM_CONF=$conf
+
+if [[ $slurm == 24.11 ]]; then
+  # The wrappers of a running cluster stay: its job steps call them.
+  if ! alive "$dir/run/slurmctld.pid" || [[ ! -x $dir/bin/.in-root ]]; then
+    command -v unshare >/dev/null || die "unshare not found: install util-linux"
+    root=$("$here/slurm-root.sh") || die "the Slurm 24.11 root could not be built (slurm/dev/slurm-root.sh)"
+    # Bound into the root at the same paths: the checkout and its venv, /tmp, the home directory (pyenv's
+    # Python), this cluster's directory, the base interpreter of the Python on PATH (the venv's), and
+    # HPKIT_SLURM_BINDS (colon-separated: where else jobs read or write).
+    binds=("$(cd "$here/../.." && pwd)" /tmp "$HOME" "$dir")
+    IFS=: read -r -a extra <<<"${HPKIT_SLURM_BINDS:-}"
+    binds+=("${extra[@]}")
+    if base=$(python3 -c 'import sys; print(sys.base_prefix)' 2>/dev/null); then
+      if [[ $base == /usr ]]; then  # Debian's own python3.X: its binary and standard library
+        mapfile -t -O "${#binds[@]}" binds < <(python3 -c 'import os, sys, sysconfig
+print(os.path.realpath(sys.executable), sysconfig.get_paths()["stdlib"], sep="\n")')
+      else
+        binds+=("$base")
+      fi
+    fi
+    rm -rf "${dir:?}/bin"
+    mkdir -p "$dir/bin"
+    sed -e "s|@ROOT@|$root|" -e "s|@BINDS@|${binds[*]}|" "$here/in-root.sh" >"$dir/bin/.in-root"
+    chmod 0755 "$dir/bin/.in-root"
+    for cmd in munged munge slurmctld slurmd sbatch salloc srun squeue sacct scontrol sinfo scancel sstat; do
+      ln -s .in-root "$dir/bin/$cmd"
+    done
+  fi
+  export PATH=$dir/bin:$PATH
+  # shellcheck disable=SC2016  # $PATH is the sourcing shell's
+  printf 'export SLURM_CONF=%q\nexport PATH=%q:"$PATH"\n' "$conf" "$dir/bin" >"$dir/etc/env"
+else
+  rm -rf "${dir:?}/bin"
+  for cmd in munged slurmctld slurmd scontrol sinfo; do
+    command -v "$cmd" >/dev/null || die "$cmd not found: install Debian's slurm-wlm and munge (make system-deps)"
+  done
+  printf 'export SLURM_CONF=%q\n' "$conf" >"$dir/etc/env"
+fi
+echo "$slurm" >"$dir/etc/slurm-version"
 
 # A running cluster keeps its config: rewriting it under live daemons would split their view.
 if ! alive "$dir/run/slurmctld.pid"; then
@@ -112,7 +159,7 @@ for _ in $(seq 1 60); do
   states=$(sinfo -h -N -o '%N %t' 2>/dev/null || true)
   ready=$(awk '$2 ~ /^(idle|alloc|mix|comp)$/' <<<"$states" | wc -l)
   if ((ready == ${#node_names[@]})); then
-    echo "cluster-up: ${#node_names[@]} nodes ready (SLURM_CONF=$conf)"
+    echo "cluster-up: ${#node_names[@]} nodes ready, Slurm $slurm (. $dir/etc/env to use it: SLURM_CONF=$conf)"
     exit 0
   fi
   down=$(awk '$2 ~ /^(down|drain|drng|fail)/ {print $1}' <<<"$states")

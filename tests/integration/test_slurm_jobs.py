@@ -53,6 +53,7 @@ def output_of(info, timeout: float = 10) -> str:
     return Path(info.stdout).read_text()
 
 
+@pytest.mark.slurm_24_11(launcher="torchrun")
 @pytest.mark.parametrize("launcher", ["torchrun", "srun"])
 def test_two_nodes_join_one_process_group(slurm_cluster, tmp_path, launcher):
     spec = {
@@ -91,6 +92,7 @@ def test_two_nodes_join_one_process_group(slurm_cluster, tmp_path, launcher):
         assert sorted(r["rank"] for r in by_node["node1"]) == [0, 1]
 
 
+@pytest.mark.slurm_24_11
 def test_failing_job_is_reported_failed_with_its_exit_code(slurm_cluster, tmp_path):
     spec = {
         "name": "fails",
@@ -109,6 +111,7 @@ def test_failing_job_is_reported_failed_with_its_exit_code(slurm_cluster, tmp_pa
     assert "about to fail" in logs.stdout
 
 
+@pytest.mark.slurm_24_11
 def test_cancel_ends_the_job_and_its_steps(slurm_cluster, tmp_path):
     pid_file = tmp_path / "step.pid"
     spec = {
@@ -134,6 +137,27 @@ def test_cancel_ends_the_job_and_its_steps(slurm_cluster, tmp_path):
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(p) for p in pids), "the job's step processes outlived the cancel"
+
+
+@pytest.mark.slurm_24_11
+def test_the_24_11_cluster_runs_from_its_root_and_mounts_nothing_on_the_host(slurm_cluster_24_11):
+    env = slurm_cluster_24_11
+    state = Path(env["HPKIT_DEV_CLUSTER_DIR"])
+    sinfo = subprocess.run(["sinfo", "--version"], env=env, capture_output=True, text=True, check=True)
+    assert sinfo.stdout.strip() == "slurm-wlm 24.11.5"
+    assert shutil.which("sbatch", path=env["PATH"]) == str(state / "bin" / "sbatch")
+    # `. <dir>/etc/env` gives a shell the same commands.
+    sourced = subprocess.run(
+        ["bash", "-c", f". {state}/etc/env && command -v squeue && echo $SLURM_CONF"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert sourced.stdout.split() == [str(state / "bin" / "squeue"), env["SLURM_CONF"]]
+    # The daemons' binds live in their own mount namespace, not in this one's mount table.
+    root = (state / "bin" / ".in-root").read_text().split("\nroot=", 1)[1].split("\n", 1)[0]
+    assert Path(root, "etc/hpkit-slurm-root").is_file()
+    assert root not in Path("/proc/self/mountinfo").read_text()
 
 
 def _alive(pid: int) -> bool:

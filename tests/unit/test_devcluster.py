@@ -54,3 +54,23 @@ def test_oci_conf_runs_runc_per_node_job_step_and_task():
         assert value.startswith('"runc --root=@DIR@/run/runc ') and "%n.%j.%s.%t" in value
     assert lines["RunTimeRun"].endswith(' -b %b"')
     assert 'oci.conf.in" >"$dir/etc/oci.conf"' in (devcluster.DEV_DIR / "up.sh").read_text()
+
+
+def test_a_24_11_cluster_puts_its_command_wrappers_first_on_path(tmp_path):
+    env = devcluster.client_env(tmp_path / "c", 7917, 9000, base={"PATH": "/usr/bin"}, slurm="24.11")
+    assert env["SLURM"] == "24.11"
+    assert env["PATH"].split(os.pathsep) == [str(tmp_path / "c" / "bin"), "/usr/bin"]
+    assert devcluster.client_env(tmp_path / "c", 7917, 9000, base={"PATH": "/usr/bin"})["SLURM"] == "22.05"
+    with pytest.raises(
+        devcluster.DevClusterError, match=r"slurm must be one of 22\.05, 24\.11, not '23\.02'"
+    ):
+        devcluster.client_env(tmp_path / "c", 7917, 9000, slurm="23.02")
+
+
+def test_the_24_11_wrappers_run_slurms_command_inside_the_root():
+    """slurm/dev/in-root.sh: inside the root (a job step) the command itself; from the host, a private mount
+    namespace, the binds, chroot."""
+    text = (devcluster.DEV_DIR / "in-root.sh").read_text()
+    assert '[[ -e /etc/hpkit-slurm-root ]] && in_root "$@"' in text
+    assert 'exec unshare --mount -- "$0" "$@"' in text
+    assert "etc/hpkit-slurm-root" in (devcluster.DEV_DIR / "slurm-root.sh").read_text()
