@@ -72,9 +72,13 @@ if [[ $slurm == 24.11 ]]; then
     IFS=: read -r -a extra <<<"${HPKIT_SLURM_BINDS:-}"
     binds+=("${extra[@]}")
     if base=$(python3 -c 'import sys; print(sys.base_prefix)' 2>/dev/null); then
-      if [[ $base == /usr ]]; then  # Debian's own python3.X: its binary and standard library
+      if [[ $base == /usr ]]; then  # Debian's own python3.X: its binary (each link to it) and standard library
         mapfile -t -O "${#binds[@]}" binds < <(python3 -c 'import os, sys, sysconfig
-print(os.path.realpath(sys.executable), sysconfig.get_paths()["stdlib"], sep="\n")')
+path, paths = sys.executable, [sys.executable]
+while os.path.islink(path):
+    path = os.path.normpath(os.path.join(os.path.dirname(path), os.readlink(path)))
+    paths.append(path)
+print(*[p for p in paths if p.startswith("/usr/")], sysconfig.get_paths()["stdlib"], sep="\n")')
       else
         binds+=("$base")
       fi

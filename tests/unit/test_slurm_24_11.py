@@ -167,3 +167,17 @@ def test_sinfo_node_states(monkeypatch):
     text = (FIXTURES / "sinfo-nodes.txt").read_text()
     monkeypatch.setattr(slurm, "_run", lambda args, env=None: subprocess.CompletedProcess(args, 0, text, ""))
     assert slurm.node_states() == {"node1": "mix", "node2": "idle"}
+
+
+def test_the_job_completion_log():
+    """jobcomp/filetxt (read by `hpkit why`): one line per run; 24.11 logs a requeued run as PENDING."""
+    from hpkit.jobs.why_scan import scan_jobcomp
+
+    lines = (FIXTURES / "jobcomp.txt").read_text().splitlines()
+    (killed,) = scan_jobcomp(lines, "jobcomp", "9003")
+    assert (killed.state, killed.exit_code, killed.nodes, killed.name) == ("FAILED", "0:9", "node2", "sig")
+    first, second = scan_jobcomp(lines, "jobcomp", "9007")
+    assert (first.state, first.restarts) == ("PENDING", None)  # ended by `scontrol requeue`
+    assert (second.state, second.restarts) == ("CANCELLED", 1)
+    (timed_out,) = scan_jobcomp(lines, "jobcomp", "9004")
+    assert (timed_out.state, timed_out.time_limit) == ("TIMEOUT", "1")
