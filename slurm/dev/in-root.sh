@@ -33,7 +33,9 @@ mount --rbind /dev "$root/dev"
 [[ -e $root/etc/hosts ]] || : >"$root/etc/hosts"
 mount --bind /etc/hosts "$root/etc/hosts"
 for path in "${binds[@]}"; do
-  if [[ -d $path ]]; then
+  if [[ $path == / || $path != /* ]]; then
+    continue  # a bind over the root's own / would hide Slurm 24.11 behind the host's files
+  elif [[ -d $path ]]; then
     mkdir -p "$root$path"
   elif [[ -f $path ]]; then
     mkdir -p "$root${path%/*}"

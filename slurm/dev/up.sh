@@ -68,7 +68,7 @@ if [[ $slurm == 24.11 ]]; then
     # Bound into the root at the same paths: the checkout and its venv, /tmp, the home directory (pyenv's
     # Python), this cluster's directory, the base interpreter of the Python on PATH (the venv's), and
     # HPKIT_SLURM_BINDS (colon-separated: where else jobs read or write).
-    binds=("$(cd "$here/../.." && pwd)" /tmp "$HOME" "$dir")
+    binds=("$(cd "$here/../.." && pwd)" /tmp "${HOME:-/root}" "$dir")
     IFS=: read -r -a extra <<<"${HPKIT_SLURM_BINDS:-}"
     binds+=("${extra[@]}")
     if base=$(python3 -c 'import sys; print(sys.base_prefix)' 2>/dev/null); then
