@@ -230,8 +230,12 @@ def run_rendered(spec: JobSpec, data: dict, run_dir: Path, stand_ins: Path, tall
 
     record = run_dir / "record"
     env = {
-        "PATH": f"{stand_ins}:/usr/bin:/bin",
+        # The job's supervisor (python3 -m hpkit.supervise) runs from this environment, as hpkit submit arranges.
+        "PATH": f"{stand_ins}:{Path(sys.executable).parent}:/usr/bin:/bin",
         "RECORD": str(record),
+        # The job names its watchdog store: the supervisor then does not import torch to serve one (seconds
+        # per run, under srun and mpi; tests/integration serve it for real).
+        "HPKIT_WATCH_STORE": "",
         "SLURM_JOB_ID": "7",
         "SLURM_JOB_NODELIST": "node[1-2]",
         "SLURM_CPUS_ON_NODE": "4",

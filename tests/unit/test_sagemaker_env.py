@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -53,7 +55,9 @@ def test_each_task_sees_sagemaker_variables(tmp_path, launcher):
         (bin_dir / name).chmod(0o755)
     script = tmp_path / "job.sbatch"
     script.write_text(render(spec))
-    env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]"}
+    # The job's supervisor (python3 -m hpkit.supervise) runs from this environment, as hpkit submit arranges.
+    path = f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"
+    env = {"PATH": path, "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node[1-2]"}
     env["SLURM_CPUS_ON_NODE"] = "4"
     proc = subprocess.run(
         ["bash", str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=30

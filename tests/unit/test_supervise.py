@@ -36,8 +36,8 @@ class StepScript:
 
 
 class FakeStep:
-    def __init__(self, script: StepScript):
-        self.script = script
+    def __init__(self, script: StepScript, cluster: FakeCluster):
+        self.script, self.cluster = script, cluster
         self.polls = script.polls
         self.signals: list[int] = []
         self.status: int | None = None
@@ -48,6 +48,9 @@ class FakeStep:
             if self.polls <= 0:
                 self.status = self.script.exit
         return self.status
+
+    def join(self, timeout: float) -> None:
+        self.cluster.sleep(timeout)
 
     def task_exits(self) -> list[TaskExit]:
         return list(self.script.tasks)
@@ -79,7 +82,7 @@ class FakeCluster:
         self.clock = 0.0
 
     def start_step(self, srun_args: Sequence[str], env: Mapping[str, str]) -> FakeStep:
-        step = FakeStep(self.scripts.pop(0))
+        step = FakeStep(self.scripts.pop(0), self)
         self.started.append((list(srun_args), dict(env), step))
         if step.script.on_start is not None:
             step.script.on_start(int(env["HPKIT_STEP_ATTEMPT"]))
@@ -500,3 +503,13 @@ def test_a_usr1_during_set_up_reaches_the_step_and_requeues_through_the_rendered
     assert [e["type"] for e in events if e["type"] in ("usr1", "requeue")] == ["usr1", "requeue"], events
     assert [e["signalled"] for e in events if e["type"] == "step_ended"] == [True], events
     assert not list(tmp_path.glob("hpkit-usr1-*")), "the flag file is left behind"
+
+
+def test_a_first_run_does_not_take_an_earlier_jobs_budget_with_the_same_id(tmp_path):
+    (tmp_path / "logs").mkdir()
+    ev.budget_path(tmp_path / "logs", JOB).write_text(
+        '{"max_restarts": 2, "used": 2, "counted_runs": [1, 2]}'
+    )
+    cluster = FakeCluster([StepScript(exit=75, on_start=hang_at(tmp_path)), StepScript(exit=0)])
+    out = supervise(tmp_path, cluster)
+    assert out.exit == 0 and of(out, ev.RUN_STARTED)[0]["budget_left"] == 2

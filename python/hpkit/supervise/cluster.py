@@ -47,6 +47,10 @@ class Step(Protocol):
     """A running `srun` of the job's launch command."""
 
     def poll(self) -> int | None: ...
+    def join(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds for the step to end (returns at once when it does)."""
+        ...
+
     def task_exits(self) -> list[TaskExit]: ...
     def signal(self, signum: int) -> None: ...
     def kill(self) -> None: ...
@@ -107,6 +111,10 @@ class _SrunStep:
 
     def poll(self) -> int | None:
         return self._proc.poll()
+
+    def join(self, timeout: float) -> None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self._proc.wait(timeout)
 
     def task_exits(self) -> list[TaskExit]:
         with self._lock:

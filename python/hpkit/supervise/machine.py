@@ -131,7 +131,11 @@ class Supervisor:
             self.step_nodes, self.spares = ordered[: plan.nodes], ordered[plan.nodes :]
         else:
             self.step_nodes = nodes
-        self.budget = Budget.load(self.budget_file, plan.max_restarts)
+        # A first run starts a fresh budget: a file left by an earlier job with the same id (a cluster whose
+        # job ids started over) is not this job's.
+        self.budget = (
+            Budget.load(self.budget_file, plan.max_restarts) if run.restart else Budget(plan.max_restarts)
+        )
         requeued_by, lost = self._previous_run()
         for restart in range(1, run.restart + 1):
             self.budget.count_run(restart)  # a requeue hpkit did not count (Slurm's) counts now
@@ -275,7 +279,7 @@ class Supervisor:
                         step.kill()
                         self.cluster.cancel_steps(self.run_.job_id)
                         break
-                self.cluster.sleep(POLL_S)
+                step.join(POLL_S)
             status = step.wait()
             self.probed = self._probe.result() if self._probe is not None else None
         self.step = None
@@ -424,6 +428,11 @@ class Supervisor:
         self.event(ev.END, outcome=ev.REQUEUED, exit=0, requeued=ok, **self._budget_fields())
         return _End(0 if ok else max(status, 1))
 
+    def _all_answer(self) -> bool:
+        answered = self.cluster.all_answer(len(self.step_nodes))
+        self.event(ev.PROBE, nodes=self.step_nodes, all_answer=answered)
+        return answered
+
     def _program_failed(self, status: int) -> _End:
         self.say(f"the training program failed on healthy nodes (exit {status}); not requeued")
         self.event(ev.END, outcome=ev.PROGRAM_FAILED, exit=status, **self._budget_fields())
@@ -435,7 +444,8 @@ class Supervisor:
         answers is the program's own failure (bad code, bad data): requeueing it would only fail again."""
         nodelist, states = self.run_.nodelist, self.plan.lost_node_states
         lost = self.cluster.lost_nodes(nodelist, states)
-        if not lost and not self.cluster.all_answer(len(self.step_nodes)):
+        self.event(ev.PROBE, nodes=self.step_nodes, down=lost)
+        if not lost and not self._all_answer():
             # The surviving ranks can fail before slurmctld has noticed the node: wait for its verdict rather
             # than call a node failure the program's.
             deadline = self.cluster.monotonic() + self.cluster.slurmd_timeout() + 30

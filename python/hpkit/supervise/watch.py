@@ -8,13 +8,17 @@ from typing import Any
 
 from hpkit import job_events as ev
 from hpkit.supervise.machine import Supervisor
-from hpkit.watch_store import export, serve
+from hpkit.watch_store import STORE_ENV, export, serve
 
 
 def serve_watch_store(supervisor: Supervisor) -> Any:
     """The store (to keep alive), or None: under torchrun hpkit-torchrun serves it; without torch the ranks
     fall back to the store rank 0 serves."""
     if supervisor.plan.launcher not in ("srun", "mpi"):
+        return None
+    if STORE_ENV in supervisor.env:
+        # The job names its own store (the spec's env): it keeps it ("" leaves the ranks their fallback).
+        supervisor.event(ev.WATCH_STORE, address=supervisor.env[STORE_ENV], named_by_job=True)
         return None
     if importlib.util.find_spec("torch") is None:
         supervisor.say(
