@@ -189,7 +189,20 @@ def supervise_plan(spec: JobSpec) -> str:
         # Where hpkit train's watchdog writes (hpkit.runtime.run_identity.run_paths), from the job's directory.
         hangs_dir=str(PurePosixPath(spec.output_dir) / "hangs"),
         lost_node_states=LOST_NODE_STATES,
+        # The batch host serves the watchdog's store under srun and mpi (hpkit-torchrun serves it under torchrun):
+        # only for hpkit train with its watchdog on, since serving it imports torch (memory in the batch step).
+        watch_store=spec.launcher in ("srun", "mpi")
+        and spec.resilience.hang.enabled
+        and runs_hpkit_train(spec),
     ).to_json()
+
+
+def runs_hpkit_train(spec: SlurmJob) -> bool:
+    """Whether the command is `hpkit train` (as `hpkit train` or `python -m hpkit train`)."""
+    words = list(spec.command)
+    return any(
+        PurePosixPath(w).name == "hpkit" and words[i + 1 : i + 2] == ["train"] for i, w in enumerate(words)
+    )
 
 
 _PYTHON = re.compile(r"^python[0-9.]*$")

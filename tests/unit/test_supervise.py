@@ -513,3 +513,21 @@ def test_a_first_run_does_not_take_an_earlier_jobs_budget_with_the_same_id(tmp_p
     cluster = FakeCluster([StepScript(exit=75, on_start=hang_at(tmp_path)), StepScript(exit=0)])
     out = supervise(tmp_path, cluster)
     assert out.exit == 0 and of(out, ev.RUN_STARTED)[0]["budget_left"] == 2
+
+
+@pytest.mark.parametrize(
+    ("launcher", "command", "serves"),
+    [
+        ("srun", ["python3", "-m", "hpkit", "train"], True),
+        ("mpi", ["/venv/bin/hpkit", "train"], True),
+        ("torchrun", ["hpkit", "train"], False),  # hpkit-torchrun serves it
+        ("srun", ["python3", "my_script.py"], False),  # no watchdog: no torch in the batch step
+    ],
+)
+def test_the_watch_store_is_served_for_hpkit_train_under_srun_and_mpi(launcher, command, serves):
+    from hpkit.render import supervise_plan
+    from hpkit.spec import JobSpec
+    from hpkit.validation import parse_document
+
+    spec = parse_document(JobSpec, {"name": "w", "launcher": launcher, "command": command})
+    assert Plan.from_json(supervise_plan(spec)).watch_store is serves

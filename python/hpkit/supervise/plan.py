@@ -25,11 +25,13 @@ class Plan:
     output_dir: str  # where the log, the events, runs and budget files go (relative: to the job's cwd)
     hangs_dir: str  # where the hang watchdog writes its verdicts (relative: to the job's cwd)
     lost_node_states: str  # a regex over sinfo's short states (%t)
+    # Serve the hang watchdog's store on the batch host (launcher srun | mpi, running hpkit train's watchdog).
+    watch_store: bool = False
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
-        return cls(**{name: data[name] for name in cls.__dataclass_fields__})
+        return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
 
     def to_json(self) -> str:
         return json.dumps({name: getattr(self, name) for name in self.__dataclass_fields__}, sort_keys=True)

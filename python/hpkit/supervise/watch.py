@@ -12,9 +12,9 @@ from hpkit.watch_store import STORE_ENV, export, serve
 
 
 def serve_watch_store(supervisor: Supervisor) -> Any:
-    """The store (to keep alive), or None: under torchrun hpkit-torchrun serves it; without torch the ranks
-    fall back to the store rank 0 serves."""
-    if supervisor.plan.launcher not in ("srun", "mpi"):
+    """The store (to keep alive), or None: under torchrun hpkit-torchrun serves it; a job that is not hpkit
+    train's (or has the watchdog off) needs none; without torch the ranks fall back to the store rank 0 serves."""
+    if not supervisor.plan.watch_store:
         return None
     if STORE_ENV in supervisor.env:
         # The job names its own store (the spec's env): it keeps it ("" leaves the ranks their fallback).
