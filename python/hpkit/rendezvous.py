@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Mapping
 
 PORT_BASE = 29500
 # 29500-32499: below Linux's ephemeral ports (ip_local_port_range starts at 32768), which any outgoing
@@ -52,3 +53,56 @@ def free_local_ports(count: int = 1) -> int:
                 probe.close()
         return first
     raise RuntimeError(f"no {count} consecutive free port(s) in {LOCAL_PORTS.start}-{LOCAL_PORTS.stop - 1}")
+
+
+# Which interface reaches the rendezvous. A node with several interfaces (a second NIC, a container bridge, an
+# unroutable one) makes gloo and NCCL guess, and a wrong guess hangs the first collective; the kernel's route to
+# the rendezvous host already knows the right one. Addresses are IPv4 (what a Slurm NodeAddr is here).
+SIOCGIFADDR = 0x8915
+
+
+def source_address(host: str) -> str | None:
+    """This host's address that the kernel would send from toward `host` (no packet is sent); None if unrouted."""
+    try:
+        target = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((target, 9))  # a UDP connect only picks the route and the source address
+            return str(probe.getsockname()[0])
+    except OSError:
+        return None
+
+
+def interface_with_address(address: str) -> str | None:
+    """The name of the local interface holding IPv4 `address` (its primary address), or None."""
+    import fcntl
+    import struct
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                reply = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:
+                continue  # no IPv4 address
+            if socket.inet_ntoa(reply[20:24]) == address:
+                return name
+    return None
+
+
+def interface_toward(host: str) -> str | None:
+    """The interface whose address routes to `host`; None for loopback (one host: nothing to choose) or no route."""
+    source = source_address(host)
+    if source is None or source.startswith("127."):
+        return None
+    return interface_with_address(source)
+
+
+def socket_ifname_env(master_addr: str, env: Mapping[str, str]) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for a rank, naming the interface that reaches `master_addr`.
+
+    Only those the user left unset; nothing where the rendezvous is on loopback or unrouted. NCCL reads its
+    value as a prefix unless it starts with '=' (eth1 would also match eth10), so it gets the exact form."""
+    wanted = [key for key in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not env.get(key)]
+    name = interface_toward(master_addr) if wanted else None
+    if name is None:
+        return {}
+    return {key: f"={name}" if key.startswith("NCCL") else name for key in wanted}

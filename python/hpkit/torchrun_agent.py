@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from hpkit.rendezvous import source_address
 from hpkit.watch_store import export
 
 # How long the store's host waits for the other agents after its own run succeeded. They are done
@@ -69,6 +70,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.rdzv_conf = with_is_host(args.rdzv_conf, is_host)
     host, port = _endpoint(args.rdzv_endpoint)
+    # The first agent's address becomes its workers' MASTER_ADDR: torchrun takes the hostname, which may
+    # resolve to loopback or to an interface the other nodes cannot reach; the address that routes to the
+    # store is reachable by construction (NET=netns clusters, nodes with several interfaces).
+    if not args.local_addr and (source := source_address(host)) and not source.startswith("127."):
+        args.local_addr = source
     agents = _max_nodes(args.nnodes)
     counter = done_key(args.rdzv_id)
     store = _serve(host, port) if is_host else None

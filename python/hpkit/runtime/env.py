@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpkit.errors import HpkitError
-from hpkit.rendezvous import DEFAULT_PORT, port_for_job
+from hpkit.rendezvous import DEFAULT_PORT, port_for_job, socket_ifname_env
 
 SCONTROL_TIMEOUT_S = 20
 
@@ -244,6 +244,10 @@ def init_distributed(launch: LaunchEnv, device: DeviceInfo, timeout_s: float = 6
     os.environ["RANK"] = str(launch.rank)
     os.environ["WORLD_SIZE"] = str(launch.world_size)
     os.environ["LOCAL_RANK"] = str(launch.local_rank)
+    # gloo binds to the address its hostname resolves to (127.0.0.1 on many hosts: unreachable from the other
+    # nodes) and NCCL to the first interface it likes: both are told the one that reaches the rendezvous,
+    # found on this node, unless the user named one.
+    os.environ.update(socket_ifname_env(launch.master_addr, os.environ))
     try:
         dist.init_process_group(backend=device.backend, init_method="env://", timeout=timeout, **kwargs)
         groups_inherit_timeout(timeout)
