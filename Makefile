@@ -16,6 +16,8 @@ export SLURM_CONF := $(DEV_CLUSTER_DIR)/etc/slurm.conf
 # The local cluster's Slurm: 22.05 (Debian 12's packages) or 24.11 (HyperPod's, run from a Debian trixie root that
 # slurm/dev/slurm-root.sh builds once into ~/.cache/hpkit; its commands are wrappers in .dev-cluster/bin).
 SLURM ?= 22.05
+# The nodes' network: loopback (every node 127.0.0.1) or netns (a network namespace and an address per node).
+NET ?= loopback
 ifeq ($(SLURM),24.11)
 export PATH := $(DEV_CLUSTER_DIR)/bin:$(PATH)
 endif
@@ -28,7 +30,7 @@ help:
 	@echo "make demo         install, start the local Slurm cluster, run a 2-node training job"
 	@echo "make demo-container  the same job inside the CPU image (Slurm's OCI containers, runc; root)"
 	@echo "make test         install and run the whole test suite (lint included)"
-	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2 SLURM=22.05|24.11)"
+	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2 SLURM=22.05|24.11 NET=loopback|netns)"
 	@echo "make cluster-down stop it"
 	@echo "make test-gpu     the CUDA half of the suite (tests/gpu), on a GPU machine"
 	@echo "make lint         ruff + shellcheck"
@@ -45,6 +47,7 @@ system-deps:
 	command -v sbatch >/dev/null || missing="$$missing slurm-client"; \
 	command -v mpirun >/dev/null || missing="$$missing openmpi-bin libopenmpi-dev"; \
 	command -v faketime >/dev/null || missing="$$missing faketime"; \
+	command -v tc >/dev/null || missing="$$missing iproute2"; \
 	ls /usr/lib/*/libpmix.so >/dev/null 2>&1 || missing="$$missing libpmix-dev"; \
 	if [ "$(SLURM)" = 24.11 ]; then command -v mmdebstrap >/dev/null || missing="$$missing mmdebstrap"; fi; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
@@ -65,7 +68,7 @@ venv: $(VENV)/.installed
 setup: system-deps venv
 
 cluster-up: system-deps
-	SLURM=$(SLURM) slurm/dev/up.sh
+	SLURM=$(SLURM) NET=$(NET) slurm/dev/up.sh
 
 # The Slurm 24.11 root (SLURM=24.11 clusters, and the tests marked slurm_24_11), built once per machine.
 slurm-root: image-test-deps

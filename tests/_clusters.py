@@ -4,7 +4,7 @@ Job scripts derive their rendezvous port from the job id (hpkit.rendezvous: 2950
 clusters whose job ids meet modulo 3000 would also meet on rendezvous ports. Every cluster therefore gets a
 slot: ports `base + 100 * worker + offset` and job ids `base + 1000 * worker + offset`, where `worker` is
 the pytest-xdist worker (gw0, gw1, gw2; 0 without xdist) and the bases are HPKIT_TEST_CLUSTER_PORT /
-HPKIT_TEST_FIRST_JOB_ID. Offsets leave each cluster 10 ports (a controller and up to 9 nodes) and 50 to
+HPKIT_TEST_FIRST_JOB_ID. Offsets leave each cluster 10 ports (a controller and up to 9 nodes) and 25 to
 350 job ids. Three workers fill the 3000 rendezvous ports: two checkouts testing on one host at once share
 them, and can collide.
 """
@@ -26,7 +26,8 @@ OFFSETS = {
     "all-nodes": (20, 500),
     "polling": (30, 600),
     "forgotten": (40, 700),  # 50 job ids
-    "dev-cluster": (50, 750),  # 50 job ids
+    "dev-cluster": (50, 750),  # 25 job ids (it submits none)
+    "node-network": (90, 775),  # 25 job ids: NET=netns, an address per node (test_node_network.py)
     "why": (60, 800),
     "oci": (70, 900),  # 100 job ids: the next worker's slots start at 1000
 }

@@ -21,6 +21,8 @@ DEV_DIR = PYTHON_DIR.parent / "slurm" / "dev"
 SCRIPT_TIMEOUT_S = 120
 # The Slurm versions slurm/dev/up.sh runs: the host's Debian 12 packages, and HyperPod's from a trixie root.
 SLURM_VERSIONS = ("22.05", "24.11")
+# slurm/dev/up.sh's NET: every node on 127.0.0.1, or each in a network namespace of its own (slurm/dev/net.sh).
+NET_LAYOUTS = ("loopback", "netns")
 
 
 class DevClusterError(HpkitError):
@@ -38,6 +40,7 @@ def client_env(
     min_job_age: int | None = None,
     memory_kill: bool = False,
     slurm: str = "22.05",
+    net: str = "loopback",
 ) -> dict[str, str]:
     """The environment for slurm/dev's scripts and the cluster's clients (sbatch, squeue, its jobs).
 
@@ -45,10 +48,13 @@ def client_env(
     before a silent node is declared DOWN; `min_job_age`: seconds the controller keeps an ended job
     (slurm/dev's defaults where None); `memory_kill`: schedule memory and kill a step over its job's --mem
     (slurm/dev/up.sh's MEMORY_KILL); `slurm`: "22.05" (the host's packages) or "24.11" (from a Debian
-    trixie root, through the wrappers that up.sh writes in `<state_dir>/bin`, first on this PATH).
+    trixie root, through the wrappers that up.sh writes in `<state_dir>/bin`, first on this PATH); `net`:
+    "loopback" (every NodeAddr 127.0.0.1) or "netns" (a network namespace and an address per node).
     """
     if slurm not in SLURM_VERSIONS:
         raise DevClusterError(f"slurm must be one of {', '.join(SLURM_VERSIONS)}, not {slurm!r}")
+    if net not in NET_LAYOUTS:
+        raise DevClusterError(f"net must be one of {', '.join(NET_LAYOUTS)}, not {net!r}")
     env = dict(os.environ if base is None else base)
     env.update(
         HPKIT_DEV_CLUSTER_DIR=str(state_dir),
@@ -57,6 +63,7 @@ def client_env(
         NODES=str(nodes),
         CPUS=str(cpus),
         SLURM=slurm,
+        NET=net,
         SLURM_CONF=str(Path(state_dir) / "etc" / "slurm.conf"),
         # Jobs import hpkit from this checkout whichever Python runs them.
         PYTHONPATH=os.pathsep.join(p for p in (str(PYTHON_DIR), env.get("PYTHONPATH")) if p),
@@ -102,3 +109,75 @@ def running(env: Mapping[str, str]) -> Iterator[Mapping[str, str]]:
         yield env
     finally:
         down(env)
+
+
+# The fault helpers of a NET=netns cluster (slurm/dev/net.sh), for tests and drills. `node` is a node name
+# (node1, node2, ...); each raises DevClusterError with the script's message when it fails.
+
+
+def _net(env: Mapping[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [_script("net.sh"), env["HPKIT_DEV_CLUSTER_DIR"], *args],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=SCRIPT_TIMEOUT_S,
+    )
+    if done.returncode != 0:
+        message = done.stderr.strip() or f"exit {done.returncode}"
+        raise DevClusterError(f"net.sh {' '.join(args)}: {message}")
+    return done.stdout.strip()
+
+
+def node_address(env: Mapping[str, str], node: str) -> str:
+    """The node's own address (its NodeAddr)."""
+    return _net(env, "addr", node)
+
+
+def node_command(env: Mapping[str, str], node: str, argv: list[str]) -> list[str]:
+    """`argv` as a command line that runs inside the node's network namespace."""
+    return [_script("net.sh"), env["HPKIT_DEV_CLUSTER_DIR"], "exec", node, *argv]
+
+
+def cut(env: Mapping[str, str], node: str) -> None:
+    """Take the node's link down: the node reaches no one and no one reaches it (its processes keep running)."""
+    _net(env, "cut", node)
+
+
+def restore(env: Mapping[str, str], node: str) -> None:
+    """Bring a cut link back up."""
+    _net(env, "restore", node)
+
+
+def slow(
+    env: Mapping[str, str],
+    node: str,
+    delay: str | None = None,
+    rate: str | None = None,
+    loss: str | None = None,
+) -> None:
+    """Shape the node's link in both directions (tc's units: delay '50ms', rate '10mbit', loss '1%').
+
+    Delay and loss need the kernel's netem (`netem_available`); a rate alone works without it."""
+    options = [
+        word
+        for flag, value in (("--delay", delay), ("--rate", rate), ("--loss", loss))
+        if value
+        for word in (flag, value)
+    ]
+    _net(env, "slow", node, *options)
+
+
+def unslow(env: Mapping[str, str], node: str) -> None:
+    """Remove the shaping that `slow` added."""
+    _net(env, "unslow", node)
+
+
+def second_interface(env: Mapping[str, str], node: str) -> None:
+    """Give the node a second interface (ib0, unroutable address) listed before its real one (eth0)."""
+    _net(env, "second-if", node)
+
+
+def netem_available() -> bool:
+    """Whether this kernel has tc netem (delay, loss), probed in a throwaway namespace."""
+    return subprocess.run([_script("net.sh"), "has-netem"], capture_output=True, timeout=30).returncode == 0

@@ -37,4 +37,6 @@ stop() {
 stop "$dir"/run/slurmd-*.pid
 stop "$dir/run/slurmctld.pid"
 stop "$dir/run/munged.pid"
+# NET=netns: every namespace, veth and the bridge that up.sh made (net.sh).
+if [[ -s $dir/etc/net ]]; then "$here/net.sh" "$dir" teardown; fi
 echo "cluster-down: stopped the cluster in $dir"

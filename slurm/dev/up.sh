@@ -22,6 +22,10 @@
 #                          the client commands run from a Debian trixie root (slurm-root.sh builds and caches it
 #                          once per machine) through wrappers in <dir>/bin, first on PATH in <dir>/etc/env
 #   HPKIT_SLURM_BINDS      24.11: paths (colon-separated) that jobs use besides the checkout, /tmp, $HOME and <dir>
+#   NET                    loopback: every node's NodeAddr is 127.0.0.1 (default; no namespaces needed). netns: each
+#                          slurmd (and so its job steps) runs in a network namespace of its own, node i at
+#                          10.<port/256>.<port%256>.(i+1) on a bridge at .1 where slurmctld is reached (net.sh; its
+#                          fault helpers cut, slow and second-if act on a node's link). down.sh removes them all
 #
 # <dir>/etc/env sets SLURM_CONF (and PATH for 24.11): `. <dir>/etc/env` and sbatch, squeue, hpkit reach this cluster.
 set -euo pipefail
@@ -36,6 +40,7 @@ slurmd_timeout=${SLURMD_TIMEOUT:-30}
 min_job_age=${MIN_JOB_AGE:-600}
 memory_kill=${MEMORY_KILL:-0}
 slurm=${SLURM:-22.05}
+net=${NET:-loopback}
 
 die() { echo "cluster-up: $*" >&2; exit 1; }
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, not '$nodes'"
@@ -48,12 +53,16 @@ fi
 [[ $min_job_age =~ ^[1-9][0-9]*$ ]] || die "MIN_JOB_AGE must be a positive integer, not '$min_job_age'"
 [[ $memory_kill =~ ^[01]$ ]] || die "MEMORY_KILL must be 0 or 1, not '$memory_kill'"
 [[ $slurm == 22.05 || $slurm == 24.11 ]] || die "SLURM must be 22.05 (the host's packages) or 24.11, not '$slurm'"
+[[ $net == loopback || $net == netns ]] || die "NET must be loopback or netns, not '$net'"
 [[ $(id -u) == 0 ]] || die "run as root: slurmd must be able to start jobs as any user"
 
 alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
 if alive "$dir/run/slurmctld.pid" && [[ $(cat "$dir/etc/slurm-version" 2>/dev/null || echo 22.05) != "$slurm" ]]; then
   die "the cluster in $dir runs Slurm $(cat "$dir/etc/slurm-version" 2>/dev/null || echo 22.05), not $slurm: stop it first (make cluster-down)"
+fi
+if alive "$dir/run/slurmctld.pid" && [[ $(cat "$dir/etc/net-layout" 2>/dev/null || echo loopback) != "$net" ]]; then
+  die "the cluster in $dir runs with NET=$(cat "$dir/etc/net-layout" 2>/dev/null || echo loopback), not $net: stop it first (make cluster-down)"
 fi
 mkdir -p "$dir"/{etc,state,run,log,munge,spool,tmp}
 chmod 0755 "$dir/munge"
@@ -103,6 +112,15 @@ else
 fi
 echo "$slurm" >"$dir/etc/slurm-version"
 
+ctld_addr=127.0.0.1
+if [[ $net == netns ]]; then
+  # A cluster that is not running gets its network afresh (an earlier one may have had other nodes).
+  if ! alive "$dir/run/slurmctld.pid" && [[ -s $dir/etc/net ]]; then "$here/net.sh" "$dir" teardown; fi
+  "$here/net.sh" "$dir" setup "$nodes" "$port"
+  ctld_addr=10.$((port / 256)).$((port % 256)).1
+fi
+echo "$net" >"$dir/etc/net-layout"
+
 # A running cluster keeps its config: rewriting it under live daemons would split their view.
 if ! alive "$dir/run/slurmctld.pid"; then
   select_params="SelectTypeParameters=CR_CPU"$'\n'
@@ -116,9 +134,11 @@ if ! alive "$dir/run/slurmctld.pid"; then
   node_lines=""
   for ((i = 1; i <= nodes; i++)); do
     mkdir -p "$dir/spool/node$i" "$dir/tmp/node$i"
-    node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=127.0.0.1 Port=$((port + i)) CPUs=$cpus RealMemory=$memory State=UNKNOWN"$'\n'
+    addr=127.0.0.1
+    [[ $net == loopback ]] || addr=$("$here/net.sh" "$dir" addr "node$i")
+    node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=$addr Port=$((port + i)) CPUs=$cpus RealMemory=$memory State=UNKNOWN"$'\n'
   done
-  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" "$here/slurm.conf.in" >"$conf.tmp"
+  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@CTLD_ADDR@|$ctld_addr|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" "$here/slurm.conf.in" >"$conf.tmp"
   # The node and accounting lines hold newlines, which sed's replacement cannot carry portably.
   awk -v nodes="$node_lines" -v select_params="$select_params" -v jobacct="$jobacct" '{
     if ($0 == "@NODES@") printf "%s", nodes
@@ -154,7 +174,11 @@ fi
 mapfile -t node_names < <(sed -n 's/^NodeName=\([^ ]*\).*/\1/p' "$conf")
 for name in "${node_names[@]}"; do
   if ! alive "$dir/run/slurmd-$name.pid"; then
-    slurmd -N "$name" -f "$conf"
+    if [[ $net == netns ]]; then
+      "$here/net.sh" "$dir" exec "$name" slurmd -N "$name" -f "$conf"
+    else
+      slurmd -N "$name" -f "$conf"
+    fi
   fi
 done
 
@@ -163,7 +187,7 @@ for _ in $(seq 1 60); do
   states=$(sinfo -h -N -o '%N %t' 2>/dev/null || true)
   ready=$(awk '$2 ~ /^(idle|alloc|mix|comp)$/' <<<"$states" | wc -l)
   if ((ready == ${#node_names[@]})); then
-    echo "cluster-up: ${#node_names[@]} nodes ready, Slurm $slurm (. $dir/etc/env to use it: SLURM_CONF=$conf)"
+    echo "cluster-up: ${#node_names[@]} nodes ready, Slurm $slurm, NET=$net (. $dir/etc/env to use it: SLURM_CONF=$conf)"
     exit 0
   fi
   down=$(awk '$2 ~ /^(down|drain|drng|fail)/ {print $1}' <<<"$states")

@@ -74,3 +74,16 @@ def test_the_24_11_wrappers_run_slurms_command_inside_the_root():
     assert '[[ -e /etc/hpkit-slurm-root ]] && in_root "$@"' in text
     assert 'exec unshare --mount -- "$0" "$@"' in text
     assert "etc/hpkit-slurm-root" in (devcluster.DEV_DIR / "slurm-root.sh").read_text()
+
+
+def test_net_layout_reaches_the_scripts_and_a_wrong_one_is_refused(tmp_path):
+    assert devcluster.client_env(tmp_path, 6817, 1, base={})["NET"] == "loopback"
+    assert devcluster.client_env(tmp_path, 6817, 1, base={}, net="netns")["NET"] == "netns"
+    with pytest.raises(devcluster.DevClusterError, match="net must be one of loopback, netns"):
+        devcluster.client_env(tmp_path, 6817, 1, net="bridge")
+
+
+def test_a_fault_helper_on_a_loopback_cluster_is_one_line(tmp_path):
+    env = devcluster.client_env(tmp_path, 6817, 1, base={})
+    with pytest.raises(devcluster.DevClusterError, match="is not a NET=netns cluster"):
+        devcluster.cut(env, "node1")
