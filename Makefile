@@ -48,6 +48,7 @@ system-deps:
 	command -v mpirun >/dev/null || missing="$$missing openmpi-bin libopenmpi-dev"; \
 	command -v faketime >/dev/null || missing="$$missing faketime"; \
 	command -v tc >/dev/null || missing="$$missing iproute2"; \
+	command -v iptables >/dev/null || missing="$$missing iptables"; \
 	ls /usr/lib/*/libpmix.so >/dev/null 2>&1 || missing="$$missing libpmix-dev"; \
 	if [ "$(SLURM)" = 24.11 ]; then command -v mmdebstrap >/dev/null || missing="$$missing mmdebstrap"; fi; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \

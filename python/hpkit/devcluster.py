@@ -158,7 +158,8 @@ def slow(
 ) -> None:
     """Shape the node's link in both directions (tc's units: delay '50ms', rate '10mbit', loss '1%').
 
-    Delay and loss need the kernel's netem (`netem_available`); a rate alone works without it."""
+    tc netem where the kernel has it (`netem_available`); else tbf for the rate and slurm/dev/netdelay.py (user
+    space, behind iptables NFQUEUE rules in the node's namespace) for delay and loss."""
     options = [
         word
         for flag, value in (("--delay", delay), ("--rate", rate), ("--loss", loss))

@@ -12,8 +12,9 @@
 #   net.sh DIR cut NODE                take the node's link down: nothing reaches it, it reaches nothing
 #   net.sh DIR restore NODE            bring the link back up
 #   net.sh DIR slow NODE [--delay 50ms] [--rate 10mbit] [--loss 1%]
-#                                      shape the link in both directions (tc netem; --rate alone falls back to tbf
-#                                      on a kernel without sch_netem)
+#                                      shape the link in both directions: tc netem; on a kernel without sch_netem,
+#                                      tbf for the rate and, for delay and loss, netdelay.py (user space, fed by
+#                                      iptables NFQUEUE rules in the node's namespace)
 #   net.sh DIR unslow NODE             remove the shaping
 #   net.sh DIR second-if NODE          give the node a second interface, ib0, with an unroutable address
 #                                      (198.18.255.x/24, reached by no one) ahead of eth0 in the interface list:
@@ -22,6 +23,7 @@
 #   net.sh has-netem                   exit 0 if this kernel shapes with netem (delay, loss)
 set -euo pipefail
 
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 die() { echo "net.sh: $*" >&2; exit 1; }
 
 netem_ok() {
@@ -74,6 +76,57 @@ plug() {
   ip -n "$ns" link set eth0 up
 }
 
+# netem's delay and loss without netem: every packet through the node's eth0, in or out, waits in NFQUEUE 0 for
+# netdelay.py's verdict (--queue-bypass: packets pass if it is gone). Its pid is in <dir>/run.
+user_space_delay() {
+  local i=$1 delay=$2 loss=$3 ms pct ns pidfile
+  case $delay in
+    "") ms=0 ;;
+    *ms) ms=${delay%ms} ;;
+    *s) ms=$(awk -v s="${delay%s}" 'BEGIN { print s * 1000 }') ;;
+    *) die "slow: --delay takes a time such as 50ms or 0.1s, not '$delay'" ;;
+  esac
+  pct=${loss%\%}
+  [[ $ms =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "slow: --delay takes a time such as 50ms or 0.1s, not '$delay'"
+  [[ -z $pct || $pct =~ ^[0-9]+(\.[0-9]+)?$ ]] || die "slow: --loss takes a percentage such as 1%, not '$loss'"
+  command -v iptables >/dev/null || die "slow: iptables not found (install iptables): this kernel has no sch_netem"
+  ns=$(node_ns "$i")
+  pidfile=$dir/run/netdelay-node$i.pid
+  ip netns exec "$ns" iptables -w -A INPUT -i eth0 -j NFQUEUE --queue-num 0 --queue-bypass
+  ip netns exec "$ns" iptables -w -A OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass
+  mkdir -p "$dir/run"
+  setsid nsenter --net="/run/netns/$ns" -- python3 "$here/netdelay.py" 0 "$ms" "${pct:-0}" \
+    >"$dir/log/netdelay-node$i.log" 2>&1 </dev/null &
+  echo $! >"$pidfile"
+  for _ in $(seq 1 50); do
+    grep -q '^ready' "$dir/log/netdelay-node$i.log" 2>/dev/null && return 0
+    kill -0 "$(cat "$pidfile")" 2>/dev/null || break
+    sleep 0.1
+  done
+  die "slow: netdelay.py did not start: $(cat "$dir/log/netdelay-node$i.log" 2>/dev/null)"
+}
+
+stop_user_space_delay() {
+  local pidfile=$dir/run/netdelay-node$1.pid pid
+  [[ -s $pidfile ]] || return 0
+  pid=$(cat "$pidfile")
+  kill "$pid" 2>/dev/null || true
+  for _ in $(seq 1 20); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done
+  rm -f "$pidfile"
+}
+
+unslow() {
+  local i=$1 ns
+  ns=$(node_ns "$i")
+  tc -n "$ns" qdisc del dev eth0 root 2>/dev/null || true
+  tc qdisc del dev "$(node_link "$i")" root 2>/dev/null || true
+  if [[ -s $dir/run/netdelay-node$i.pid ]]; then
+    ip netns exec "$ns" iptables -w -D INPUT -i eth0 -j NFQUEUE --queue-num 0 --queue-bypass 2>/dev/null || true
+    ip netns exec "$ns" iptables -w -D OUTPUT -o eth0 -j NFQUEUE --queue-num 0 --queue-bypass 2>/dev/null || true
+    stop_user_space_delay "$i"
+  fi
+}
+
 if [[ $cmd == setup ]]; then
   (($# == 2)) || die "usage: net.sh DIR setup NODES PORT"
   nodes=$1 port=$2
@@ -112,6 +165,7 @@ names
 
 case $cmd in
   teardown)
+    for ((i = 1; i <= nodes; i++)); do stop_user_space_delay "$i"; done
     # Each host end takes its peer along; the namespaces go even if a stray process still holds one.
     for link in $(ip -o link show | sed -n "s/^[0-9]*: \(hpk${port}n[0-9]*\)@.*/\1/p"); do
       ip link del "$link" 2>/dev/null || true
@@ -149,21 +203,22 @@ case $cmd in
       esac
     done
     [[ -n $delay$rate$loss ]] || die "slow: give --delay, --rate or --loss"
+    unslow "$i"
+    qdisc=()
     if netem_ok; then
       qdisc=(netem ${delay:+delay "$delay"} ${rate:+rate "$rate"} ${loss:+loss "$loss"})
-    elif [[ -z $delay$loss ]]; then
-      qdisc=(tbf rate "$rate" burst 32kbit latency 400ms)
     else
-      die "slow: this kernel has no sch_netem (tc netem), so no --delay or --loss here; --rate alone works (tbf)"
+      [[ -z $rate ]] || qdisc=(tbf rate "$rate" burst 32kbit latency 400ms)
+      [[ -z $delay$loss ]] || user_space_delay "$i" "$delay" "$loss"
     fi
-    # Both directions: the node's own eth0 sends, the host end sends toward the node.
-    tc -n "$(node_ns "$i")" qdisc replace dev eth0 root "${qdisc[@]}"
-    tc qdisc replace dev "$(node_link "$i")" root "${qdisc[@]}"
+    if ((${#qdisc[@]})); then
+      # Both directions: the node's own eth0 sends, the host end sends toward the node.
+      tc -n "$(node_ns "$i")" qdisc replace dev eth0 root "${qdisc[@]}"
+      tc qdisc replace dev "$(node_link "$i")" root "${qdisc[@]}"
+    fi
     ;;
   unslow)
-    i=$(node_index "${1:?NODE}")
-    tc -n "$(node_ns "$i")" qdisc del dev eth0 root 2>/dev/null || true
-    tc qdisc del dev "$(node_link "$i")" root 2>/dev/null || true
+    unslow "$(node_index "${1:?NODE}")"
     ;;
   second-if)
     i=$(node_index "${1:?NODE}")

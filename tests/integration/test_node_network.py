@@ -112,8 +112,8 @@ def test_every_node_has_its_own_address_and_reaches_the_others(cluster):
 def test_cut_isolates_a_node_and_restore_brings_it_back(cluster):
     devcluster.cut(cluster, "node1")
     try:
-        assert _connect(cluster, "node2", "node1").startswith("FAIL")
-        assert _connect(cluster, "node1", "node2").startswith("FAIL")
+        assert _connect(cluster, "node2", "node1", timeout=0.5).startswith("FAIL")
+        assert _connect(cluster, "node1", "node2", timeout=0.5).startswith("FAIL")
     finally:
         devcluster.restore(cluster, "node1")
     # The link carries again at once (well inside slurmd's timeout: the node never went DOWN).
@@ -152,11 +152,7 @@ def test_slow_limits_the_rate_and_unslow_lifts_it(cluster):
 
 
 def test_slow_delay_shows_in_the_round_trip(cluster):
-    if not devcluster.netem_available():
-        # This kernel has no sch_netem: delay and loss are refused in one line, the rate alone still works.
-        with pytest.raises(devcluster.DevClusterError, match="no sch_netem"):
-            devcluster.slow(cluster, "node1", delay="50ms")
-        pytest.skip("the kernel has no tc netem: delay not measurable here")
+    # tc netem where the kernel has it, else net.sh's user-space delay (netdelay.py): the same round trip.
     base = min(float(_connect(cluster, "node2", "node1")) for _ in range(3))
     devcluster.slow(cluster, "node1", delay="50ms")
     try:
@@ -217,3 +213,4 @@ def test_down_removes_every_namespace_veth_and_bridge(cluster):
     assert _links_and_namespaces(), "the cluster's network should be up before down.sh"
     devcluster.down(cluster)
     assert _links_and_namespaces() == ""
+    assert not list((Path(cluster["HPKIT_DEV_CLUSTER_DIR"]) / "run").glob("*.pid"))  # netdelay.py's too
