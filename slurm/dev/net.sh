@@ -5,7 +5,8 @@
 # slurmctld is reached), node i holds .(i+1). No default route and no NAT anywhere: a node reaches the bridge's
 # address and the other nodes of its cluster, nothing else.
 #
-#   net.sh DIR setup NODES PORT        create the bridge, the namespaces and their links (up.sh)
+#   net.sh DIR setup NODES PORT [fresh] create the bridge, the namespaces and their links (up.sh); fresh: first
+#                                      remove whatever a cluster on PORT left (one not stopped by down.sh)
 #   net.sh DIR teardown                remove every namespace, veth and bridge of the cluster (down.sh)
 #   net.sh DIR addr NODE               the node's address
 #   net.sh DIR exec NODE CMD [ARG...]  run CMD in the node's network namespace
@@ -127,8 +128,21 @@ unslow() {
   fi
 }
 
+# Every link and namespace named for this cluster's port. Each host end takes its peer along; a namespace goes
+# even if a stray process still holds it.
+remove_port_objects() {
+  local link ns
+  for link in $(ip -o link show | sed -n "s/^[0-9]*: \(hpk${port}n[0-9]*\)@.*/\1/p"); do
+    ip link del "$link" 2>/dev/null || true
+  done
+  ip link del "$bridge" 2>/dev/null || true
+  for ns in $(ip netns list | awk -v p="hpkit-$port-node" 'index($1, p) == 1 {print $1}'); do
+    ip netns del "$ns" 2>/dev/null || true
+  done
+}
+
 if [[ $cmd == setup ]]; then
-  (($# == 2)) || die "usage: net.sh DIR setup NODES PORT"
+  (($# == 2 || $# == 3)) || die "usage: net.sh DIR setup NODES PORT [fresh]"
   nodes=$1 port=$2
   if ! [[ $nodes =~ ^[1-9][0-9]*$ ]] || ((nodes > 253)); then die "NET=netns holds 1 to 253 nodes, not '$nodes'"; fi
   [[ $port =~ ^[0-9]+$ ]] || die "bad port '$port'"
@@ -136,6 +150,7 @@ if [[ $cmd == setup ]]; then
     command -v "$tool" >/dev/null || die "$tool not found: install iproute2 and util-linux (make system-deps)"
   done
   names
+  if [[ ${3:-} == fresh ]]; then remove_port_objects; fi
   # Only a subnet no route of this host already covers (the default route aside): ours must not shadow one.
   if ! ip link show "$bridge" >/dev/null 2>&1; then
     clash=$(ip -4 route show match "$subnet.0/24" | grep -v '^default' || true)
@@ -166,14 +181,7 @@ names
 case $cmd in
   teardown)
     for ((i = 1; i <= nodes; i++)); do stop_user_space_delay "$i"; done
-    # Each host end takes its peer along; the namespaces go even if a stray process still holds one.
-    for link in $(ip -o link show | sed -n "s/^[0-9]*: \(hpk${port}n[0-9]*\)@.*/\1/p"); do
-      ip link del "$link" 2>/dev/null || true
-    done
-    ip link del "$bridge" 2>/dev/null || true
-    for ns in $(ip netns list | awk -v p="hpkit-$port-node" 'index($1, p) == 1 {print $1}'); do
-      ip netns del "$ns" 2>/dev/null || true
-    done
+    remove_port_objects
     rm -f "$state"
     ;;
   addr)

@@ -114,9 +114,11 @@ echo "$slurm" >"$dir/etc/slurm-version"
 
 ctld_addr=127.0.0.1
 if [[ $net == netns ]]; then
-  # A cluster that is not running gets its network afresh (an earlier one may have had other nodes).
-  if ! alive "$dir/run/slurmctld.pid" && [[ -s $dir/etc/net ]]; then "$here/net.sh" "$dir" teardown; fi
-  "$here/net.sh" "$dir" setup "$nodes" "$port"
+  # A cluster that is not running gets its network afresh: an earlier one on this port may have had other nodes,
+  # or have been left behind (its namespaces and links are named for the port).
+  fresh=fresh
+  alive "$dir/run/slurmctld.pid" && fresh=""
+  "$here/net.sh" "$dir" setup "$nodes" "$port" $fresh
   ctld_addr=10.$((port / 256)).$((port % 256)).1
 fi
 echo "$net" >"$dir/etc/net-layout"
