@@ -185,10 +185,16 @@ def run_trial(
                 time.sleep(0.05)
             trial.injected_at = json.loads(fault_log.read_text().splitlines()[0])["at"]
         else:
-            # The event: every rank has finished FAULT_STEP - 1 steps (their heartbeats say so).
+            # The event: every rank has finished FAULT_STEP - 1 steps (their reports say so) and has reported
+            # 3 times, so that its node's summary listing it has reached the store (a node frozen before
+            # that is named by its node, without the ranks it never announced).
             while time.time() < deadline:
                 seen = beats(out)
-                if len(seen) == 2 * PER_NODE and min(b["step"] for b in seen.values()) >= FAULT_STEP - 1:
+                if (
+                    len(seen) == 2 * PER_NODE
+                    and min(b["step"] for b in seen.values()) >= FAULT_STEP - 1
+                    and min(b["seq"] for b in seen.values()) >= 3
+                ):
                     break
                 time.sleep(0.05)
             else:

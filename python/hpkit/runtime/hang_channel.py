@@ -124,7 +124,7 @@ class Judge:
     ) -> None:
         self.nodes, self.world = nodes, world
         self.min_s, self.factor, self.start_s = min_s, factor, start_s
-        self._fresh = Freshness(clock)
+        self.fresh = Freshness(clock)  # node index -> its summary counter; shared with the standby's watch
         self._all_seen = False
         self.last_decision_s = 0.0
 
@@ -143,7 +143,7 @@ class Judge:
             if text.startswith(VERDICT_MARK):
                 return None  # a verdict is already out (another judge's)
             header = parse_summary(text, ranks=False)
-            age = self._fresh.see(header["index"], header["seq"])
+            age = self.fresh.see(header["index"], header["seq"])
             texts.append(text)
             ages.append(age)
             newest = min(newest, float(header.get("newest_step_s", 0.0)) + age)
@@ -188,7 +188,9 @@ class Uplink:
         self.position = line.index(index) if index in line else len(line)
         self._before = line[: self.position]  # the judges ahead of this node
         self.judging = self.position == 0
-        self._ahead = Freshness(clock)
+        # The standby ages the judges ahead on the judge's own clock: taking over, it already knows how long the
+        # judge's node has been silent (a fresh start would give that node STALE_S more).
+        self._ahead = judge.fresh
         self._ahead_seen = False
         self._offered: str | None = None
         self._sent: str | None = None

@@ -426,6 +426,10 @@ class HangWatchdog:
             if first.get("node") == store_node
             else {}
         )
+        if store_ranks and not self.address.node:
+            # The fallback store is node 0's, whose ranks are 0..per_node-1 (torchrun and srun's block
+            # placement); its summary may predate its last ranks' first reports.
+            store_ranks.update(dict.fromkeys(range(self.world // max(1, self.nodes)), store_node))
         verdict = store_verdict(
             silent_s=uplink.silent_s(),
             local_stalled_s=stalled,
