@@ -283,6 +283,22 @@ def test_a_hang_verdict_beats_the_exit_75_that_torchrun_reports_first():
     assert_cited(v, HANG)
 
 
+def test_a_store_verdict_names_the_stores_node():
+    record = {
+        "step": 6,
+        "culprits": [0, 1],
+        "reason": "store",
+        "nodes": {"0": "node1", "1": "node1"},
+        "store": "10.0.0.1:29500",
+        "store_node": "node1",
+        "reporter": "node2",
+        "line": "hpkit: hang: the watchdog's store on node node1 (10.0.0.1:29500) has not answered node node2",
+        "stacks": HANG_DIR,
+    }
+    found = scan_hang_verdict(json.dumps(record, indent=1), f"{HANG_DIR}/verdict.json", restart=0)
+    assert found is not None and (found.rank, found.node) == (None, "node1")
+
+
 RESTARTED = [
     event("run_started", nodes="node[1-2]", hangs_dir="/w/logs/hangs", launcher="torchrun"),
     event("restart", reason="hang", verdict=f"{HANG_DIR}/verdict.json", budget_left=0, max_restarts=1),

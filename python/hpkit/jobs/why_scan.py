@@ -410,6 +410,10 @@ def scan_hang_verdict(text: str, source: str, restart: int | None = None) -> Fin
     rank = int(culprits[0]) if len(culprits) == 1 else None
     nodes = data.get("nodes") or {}
     node = nodes.get(str(rank)) if rank is not None and isinstance(nodes, dict) else None
+    if data.get("reason") == "store" and isinstance(data.get("store_node"), str) and data["store_node"]:
+        # The node that serves the watchdog's store stopped answering: the node is the culprit, whatever
+        # ranks it held.
+        rank, node = None, data["store_node"]
     return Finding(
         HANG_VERDICT,
         (Evidence(source, number, line),),
