@@ -12,13 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from test_supervise import JOB, FakeCluster, StepScript, hang_at
+from test_supervise import JOB, FakeCluster, StepScript, hang_at, plan
 
 from hpkit.jobs import why
 from hpkit.jobs.why_gather import gather
 from hpkit.supervise.cluster import TaskExit
 from hpkit.supervise.machine import Supervisor
-from hpkit.supervise.plan import Plan, Run
+from hpkit.supervise.plan import Run
 
 
 def reworded(text: str) -> str:
@@ -51,22 +51,9 @@ class Job:
     def supervise(
         self, steps: list[StepScript], restart: int, say: Callable[[str], str], **plan_fields
     ) -> int:
-        fields = dict(
-            max_restarts=2,
-            requeue_on_failure=True,
-            spare_nodes=0,
-            nodes=2,
-            step_tasks=2,
-            tasks_per_node=1,
-            replace_bad_nodes=False,
-            launcher="srun",
-            output_dir="logs",
-            hangs_dir="logs/hangs",
-            lost_node_states="^(down|fail)|[*]$",
-        )
         run = Run(job_id=JOB, restart=restart, nodelist="node[1-2]", batch_host="node1", cwd=self.root)
         sup = Supervisor(
-            Plan(**{**fields, **plan_fields}),
+            plan(**{"launcher": "srun", **plan_fields}),
             run,
             FakeCluster(steps),
             [],
