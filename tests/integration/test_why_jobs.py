@@ -27,7 +27,7 @@ from test_resilience import TINY_MODEL, submit, wait_for
 
 from _clusters import slot
 from hpkit import devcluster
-from hpkit.runtime.hang_board import reports_of
+from hpkit.runtime.hang_board import clear_reports, reports_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.dist]
 
@@ -195,6 +195,9 @@ def _run_all(env, tmp_path_factory, started):
         body = {k: v for k, v in body.items() if v is not None}
         workdir = Path(body["output_dir"]).parent
         workdir.mkdir(exist_ok=True)
+        # A rerun of this suite has the same folders and job ids, and the ranks it killed left their node-local
+        # reports: without this, the poll below could read a dead run's pid before the new ranks write theirs.
+        clear_reports(workdir / "logs" / "hangs")
         jobs[name] = submit(body, workdir, env)
     workdirs = {name: Path(body["output_dir"]).parent for name, body in specs.items()}
     print(f"\nsubmitted {len(jobs)} jobs in {time.monotonic() - started:.1f} s: {jobs}")

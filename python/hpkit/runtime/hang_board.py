@@ -53,11 +53,20 @@ def reports_of(hangs_dir: Path, env: dict[str, str] | None = None) -> dict[int, 
     """Every rank's latest report on this host, across the run's attempts (for tests and drills: on a real
     cluster each node sees only its own ranks)."""
     found: dict[int, dict[str, Any]] = {}
-    for path in sorted(board_root(env).glob(f"{run_key(hangs_dir)}-*/*/rank*.json")):
+    # Oldest first, so that each rank's newest report wins: attempt names do not sort by time, and a killed
+    # earlier run with the same key (a rerun test with the same folder and job id) leaves its reports behind.
+    for path in sorted(board_root(env).glob(f"{run_key(hangs_dir)}-*/*/rank*.json"), key=_mtime):
         report = _read(path)
         if report is not None:
             found[int(report["rank"])] = report
     return found
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def clear_reports(hangs_dir: Path, env: dict[str, str] | None = None) -> None:
