@@ -108,6 +108,75 @@ INSTANCE_TYPES: dict[str, InstanceSpec] = {
     "c5.2xlarge": InstanceSpec(0, "", 0, vcpus=8),
 }
 
+# Dense (no sparsity) peak TFLOP/s per GPU model, bf16 and tf32, from the vendors' data sheets. The step line's
+# MFU (hpkit.runtime.metrics) and the planner's (hpkit.plan.speed) divide by the same figure. Matched by
+# substring of the CUDA device name, longest first (see peak_tflops_for).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H200": {"bf16": 989.5, "tf32": 494.7},
+    "GH200": {"bf16": 989.5, "tf32": 494.7},
+    "H100 NVL": {"bf16": 835.0, "tf32": 417.5},
+    "H100 PCIe": {"bf16": 756.0, "tf32": 378.0},
+    "H100": {"bf16": 989.5, "tf32": 494.7},  # SXM
+    "H800": {"bf16": 989.5, "tf32": 494.7},
+    "B200": {"bf16": 2250.0, "tf32": 1100.0},
+    "A100": {"bf16": 312.0, "tf32": 156.0},
+    "A800": {"bf16": 312.0, "tf32": 156.0},
+    "L40S": {"bf16": 362.0, "tf32": 183.0},
+    "L4": {"bf16": 121.0, "tf32": 60.0},
+    "A10G": {"bf16": 70.0, "tf32": 35.0},
+    "A10": {"bf16": 125.0, "tf32": 62.5},
+    "V100": {"bf16": 125.0, "tf32": 15.7},  # no bf16 tensor cores: fp16 figure; fp32 for tf32
+}
+
+
+def peak_tflops_for(device_name: str, mixed_precision: str) -> float | None:
+    """Dense peak TFLOP/s of a GPU named `device_name` (a CUDA device name or a catalog `gpu`), for bf16 or
+    (anything else) tf32; None for a GPU the table lacks."""
+    kind = "bf16" if mixed_precision == "bf16" else "tf32"
+    # Longest names first, so "H100 PCIe" wins over "H100".
+    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if key.lower() in device_name.lower():
+            return PEAK_TFLOPS[key][kind]
+    return None
+
+
+@dataclass(frozen=True)
+class Links:
+    """The bandwidths a training step's collectives and optimizer meet on one instance type.
+
+    nvlink_gbs: GB/s (1e9 bytes) one way, per GPU, to the other GPUs of its node (NVLink through
+    NVSwitch; PCIe Gen4 x16 where the type has no NVLink). efa_gbps: Gbit/s of the whole instance to other
+    instances (EFA; ENA where the type has none). hbm_gbs: GB/s of one GPU's memory.
+    """
+
+    nvlink_gbs: float
+    efa_gbps: float
+    hbm_gbs: float
+
+
+# Sources: NVIDIA's data sheets (NVLink: V100 300 GB/s, A100 600 GB/s, H100/H200 900 GB/s, B200 1.8 TB/s, all
+# both ways together, halved here; HBM: V100 900 GB/s, A100 40 GB 1555, A100 80 GB 2039, H100 SXM 3350,
+# H200 4800, B200 8000, A10G 600, L4 300, L40S 864) and AWS's instance pages (network: p3.16xlarge 25 Gbps,
+# p4d/p4de 400, p5/p5e/p5en/p6-b200 3200, g5.48xlarge and g6.48xlarge 100, g6e.48xlarge 400). Measured figures
+# (`hpkit bench collectives`, `hpkit check --all-nodes`) replace these where a user gives them.
+LINKS: dict[str, Links] = {
+    "p3.16xlarge": Links(nvlink_gbs=150, efa_gbps=25, hbm_gbs=900),
+    "p4d.24xlarge": Links(nvlink_gbs=300, efa_gbps=400, hbm_gbs=1555),
+    "p4de.24xlarge": Links(nvlink_gbs=300, efa_gbps=400, hbm_gbs=2039),
+    "p5.48xlarge": Links(nvlink_gbs=450, efa_gbps=3200, hbm_gbs=3350),
+    "p5e.48xlarge": Links(nvlink_gbs=450, efa_gbps=3200, hbm_gbs=4800),
+    "p5en.48xlarge": Links(nvlink_gbs=450, efa_gbps=3200, hbm_gbs=4800),
+    "p6-b200.48xlarge": Links(nvlink_gbs=900, efa_gbps=3200, hbm_gbs=8000),
+    "g5.48xlarge": Links(nvlink_gbs=32, efa_gbps=100, hbm_gbs=600),
+    "g6.48xlarge": Links(nvlink_gbs=32, efa_gbps=100, hbm_gbs=300),
+    "g6e.48xlarge": Links(nvlink_gbs=32, efa_gbps=400, hbm_gbs=864),
+}
+
+
+def links(instance_type: str | None) -> Links | None:
+    return LINKS.get(normalise(instance_type)) if instance_type else None
+
+
 SMDDP_TYPES = tuple(f"ml.{name}" for name, spec in INSTANCE_TYPES.items() if spec.smddp)
 
 

@@ -17,36 +17,14 @@ from typing import Any
 
 import torch
 
+from hpkit.catalog import peak_tflops_for
 from hpkit.metrics_records import Event, StepRecord
-
-# Dense (no sparsity) peak TFLOP/s per device, bf16 and tf32, from the vendors' data sheets.
-PEAK_TFLOPS: dict[str, dict[str, float]] = {
-    "H200": {"bf16": 989.5, "tf32": 494.7},
-    "GH200": {"bf16": 989.5, "tf32": 494.7},
-    "H100 NVL": {"bf16": 835.0, "tf32": 417.5},
-    "H100 PCIe": {"bf16": 756.0, "tf32": 378.0},
-    "H100": {"bf16": 989.5, "tf32": 494.7},  # SXM
-    "H800": {"bf16": 989.5, "tf32": 494.7},
-    "B200": {"bf16": 2250.0, "tf32": 1100.0},
-    "A100": {"bf16": 312.0, "tf32": 156.0},
-    "A800": {"bf16": 312.0, "tf32": 156.0},
-    "L40S": {"bf16": 362.0, "tf32": 183.0},
-    "L4": {"bf16": 121.0, "tf32": 60.0},
-    "A10G": {"bf16": 70.0, "tf32": 35.0},
-    "A10": {"bf16": 125.0, "tf32": 62.5},
-    "V100": {"bf16": 125.0, "tf32": 15.7},  # no bf16 tensor cores: fp16 figure; fp32 for tf32
-}
 
 
 def peak_tflops(device_name: str, device_type: str, mixed_precision: str) -> float | None:
     if device_type != "cuda":
         return None
-    kind = "bf16" if mixed_precision == "bf16" else "tf32"
-    # Longest names first, so "H100 PCIe" wins over "H100".
-    for key in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if key.lower() in device_name.lower():
-            return PEAK_TFLOPS[key][kind]
-    return None
+    return peak_tflops_for(device_name, mixed_precision)
 
 
 def peak_memory_gib(device: torch.device) -> tuple[float, str]:
