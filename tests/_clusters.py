@@ -4,9 +4,10 @@ Job scripts derive their rendezvous port from the job id (hpkit.rendezvous: 2950
 clusters whose job ids meet modulo 3000 would also meet on rendezvous ports. Every cluster therefore gets a
 slot: ports `base + 100 * worker + offset` and job ids `base + 1000 * worker + offset`, where `worker` is
 the pytest-xdist worker (gw0, gw1, gw2; 0 without xdist) and the bases are HPKIT_TEST_CLUSTER_PORT /
-HPKIT_TEST_FIRST_JOB_ID. Offsets leave each cluster 10 ports (a controller and up to 9 nodes) and 25 to
-350 job ids. Three workers fill the 3000 rendezvous ports: two checkouts testing on one host at once share
-them, and can collide.
+HPKIT_TEST_FIRST_JOB_ID. Offsets leave each cluster 10 ports (a controller and up to 9 nodes) and 10 to
+350 job ids; "scale" (64 nodes, test_cluster_scale.py) takes 65 ports past the others' 300 (offset 300: its
+workers' ranges, 100 apart, do not meet). Three workers fill the 3000 rendezvous ports: two checkouts
+testing on one host at once share them, and can collide.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ OFFSETS = {
     "all-nodes": (20, 500),
     "polling": (30, 600),
     "forgotten": (40, 700),  # 50 job ids
-    "dev-cluster": (50, 750),  # 25 job ids (it submits none)
+    "dev-cluster": (50, 750),  # 15 job ids (it submits none)
+    "scale": (300, 765),  # 65 ports (controller + 64 nodes) and 10 job ids: test_cluster_scale.py
     "node-network": (90, 775),  # 25 job ids: NET=netns, an address per node (test_node_network.py)
     "why": (60, 800),
     "oci": (70, 900),  # 100 job ids: the next worker's slots start at 1000
