@@ -159,6 +159,11 @@ class DataLoader:
     def global_batch(self) -> int:
         return self.local_batch * self.dp_degree
 
+    @property
+    def masked(self) -> bool:
+        """Whether some labels may be IGNORE_INDEX (chat data): the loss then counts them per step."""
+        return bool(getattr(self.source, "masked", False))
+
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         first = self.position + self.dp_rank * self.local_batch
         if isinstance(self.source, SyntheticTokens):

@@ -75,8 +75,13 @@ def build_schedule(
     microbatches: int,
     schedule: str,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    scale_grads: bool = True,
 ):
-    """The schedule over this rank's parts: one module, or `stages_per_rank` of them in `stage_ids` order."""
+    """The schedule over this rank's parts: one module, or `stages_per_rank` of them in `stage_ids` order.
+
+    scale_grads divides the summed microbatch gradients by their number: the gradient of the mean of
+    per-microbatch losses. The trainer turns it off: its loss function is already weighted by the step's
+    token count (hpkit.runtime.loss), so the microbatches' gradients simply add up."""
     parts = [parts] if isinstance(parts, nn.Module) else list(parts)
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_stages = pp * len(parts)
@@ -85,10 +90,9 @@ def build_schedule(
         for part, index in zip(parts, stage_ids(rank, pp, len(parts), schedule), strict=True)
     ]
     cls = SCHEDULES[schedule]
-    # scale_grads divides the summed microbatch gradients by their number: the gradient of the mean loss.
     if cls in (ScheduleGPipe, Schedule1F1B):
-        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
-    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=True)
+        return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
 
 def check_microbatches(local_batch: int, microbatches: int) -> None:

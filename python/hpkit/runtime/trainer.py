@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
@@ -41,6 +40,7 @@ from hpkit.runtime.env import DeviceInfo, node_name
 from hpkit.runtime.expert_parallel import apply_ep
 from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
 from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
+from hpkit.runtime.loss import TokenWeightedLoss
 from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
 from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model, stage_ids
 from hpkit.runtime.stragglers import StragglerMonitor, Window
@@ -147,6 +147,8 @@ class Trainer:
         self.moe_blocks = self._moe_blocks()
         # FSDP casts parameters itself; otherwise bf16 comes from autocast around the forward.
         self.autocast = self.mixed_precision == "bf16" and not self.dims.fsdp_enabled
+        # The step's loss: token-weighted over every microbatch and data-parallel rank (runtime.loss).
+        self.loss = TokenWeightedLoss(self.dims.dp, masked=False)
         self.schedule = self._build_schedule()
         if self.schedule is not None:
             # torch's pipeline stages infer their shapes by running one forward (and input-gradient pass)
@@ -157,6 +159,7 @@ class Trainer:
         # One optimizer per part: DCP's optimizer state dict maps parameters to names through one module.
         self.optimizers = [self._build_optimizer(part) for part in self.model_parts]
         self.loader = self._build_loader()
+        self.loss.masked = self.loader.masked
         self.pp_group = self.coords.pp_mesh.get_group() if self.dims.pp_enabled else None
         self.step = 0
         self.flops_per_token = self.adapter.flops_per_token(self.model_cfg, cfg.model.seq_len)
@@ -262,7 +265,13 @@ class Trainer:
             return None
         par = self.cfg.parallelism
         return build_schedule(
-            self.model_parts, self.coords.pp_mesh, self.device, par.microbatches, par.pp_schedule, loss_fn
+            self.model_parts,
+            self.coords.pp_mesh,
+            self.device,
+            par.microbatches,
+            par.pp_schedule,
+            self.loss,
+            scale_grads=False,
         )
 
     def _build_optimizer(self, part: torch.nn.Module) -> torch.optim.Optimizer:
@@ -392,6 +401,7 @@ class Trainer:
                 inputs, labels = self.loader.next_batch()
                 inputs = inputs.to(self.device, non_blocking=True)
                 labels = labels.to(self.device, non_blocking=True)
+            self.loss.begin_step(labels)
             local_loss = self._forward_backward(inputs, labels)
             norm = total_grad_norm(self.params, self.pp_group)
             if self.cfg.train.grad_clip is not None:
@@ -421,7 +431,7 @@ class Trainer:
             with loss_parallel() if self.loss_parallel else contextlib.nullcontext():
                 with self._autocast():
                     logits = self.module(inputs)
-                loss = loss_fn(logits, labels)
+                loss = self.loss(logits, labels)
                 loss.backward()
             # A loss-parallel loss is a DTensor replicated over the tp group: every rank holds it whole.
             return (loss.to_local() if isinstance(loss, DTensor) else loss).detach()
@@ -431,11 +441,13 @@ class Trainer:
         kwargs = {"target": labels, "losses": losses} if self.is_last_stage else {}
         with self._autocast():
             self.schedule.step(*args, **kwargs)
-        # The schedules hand the losses back as the loss function made them, requiring grad.
-        return torch.stack(losses).mean().detach() if losses else torch.zeros((), device=self.device)
+        # The schedules hand the losses back as the loss function made them, requiring grad; each is its
+        # microbatch's share of the rank's loss (runtime.loss), so they add up.
+        return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
 
     def _global_loss(self, local_loss: torch.Tensor) -> float:
-        # Only the last stage's first tp rank holds a copy of each data-parallel rank's loss to count.
+        # Only the last stage's first tp rank holds a copy of each data-parallel rank's loss to count. Each
+        # is the rank's counted sum / (global count / dp): their sum / dp is the step's token-weighted mean.
         counts = self.is_last_stage and self.coords.tp_rank == 0
         total = local_loss.float() if counts else torch.zeros((), device=self.device)
         dist.all_reduce(total)
@@ -485,7 +497,3 @@ class _NoTimer:
         yield
 
     device = step = host
-
-
-def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
