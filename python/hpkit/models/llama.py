@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hpkit.model_shapes import DEFAULT_MAX_SEQ_LEN, SHAPE_TABLE
 from hpkit.models.moe import MoE, MoEConfig
 
 
@@ -39,7 +40,7 @@ class LlamaConfig:
     n_kv_heads: int
     ffn_dim: int
     vocab_size: int
-    max_seq_len: int = 2048
+    max_seq_len: int = DEFAULT_MAX_SEQ_LEN
     rope_theta: float = 500000.0
     norm_eps: float = 1e-5
     rope_scaling: RopeScaling | None = None
@@ -77,25 +78,13 @@ class LlamaConfig:
         return float(dense + attention)
 
 
-# `debug` is torchtitan's llama3 debug shape, so throughput compares with torchtitan directly.
+# The shapes' numbers live in a torch-free table that the planner (hpkit.plan) reads too.
 SHAPES: dict[str, LlamaConfig] = {
-    "debug": LlamaConfig(dim=256, n_layers=6, n_heads=16, n_kv_heads=16, ffn_dim=768, vocab_size=2048),
-    "125M": LlamaConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_dim=2048, vocab_size=32000),
-    "1B": LlamaConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256),
-    # Llama 3 8B and 70B as published (config.json: rope_theta 500000, rms_norm_eps 1e-5, vocab 128256).
-    "8B": LlamaConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256),
-    "70B": LlamaConfig(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256),
-    # torchtitan's llama4 debugmodel layout, so that MoE throughput compares with torchtitan directly:
-    # `debug` whose every second block routes to 8 experts of 512 (top 1) plus 1 shared expert.
-    "debug-moe": LlamaConfig(
-        dim=256,
-        n_layers=6,
-        n_heads=16,
-        n_kv_heads=16,
-        ffn_dim=768,
-        vocab_size=2048,
-        moe=MoEConfig(experts=8, top_k=1, shared_experts=1, every=2, aux_loss_coef=0.01, expert_ffn_dim=512),
-    ),
+    name: LlamaConfig(
+        **{k: v for k, v in fields.items() if k != "moe"},
+        moe=MoEConfig(**fields["moe"]) if fields.get("moe") else None,
+    )
+    for name, fields in SHAPE_TABLE.items()
 }
 
 
