@@ -154,6 +154,21 @@ class StragglerEvent(Event):
 
 
 @dataclass(frozen=True)
+class EvalEvent(Event):
+    """A validation on the held-out set (`eval:`): the mean loss over all its counted tokens, after `step`
+    steps (`only`: a validation without training, of a checkpoint or of init_from's weights)."""
+
+    kind: ClassVar[str] = "eval"
+    loss: float = 0.0
+    perplexity: float = 0.0
+    tokens: int = 0  # counted tokens over every data-parallel rank
+    batches: int = 0
+    seconds: float = 0.0
+    only: bool = False
+    time: float | None = None
+
+
+@dataclass(frozen=True)
 class OtherEvent(Event):
     """An event of a kind this hpkit does not know."""
 
@@ -162,7 +177,8 @@ class OtherEvent(Event):
 
 
 EVENT_KINDS: dict[str, type[Event]] = {
-    cls.kind: cls for cls in (StartEvent, EndEvent, CheckpointEvent, StepTimesEvent, StragglerEvent)
+    cls.kind: cls
+    for cls in (StartEvent, EndEvent, CheckpointEvent, StepTimesEvent, StragglerEvent, EvalEvent)
 }
 
 

@@ -19,7 +19,7 @@ from matplotlib.ticker import FixedLocator, FuncFormatter
 
 from hpkit.bench.results import BenchRow
 from hpkit.metrics_file import MetricsLog
-from hpkit.metrics_records import CheckpointEvent, StartEvent, StepRecord
+from hpkit.metrics_records import CheckpointEvent, EvalEvent, StartEvent, StepRecord
 
 # (field of the step records, axis label, factor)
 TRAINING_PANELS: tuple[tuple[str, str, float], ...] = (
@@ -29,6 +29,8 @@ TRAINING_PANELS: tuple[tuple[str, str, float], ...] = (
 )
 RESTART_STYLE = {"color": "tab:red", "linestyle": "--", "linewidth": 1.2}
 CHECKPOINT_STYLE = {"color": "tab:green", "linestyle": ":", "linewidth": 1.0}
+# Validation losses (eval records) on the loss panel: the run's colour, dashed, a marker per validation.
+EVAL_STYLE = {"linestyle": "--", "linewidth": 1.0, "marker": "o", "markersize": 3}
 OP_ORDER = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all", "reduce")
 PNG_DPI = 100
 SVG_DPI = 96  # an SVG's size is written in pt (1/72 in); at 96 per inch it is the requested CSS pixels
@@ -46,6 +48,10 @@ class TrainingRun:
 
     def all_checkpoint_steps(self) -> list[int]:
         return sorted(self.checkpoint_steps | {e.step for e in self.log.of_kind(CheckpointEvent)})
+
+    def eval_points(self) -> list[tuple[int, float]]:
+        """(step, validation loss) of the validations during training (eval.only ones are no curve)."""
+        return [(e.step, e.loss) for e in self.log.of_kind(EvalEvent) if not e.only]
 
     def segments(self) -> list[list[StepRecord]]:
         """The step records of each run: a resumed run repeats steps, and must not draw a line back."""
@@ -85,6 +91,14 @@ def training_figure(runs: list[TrainingRun], size_px: tuple[int, int], dpi: int 
                     label=run.label if j == 0 else None,
                     gid=f"{key}:{i}:{j}",
                 )
+        if key == "loss":
+            for i, run in enumerate(runs):
+                if points := run.eval_points():
+                    xs, ys = zip(*points, strict=True)
+                    label = f"{run.label} (eval)" if len(runs) > 1 else "eval loss"
+                    ax.plot(
+                        xs, ys, color=colors[i % len(colors)], label=label, gid=f"eval_loss:{i}", **EVAL_STYLE
+                    )
         for run in runs:
             for step in run.all_checkpoint_steps():
                 ax.axvline(step, gid="checkpoint", **CHECKPOINT_STYLE)
@@ -99,8 +113,9 @@ def _marker_legend(ax, runs: list[TrainingRun]) -> None:
     from matplotlib.lines import Line2D
 
     handles, labels = ax.get_legend_handles_labels()
-    if len(runs) < 2:
-        handles, labels = [], []
+    if len(runs) < 2:  # one run's curve needs no legend; its validation loss does
+        kept = [(h, lab) for h, lab in zip(handles, labels, strict=True) if lab == "eval loss"]
+        handles, labels = [h for h, _ in kept], [lab for _, lab in kept]
     if any(run.all_checkpoint_steps() for run in runs):
         handles.append(Line2D([], [], **CHECKPOINT_STYLE))
         labels.append("checkpoint")

@@ -247,6 +247,57 @@ class DataSpec(StrictModel):
         return self
 
 
+class EvalSpec(StrictModel):
+    """Validation: the masked loss and perplexity on a held-out set, every `every` steps (or once, `only`).
+
+    The loss is the mean over every counted token of the set (labels other than IGNORE_INDEX), summed and
+    counted over all data-parallel ranks, never a mean of per-batch means. The set is read in batches of
+    train.local_batch_size samples, batch b going to data-parallel rank b % dp; a rank left without a batch
+    runs an empty one (no counted token) so that every collective of the layout still meets.
+    """
+
+    every: int | None = Field(
+        default=None, description="validate after every N-th step (and after the last); unset with only: true"
+    )
+    steps: int | None = Field(
+        default=None,
+        description="validate on at most this many rounds of batches (one batch per data-parallel rank each); "
+        "unset: the whole set (a synthetic set has no end: give steps)",
+    )
+    data: DataSpec | None = Field(
+        default=None, description="the held-out set (a DataSpec: kind, path, dtype)"
+    )
+    only: bool = Field(
+        default=False,
+        description="validate the checkpoint a resume finds (or model.init_from's weights) once, without training",
+    )
+
+    @field_validator("every", "steps")
+    @classmethod
+    def _positive(cls, value: int | None, info: Any) -> int | None:
+        if value is not None and value < 1:
+            what = (
+                "validate every N steps" if info.field_name == "every" else "validate on N rounds of batches"
+            )
+            raise ValueError(f"{value} is not a positive number: {what} with N >= 1, or leave it out")
+        return value
+
+    @model_validator(mode="after")
+    def _complete(self) -> EvalSpec:
+        if self.data is None:
+            raise ValueError(
+                "data is missing: name the held-out set, e.g. data: {kind: prepared, path: DIR} "
+                "(or kind: tokens, path: FILE)"
+            )
+        if self.every is None and not self.only:
+            raise ValueError("every is missing: validate every N steps (every: N), or set only: true")
+        if self.data.kind == "synthetic" and self.steps is None:
+            raise ValueError(
+                "steps is missing: a synthetic held-out set has no end: give steps: N rounds of batches"
+            )
+        return self
+
+
 class StragglerSpec(StrictModel):
     """Find a rank that drags the job: compare each rank's own work time with the others' every few steps.
 
@@ -465,6 +516,9 @@ class RunConfig(StrictModel):
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     model: ModelSpec = Field(default_factory=ModelSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
+    eval: EvalSpec | None = Field(
+        default=None, description="validation on a held-out set (EvalSpec; None: none)"
+    )
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
     collectives: CollectivesSpec = Field(default_factory=CollectivesSpec)
@@ -494,6 +548,20 @@ class RunConfig(StrictModel):
             raise ValueError(
                 f"parallelism.ep={ep} must divide model.moe.experts={moe.experts}: each ep rank holds "
                 f"experts / ep of them"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _eval_only_has_weights(self) -> RunConfig:
+        if (
+            self.eval is not None
+            and self.eval.only
+            and self.checkpoint.dir is None
+            and self.model.init_from is None
+        ):
+            raise ValueError(
+                "eval.only: true validates trained weights, but there are none to load: set checkpoint.dir "
+                "(its newest checkpoint) or model.init_from"
             )
         return self
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hpkit.catalog import peak_tflops_for
-from hpkit.metrics_records import Event, StepRecord
+from hpkit.metrics_records import EvalEvent, Event, StepRecord
 
 
 def peak_tflops(device_name: str, device_type: str, mixed_precision: str) -> float | None:
@@ -49,6 +49,8 @@ class StepStats:
     memory_kind: str
     aux_loss: float | None = None  # MoE runs only
     expert_load: float | None = None
+    eval_loss: float | None = None  # steps that validated (eval.every): on the step line
+    eval_perplexity: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,6 +85,8 @@ class StepStats:
         moe = ""
         if self.aux_loss is not None and self.expert_load is not None:
             moe = f" | aux {self.aux_loss:.4f} | expert load {self.expert_load:.2f}"
+        if self.eval_loss is not None and self.eval_perplexity is not None:
+            moe += f" | eval loss {self.eval_loss:.4f} | eval ppl {self.eval_perplexity:.2f}"
         return (
             f"step {self.step:>5} | loss {self.loss:.4f} | grad_norm {self.grad_norm:.3f} | lr {self.lr:.2e} | "
             f"{self.tokens_per_s:,.0f} tok/s | {self.tflops_per_device:.2f} TFLOP/s/dev | MFU {mfu} | "
@@ -129,6 +133,13 @@ class MetricsLogger:
             for key, value in record.scalars().items():
                 if value is not None:
                     self._tb.add_scalar(key, value, stats.step)
+
+    def evaluation(self, event: EvalEvent) -> None:
+        """A validation: its record in the JSONL, and eval_loss / eval_perplexity in TensorBoard."""
+        self.event(event)
+        if self.enabled and self._tb is not None:
+            self._tb.add_scalar("eval_loss", event.loss, event.step)
+            self._tb.add_scalar("eval_perplexity", event.perplexity, event.step)
 
     def event(self, event: Event) -> None:
         """A record of something that happened (hpkit.metrics_records: start, checkpoint, end, ...)."""

@@ -45,6 +45,22 @@ class PrometheusExporter:
             "hpkit_train_loss", "Training loss at the last logged step (mean over data-parallel ranks)"
         )
         self.grad_norm = g("hpkit_train_grad_norm", "Total gradient norm before clipping")
+        # Labelled on first use: a run that has not validated yet has no validation loss (not 0).
+        self.eval_loss = Gauge(
+            "hpkit_train_eval_loss",
+            "Validation loss at the last validation: the mean over every counted token of the held-out set",
+            LABELS,
+            registry=self.registry,
+        )
+        self.eval_perplexity = Gauge(
+            "hpkit_train_eval_perplexity",
+            "exp(validation loss) at the last validation",
+            LABELS,
+            registry=self.registry,
+        )
+        self.eval_step = Gauge(
+            "hpkit_train_eval_step", "The step of the last validation", LABELS, registry=self.registry
+        )
         self.lr = g("hpkit_train_learning_rate", "Learning rate of the last logged step")
         self.tokens_per_s = g("hpkit_train_tokens_per_second", "Tokens per second, the whole job")
         self.step_s = g("hpkit_train_step_seconds", "Wall time of the last logged step on this rank")
@@ -105,6 +121,13 @@ class PrometheusExporter:
             self.mfu.labels(**self.labels).set(stats.mfu)
         self.memory.set(stats.memory_gib * 2**30)
         self.stamp.set(time.time())
+        self.write()
+
+    def evaluation(self, step: int, loss: float, perplexity: float) -> None:
+        """A validation (written at once: it is rarer than a logging step, and an eval.only run has none)."""
+        self.eval_loss.labels(**self.labels).set(loss)
+        self.eval_perplexity.labels(**self.labels).set(perplexity)
+        self.eval_step.labels(**self.labels).set(step)
         self.write()
 
     def window(self, window: Window) -> None:

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpkit.metrics_records import StepTimesEvent, StragglerEvent
+from hpkit.metrics_records import EvalEvent, StepTimesEvent, StragglerEvent
+from hpkit.runtime.evaluate import EvalResult
 from hpkit.runtime.metrics import MetricsLogger, StepStats, peak_memory_gib
 from hpkit.runtime.stragglers import Window
 from hpkit.runtime.trainer import StepResult, Trainer
@@ -24,14 +25,36 @@ class StepReporter:
     peak_tflops: float | None
     say: Callable[[str], None]  # prints on rank 0 only
 
-    def step(self, result: StepResult) -> None:
+    def step(self, result: StepResult, evaluation: EvalResult | None = None) -> None:
         if result.logged:
             stats = self.stats(result)
+            if evaluation is not None:
+                stats.eval_loss, stats.eval_perplexity = evaluation.loss, evaluation.perplexity
             self.metrics.log(stats)
             if self.exporter is not None:
                 self.exporter.log(stats)
+        elif evaluation is not None:  # a validation on a step between logging steps: a line of its own
+            self.say(f"step {result.step:>5} | {evaluation.line()}")
+        if evaluation is not None:
+            self.evaluation(evaluation)
         if result.window is not None:
             self.window(result.window)
+
+    def evaluation(self, result: EvalResult, only: bool = False) -> None:
+        """A validation's record (JSONL, TensorBoard) and gauges; the console line is the caller's."""
+        self.metrics.evaluation(
+            EvalEvent(
+                result.step,
+                loss=result.loss,
+                perplexity=result.perplexity,
+                tokens=result.tokens,
+                batches=result.batches,
+                seconds=round(result.seconds, 4),
+                only=only,
+            )
+        )
+        if self.exporter is not None:
+            self.exporter.evaluation(result.step, result.loss, result.perplexity)
 
     def window(self, window: Window) -> None:
         if self.exporter is not None:
@@ -56,6 +79,15 @@ class StepReporter:
                     median_local_work_s=s.median_s,
                     windows=spec.windows,
                 )
+            )
+        links = self.trainer.stragglers.links if self.trainer.stragglers is not None else None
+        for s in window.slow_links:
+            node = links.nodes[s.rank] if links is not None and s.rank < len(links.nodes) else "?"
+            self.say(
+                f"hpkit train: WARNING: straggler: node {node}'s links are {s.factor:.1f}x slower than the other "
+                f"nodes' median ({s.seconds * 1000:.1f} ms vs {s.median_s * 1000:.1f} ms for a "
+                f"{spec.link_probe_bytes}-byte probe, its faster link) for {spec.windows} windows of "
+                f"{spec.every_steps} steps, up to step {window.step}"
             )
 
     def stats(self, result: StepResult) -> StepStats:

@@ -23,6 +23,7 @@ from hpkit.runtime.checkpoint_record import CommitRecord
 from hpkit.runtime.collectives import decide
 from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed, node_name
+from hpkit.runtime.evaluate import Evaluator
 from hpkit.runtime.hang_watchdog import HangWatchdog, enable_flight_recorder
 from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
@@ -74,6 +75,16 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
             f"hpkit train: loaded {loaded.tensors} tensors from {cfg.model.init_from} "
             f"(rank 0 read {loaded.bytes_read / 2**20:.1f} MiB)"
         )
+    # Built before the first step, so that a held-out set that cannot be read stops the run at once.
+    evaluator = Evaluator(trainer, cfg.eval) if cfg.eval is not None else None
+    if evaluator is not None and evaluator.spec.only:
+        try:
+            return _validate_only(cfg, trainer, evaluator, report, resumed is not None, say)
+        finally:
+            if checkpointer is not None:
+                checkpointer.close()
+            trainer.close()
+            report.close()
     # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
     metrics.event(
         StartEvent(
@@ -109,7 +120,13 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                 summary.add(last, trainer.tokens_per_step)
                 if last.logged:
                     _check_finite(last)
-                report.step(last)
+                evaluation = None
+                if evaluator is not None and evaluator.due(last.step) and not trainer.stop_requested:
+                    # Judged as a save by the hang watchdog: a long held-out set is no hang (its
+                    # collectives still end at the collective timeout if a peer is gone).
+                    with watchdog_phase("save"):
+                        evaluation = evaluator.run()
+                report.step(last, evaluation)
                 if checkpointer is not None:
                     save(last.step, forced=trainer.stop_requested)
                 if trainer.stop_requested:
@@ -141,6 +158,27 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
         return 0
     say(summary.line(last, trainer, launch, device, peak))
     return 128 + trainer.stop_signal if trainer.stop_requested else 0
+
+
+def _validate_only(
+    cfg: RunConfig,
+    trainer: Trainer,
+    evaluator: Evaluator,
+    report: StepReporter,
+    resumed: bool,
+    say: Callable[[str], None],
+) -> int:
+    """eval.only: one validation of the loaded weights, printed and recorded; no step, no save."""
+    if not resumed and trainer.hf is None:
+        raise SpecError(
+            f"eval.only: no checkpoint to validate in checkpoint.dir ({cfg.checkpoint.dir}) and no "
+            "model.init_from: point checkpoint.dir at a run's checkpoints (with checkpoint.resume: true)"
+        )
+    result = evaluator.run()
+    report.evaluation(result, only=True)
+    weights = "checkpoint" if resumed else f"init_from {cfg.model.init_from}"
+    say(f"hpkit train: eval only: step {result.step} ({weights}) | {result.line()}")
+    return 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,6 +311,7 @@ def _checkpointer(
         on_commit=committed,
         model=trainer.model_record(),
         saving=saving,
+        refusal=trainer.checkpoint_refusal,
     )
 
 
