@@ -20,6 +20,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "cancel": ("hpkit.commands.jobs", "cancel a job and its steps"),
     "why": ("hpkit.commands.why", "say why a job ended, with the log lines that show it"),
     "train": ("hpkit.commands.train", "run the training loop (inside a job)"),
+    "plan": (
+        "hpkit.commands.plan",
+        "rank the layouts a model can run with on N nodes by predicted memory and speed; judge a spec's",
+    ),
     "data": ("hpkit.commands.data", "prepare token data: text/JSONL/Parquet -> token shards (hpkit[data])"),
     "ckpt": (
         "hpkit.commands.ckpt",

@@ -1,0 +1,214 @@
+"""`hpkit plan`: the layout that fits and runs fastest for a model on a cluster, or the verdict on a spec's.
+
+    hpkit plan MODEL --instance TYPE --nodes N [--seq S] [--global-batch B | --global-tokens T] ...
+    hpkit plan job.yaml [--instance TYPE] [--json]
+
+Torch-free (a login node runs it): the memory model (hpkit.plan.memory), the speed model (hpkit.plan.speed)
+and the search (hpkit.plan.search) are arithmetic over the catalog's figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from hpkit.arg_types import positive_int
+from hpkit.errors import HpkitError, SpecError
+
+DEFAULT_SEQ = 8192
+
+
+def _parser(prog: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="Rank every layout hpkit can run for MODEL on NODES x INSTANCE by predicted tokens/s per GPU, "
+        "after rejecting those that do not fit a GPU's memory (by how many GiB) or that the runtime refuses "
+        "(with its message). With a job spec instead of a model: that spec's layout, its peak memory per GPU "
+        "and its speed.",
+    )
+    p.add_argument(
+        "target",
+        help="a shape name (8B, 70B, debug-moe, ...), a Hugging Face model folder (config.json: Llama, "
+        "Mixtral), or a job spec (.yaml/.json) to judge",
+    )
+    p.add_argument("--instance", help="instance type of the nodes (p5.48xlarge; ml. prefix allowed)")
+    p.add_argument("--nodes", type=positive_int, help="nodes of that type")
+    p.add_argument("--seq", type=positive_int, help=f"sequence length (default {DEFAULT_SEQ}; a spec's own)")
+    batch = p.add_mutually_exclusive_group()
+    batch.add_argument("--global-batch", type=positive_int, help="sequences per step (default: one per GPU)")
+    batch.add_argument("--global-tokens", type=positive_int, help="tokens per step (a multiple of --seq)")
+    p.add_argument(
+        "--precision", choices=("bf16", "fp32"), default="bf16", help="mixed precision (default bf16)"
+    )
+    p.add_argument("--top", type=positive_int, default=5, help="layouts to print (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--write", metavar="JOB_YAML", help="write the winner as a job spec `hpkit submit` takes")
+    p.add_argument(
+        "--network",
+        metavar="PAIRS_JSON",
+        help="measured inter-node bandwidth: the pairs-JOB.json `hpkit check --all-nodes --bandwidth` wrote "
+        "(its nodes' median best all_reduce busbw replaces the catalog's EFA figure)",
+    )
+    return p
+
+
+def _inter_node_gbs(path: str) -> float:
+    """The median over nodes of each node's best pair busbw (GB/s) in a pairs JSON (hpkit.bench.pairs's
+    best_per_node rule; that module imports torch, which a login node's plan does not)."""
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise SpecError(f"--network {path}: unreadable: {exc}") from None
+    best: dict[str, float] = {}
+    for round_ in document.get("rounds", []) if isinstance(document, dict) else []:
+        for entry in round_ if isinstance(round_, list) else []:
+            value = entry.get("busbw_gbps") if isinstance(entry, dict) else None
+            if not isinstance(value, (int, float)) or entry.get("wrong"):
+                continue
+            for node in entry.get("nodes", []):
+                best[node] = max(best.get(node, 0.0), float(value))
+    if not best:
+        raise SpecError(
+            f"--network {path}: no node has a bandwidth figure: give the pairs JSON of a --bandwidth run"
+        )
+    return float(statistics.median(best.values()))
+
+
+def _hardware(instance: str | None, precision: str, network: str | None) -> tuple[Any, float]:
+    from hpkit import catalog
+    from hpkit.plan.speed import hardware_for
+
+    if not instance:
+        raise SpecError("--instance: missing: name the nodes' instance type (p5.48xlarge)")
+    known = sorted(name for name in catalog.LINKS)
+    row = catalog.lookup(instance)
+    if row is None or catalog.links(instance) is None:
+        raise SpecError(
+            f"--instance {instance}: unknown to the planner's catalog: choose one of {', '.join(known)}"
+        )
+    inter = _inter_node_gbs(network) if network else None
+    return hardware_for(instance, precision, inter), float(row.gpu_memory_gib)
+
+
+def main(argv: list[str], prog: str = "hpkit plan") -> int:
+    args = _parser(prog).parse_args(argv[1:])
+    target = Path(args.target)
+    if target.suffix in (".yaml", ".yml", ".json") and not target.is_dir():
+        return _judge_spec(args, target)
+    return _search(args)
+
+
+def _search(args: argparse.Namespace) -> int:
+    from hpkit.plan import report
+    from hpkit.plan.search import search
+    from hpkit.plan.shapes import resolve_model
+
+    if args.nodes is None:
+        raise SpecError("--nodes: missing: how many nodes the job runs on")
+    seq = args.seq or DEFAULT_SEQ
+    shape = resolve_model(args.target, seq)
+    hw, gpu_gib = _hardware(args.instance, args.precision, args.network)
+    world = args.nodes * hw.gpus_per_node
+    if args.global_tokens is not None:
+        if args.global_tokens % seq:
+            raise SpecError(f"--global-tokens {args.global_tokens}: not a multiple of --seq {seq}")
+        global_batch = args.global_tokens // seq
+    else:
+        global_batch = args.global_batch or world
+    result = search(shape, hw, args.nodes, global_batch, args.precision, args.instance, gpu_gib)
+    title = (
+        f"{args.target} on {args.nodes} x {hw.name} ({world} GPUs, {gpu_gib:g} GiB each), seq {seq}, "
+        f"global batch {global_batch} ({global_batch * seq:,} tokens), {args.precision}"
+    )
+    if not result.ranked:
+        miss = result.closest_miss()
+        if miss is not None:
+            raise SpecError(
+                f"model {args.target}: fits no layout on {args.nodes} x {hw.name}: the closest, "
+                f"{miss.layout.describe()}, {miss.problem}: add nodes, or lower --seq/--global-batch"
+            )
+        first = result.rejected[0].problem if result.rejected else "no layout divides the world"
+        raise SpecError(f"model {args.target}: no layout the runtime accepts on {world} GPUs: {first}")
+    if args.write:
+        _write(Path(args.write), args, shape, hw, result, seq)
+    if args.json:
+        meta = {
+            "model": args.target,
+            "instance": hw.name,
+            "nodes": args.nodes,
+            "seq": seq,
+            "precision": args.precision,
+        }
+        print(json.dumps(report.search_json(meta, result, args.top), indent=2))
+    else:
+        print(report.search_text(title, result, args.top))
+        if args.write:
+            print(f"\nwrote {args.write}")
+    return 0
+
+
+def _judge_spec(args: argparse.Namespace, path: Path) -> int:
+    from hpkit.plan import report
+    from hpkit.plan.layout import Layout
+    from hpkit.plan.search import judge
+    from hpkit.plan.shapes import shape_of_spec
+    from hpkit.spec import JobSpec
+    from hpkit.validation import load_document
+
+    spec = load_document(JobSpec, path)
+    instance = args.instance or spec.instance_type
+    if not instance:
+        raise SpecError(f"{path}: instance_type: missing: set it in the spec, or give --instance")
+    shape = shape_of_spec(spec.model)
+    if args.seq:
+        from dataclasses import replace
+
+        shape = replace(shape, seq_len=args.seq)
+    hw, gpu_gib = _hardware(instance, "bf16", args.network)
+    layout = Layout.from_run_config(spec, world=spec.world_size, device_type="cuda")
+    if spec.ranks_per_node != hw.gpus_per_node:
+        from dataclasses import replace
+
+        hw = replace(hw, gpus_per_node=spec.ranks_per_node)
+    if layout.precision != "bf16":
+        hw, gpu_gib = _hardware(instance, layout.precision, args.network)
+    cand = judge(shape, layout, hw, instance, gpu_gib)
+    title = (
+        f"{path}: {spec.model.name} seq {shape.seq_len} on {spec.nodes} x {hw.name} ({spec.world_size} ranks)"
+    )
+    if args.json:
+        print(
+            json.dumps(
+                {"spec": str(path), "instance": hw.name, "nodes": spec.nodes, **cand.to_json()}, indent=2
+            )
+        )
+    else:
+        print(report.judge_text(title, cand))
+    return 0 if cand.fits else 1
+
+
+def _write(path: Path, args: argparse.Namespace, shape: Any, hw: Any, result: Any, seq: int) -> None:
+    """The winner as a job spec; the runners-up and why they lost as comments above it."""
+    from hpkit.plan.recipe import model_block, spec_text
+
+    name = "plan-" + "".join(ch if ch.isalnum() else "-" for ch in Path(args.target).name.lower())
+    command = (
+        " ".join(["hpkit plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else f"hpkit plan {args.target}"
+    )
+    text = spec_text(name, model_block(args.target, seq), hw, args.nodes, result, args.top, command)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise HpkitError(f"--write {path}: {exc.strerror or exc}") from None
+
+
+if __name__ == "__main__":
+    sys.exit(main(["plan", *sys.argv[1:]]))

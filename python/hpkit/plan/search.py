@@ -1,0 +1,259 @@
+"""The planner's search: every layout the runtime accepts for a world, its memory and speed, ranked.
+
+A layout is rejected with the runtime's own message when the runtime would refuse it (the spec's
+validators, run on the layout; the adapter's and the pipeline's rules, which import torch, restated
+with their words), with the planner's reason when it would cross nodes with tensor parallel, and with
+by how many GiB when it does not fit the GPU (hpkit.plan.memory). The rest are ranked by predicted
+tokens/s per GPU (hpkit.plan.speed), the smaller peak first among equals.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from pydantic import ValidationError
+
+from hpkit.errors import SpecError
+from hpkit.plan import memory
+from hpkit.plan.layout import Layout
+from hpkit.plan.shapes import ModelShape
+from hpkit.plan.speed import Hardware, SpeedPlan, predict
+from hpkit.runtime.config import RunConfig
+
+GIB = 2**30
+SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
+
+
+@dataclass
+class Candidate:
+    layout: Layout
+    problem: str | None = None  # why it cannot run (None: it can)
+    peak_bytes: float | None = None
+    over_gib: float | None = None  # how far past the GPU's memory (None: it fits, or was never sized)
+    memory: Any = None  # hpkit.plan.memory.MemoryPlan
+    speed: SpeedPlan | None = None
+
+    @property
+    def fits(self) -> bool:
+        return self.problem is None
+
+    @property
+    def peak_gib(self) -> float | None:
+        return None if self.peak_bytes is None else self.peak_bytes / GIB
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "layout": self.layout.describe(),
+            "parallelism": self.layout.parallelism_fields(),
+            "train": self.layout.train_fields(),
+            "fits": self.fits,
+        }
+        if self.peak_gib is not None:
+            out["peak_gib"] = round(self.peak_gib, 2)
+        if self.problem is not None:
+            out["problem"] = self.problem
+        if self.over_gib is not None:
+            out["over_gib"] = round(self.over_gib, 2)
+        if self.speed is not None:
+            out["speed"] = self.speed.to_json()
+        if self.memory is not None:
+            out["memory_gib"] = {
+                k: round(v / GIB, 3) for k, v in self.memory.worst.breakdown.as_dict().items()
+            }
+        return out
+
+
+@dataclass
+class SearchResult:
+    world: int
+    global_batch: int
+    ranked: list[Candidate] = field(default_factory=list)
+    rejected: list[Candidate] = field(default_factory=list)
+    dominated: int = 0  # not tried: the same with less checkpointing fits, or with full does not
+
+    def closest_miss(self) -> Candidate | None:
+        """The layout that missed the GPU's memory by the least (None: none was sized)."""
+        sized = [c for c in self.rejected if c.over_gib is not None]
+        return min(sized, key=lambda c: c.over_gib or 0.0) if sized else None
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def runtime_problem(shape: ModelShape, layout: Layout, gpus_per_node: int | None) -> str | None:
+    """Why the runtime would refuse `layout` for `shape`, in its own words; None when it runs it."""
+    if gpus_per_node and layout.tp > gpus_per_node:
+        return (
+            f"parallelism.tp={layout.tp} spans more than one node of {gpus_per_node} GPUs: its per-block "
+            "all-reduces would cross the network"
+        )
+    model: dict[str, Any] = {"name": "debug", "n_layers": shape.n_layers, "seq_len": shape.seq_len}
+    if shape.is_moe:
+        model["moe"] = {"experts": shape.experts, "top_k": min(shape.top_k or 1, shape.experts or 1)}
+    try:
+        RunConfig(model=model, parallelism=layout.parallelism_fields(), train=layout.train_fields())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"] if not isinstance(p, int))
+        message = first["msg"].removeprefix("Value error, ")
+        return f"{where}: {message}" if where else message
+    # The adapter's TP rule (hpkit.runtime.adapters.llama.check_tp) and the pipeline's microbatch rule
+    # (hpkit.runtime.pipeline.check_microbatches): both modules import torch.
+    tp = layout.tp
+    if tp > 1:
+        problems = [
+            f"{k}={v}" for k, v in (("n_heads", shape.n_heads), ("n_kv_heads", shape.n_kv_heads)) if v % tp
+        ]
+        if shape.ffn_dim % tp:
+            problems.append(f"ffn_dim={shape.ffn_dim}")
+        if layout.sequence_parallel_on("cuda") and shape.seq_len % tp:
+            problems.append(f"seq_len={shape.seq_len} (sequence parallel splits it)")
+        if shape.vocab_size % tp:
+            problems.append(f"vocab_size={shape.vocab_size}")
+        if problems:
+            return f"parallelism.tp={tp} must divide {', '.join(problems)}"
+    if layout.pp > 1 and layout.local_batch_size % layout.microbatches:
+        return (
+            f"train.local_batch_size={layout.local_batch_size} is not divisible by "
+            f"parallelism.microbatches={layout.microbatches}"
+        )
+    if layout.n_stages > shape.n_layers:
+        return (
+            f"parallelism: pp x stages_per_rank = {layout.n_stages} stages, but the model has {shape.n_layers} "
+            "blocks: lower pp or stages_per_rank so that each stage gets at least one block"
+        )
+    return None
+
+
+def judge(
+    shape: ModelShape,
+    layout: Layout,
+    hw: Hardware,
+    instance_type: str | None,
+    gpu_memory_gib: float | None,
+    always_speed: bool = False,
+) -> Candidate:
+    """One layout: the runtime's verdict, then its memory against the GPU's, then its speed (for one that
+    does not fit too, with `always_speed`)."""
+    cand = Candidate(layout)
+    cand.problem = runtime_problem(shape, layout, hw.gpus_per_node)
+    if cand.problem is not None:
+        return cand
+    plan = memory.predict(shape, layout, instance_type)
+    cand.memory = plan
+    cand.peak_bytes = float(plan.peak_bytes)
+    if gpu_memory_gib is not None and cand.peak_bytes > gpu_memory_gib * GIB:
+        cand.over_gib = cand.peak_bytes / GIB - gpu_memory_gib
+        cand.problem = (
+            f"needs {cand.peak_bytes / GIB:.1f} GiB per GPU, {cand.over_gib:.1f} GiB more than the "
+            f"{gpu_memory_gib:g} GiB a GPU has"
+        )
+        if not always_speed:
+            return cand
+    cand.speed = predict(shape, layout, hw, shape.seq_len)
+    return cand
+
+
+def layouts(
+    shape: ModelShape, world: int, gpus_per_node: int, global_batch: int, precision: str
+) -> list[Layout]:
+    """Every layout to try for `world` ranks, without activation checkpointing (search adds it): degrees that
+    multiply to it (tp within a node), each pipeline schedule with microbatches of pp, 2pp and 4pp."""
+    out = []
+    tps = [t for t in _divisors(gpus_per_node) if t <= world and world % t == 0]
+    for tp in tps:
+        for pp in (p for p in _divisors(world // tp) if p <= shape.n_layers):
+            rest = world // (tp * pp)
+            eps = [e for e in _divisors(rest) if shape.is_moe and (shape.experts or 0) % e == 0] or [1]
+            for ep in eps:
+                dp = rest // ep
+                if global_batch % (dp * ep):
+                    continue
+                lbs = global_batch // (dp * ep)
+                for dp_rep in _divisors(dp):
+                    pipelines: list[tuple[str, int, int]] = [("1f1b", 1, 1)]
+                    if pp > 1:
+                        pipelines = []
+                        for schedule, mult in itertools.product(SCHEDULES, (1, 2, 4)):
+                            spr = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+                            pipelines.append((schedule, pp * mult, spr))
+                    for schedule, mb, spr in pipelines:
+                        out.append(
+                            Layout(
+                                dp_replicate=dp_rep,
+                                dp_shard=dp // dp_rep,
+                                tp=tp,
+                                pp=pp,
+                                ep=ep,
+                                pp_schedule=schedule,  # type: ignore[arg-type]
+                                microbatches=mb,
+                                stages_per_rank=spr,
+                                local_batch_size=lbs,
+                                precision=precision,  # type: ignore[arg-type]
+                            )
+                        )
+    return out
+
+
+def search(
+    shape: ModelShape,
+    hw: Hardware,
+    nodes: int,
+    global_batch: int,
+    precision: str,
+    instance_type: str | None,
+    gpu_memory_gib: float | None,
+) -> SearchResult:
+    world = nodes * hw.gpus_per_node
+    if global_batch < 1 or global_batch % world:
+        raise SpecError(
+            f"--global-batch {global_batch}: the world of {world} GPUs ({nodes} nodes x {hw.gpus_per_node}) "
+            f"does not divide it: give a multiple of {world}"
+        )
+    result = SearchResult(world=world, global_batch=global_batch)
+    for bare in layouts(shape, world, hw.gpus_per_node, global_batch, precision):
+        for cand in _checkpointing(shape, bare, hw, instance_type, gpu_memory_gib, result):
+            (result.ranked if cand.fits else result.rejected).append(cand)
+    result.ranked.sort(key=lambda c: (-(c.speed.tokens_per_s_per_gpu if c.speed else 0), c.peak_bytes or 0))
+    return result
+
+
+def _checkpointing(
+    shape: ModelShape,
+    bare: Layout,
+    hw: Hardware,
+    instance_type: str | None,
+    gpu_memory_gib: float | None,
+    result: SearchResult,
+) -> list[Candidate]:
+    """The activation checkpointing modes worth judging for one layout. Checkpointing only saves memory and
+    costs time, so: if full does not fit, neither do the others (one verdict stands for three); if none fits,
+    the others are slower and are not tried."""
+    full = judge(shape, replace(bare, activation_checkpoint="full"), hw, instance_type, gpu_memory_gib)
+    if not full.fits and full.over_gib is not None:
+        result.dominated += 2
+        return [full]
+    out = [full]
+    for mode in ("none", "selective"):
+        cand = judge(shape, replace(bare, activation_checkpoint=mode), hw, instance_type, gpu_memory_gib)
+        out.append(cand)
+        if cand.fits:
+            result.dominated += 1 if mode == "none" else 0
+            break
+    return out
+
+
+def why_lost(winner: Candidate, other: Candidate) -> str:
+    """One line on why `other` ranks below `winner`: its largest extra cost, by part of the step."""
+    if winner.speed is None or other.speed is None:
+        return other.problem or "not sized"
+    ratio = other.speed.tokens_per_s_per_gpu / winner.speed.tokens_per_s_per_gpu
+    extra = {
+        k: other.speed.parts.get(k, 0.0) - winner.speed.parts.get(k, 0.0)
+        for k in set(other.speed.parts) | set(winner.speed.parts)
+    }
+    part, seconds = max(extra.items(), key=lambda kv: kv[1])
+    return f"{ratio:.0%} of the winner's tokens/s: +{seconds * 1000:.0f} ms of {part} per step"

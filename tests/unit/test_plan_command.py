@@ -1,0 +1,152 @@
+"""`hpkit plan`: the search's table and JSON, --write's spec, judging a spec, and bad input as one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hpkit.cli import main as cli
+from hpkit.render import render
+from hpkit.spec import JobSpec
+from hpkit.validation import load_document
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = cli(["plan", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_search_ranks_fitting_layouts_by_predicted_speed(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = plan(capsys, "8B", "--instance", "ml.p5.48xlarge", "--nodes", "2", "--json", "--top", "50")
+    assert rc == 0
+    doc = json.loads(out)
+    assert doc["world"] == 16 and doc["global_batch"] == 16 and doc["fit"] > 10
+    ranked = doc["ranked"]
+    speeds = [c["speed"]["tokens_per_s_per_gpu"] for c in ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    assert all(c["fits"] and c["peak_gib"] <= 80 for c in ranked)
+    # tp never spans nodes, and what the runtime refuses never ranks.
+    assert all(c["parallelism"]["tp"] <= 8 for c in ranked)
+    assert doc["rejected"] > 0
+
+
+def test_table_names_why_the_others_lost_and_what_was_rejected(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = plan(capsys, "70B", "--instance", "p4de.24xlarge", "--nodes", "4", "--top", "3")
+    assert rc == 0
+    assert "tok/s/GPU" in out and "why the others rank lower:" in out and "#2:" in out
+    assert "rejected (memory)" in out and "GiB more than the 80 GiB a GPU has" in out
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["8B", "--instance", "p9.48xlarge", "--nodes", "2"], "--instance p9.48xlarge: unknown"),
+        (["8B", "--nodes", "2"], "--instance: missing"),
+        (["8B", "--instance", "p5.48xlarge", "--nodes", "2", "--global-batch", "17"], "--global-batch 17"),
+        (
+            ["8B", "--instance", "p5.48xlarge", "--nodes", "2", "--global-tokens", "1000"],
+            "--global-tokens 1000",
+        ),
+        (["9B", "--instance", "p5.48xlarge", "--nodes", "2"], "model '9B'"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_field(
+    capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    rc, out, err = plan(capsys, *args)
+    assert rc == 1 and out == ""
+    assert err.count("\n") == 1 and says in err and "Traceback" not in err
+
+
+def test_a_model_that_fits_nowhere_says_by_how_much_for_the_closest(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, _, err = plan(capsys, "70B", "--instance", "p4d.24xlarge", "--nodes", "1")
+    assert rc == 1 and err.count("\n") == 1
+    assert "fits no layout on 1 x p4d.24xlarge: the closest" in err and "GiB more than the 40 GiB" in err
+
+
+def test_an_unsupported_hugging_face_family_is_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 768}))
+    rc, _, err = plan(capsys, str(tmp_path), "--instance", "p5.48xlarge", "--nodes", "1")
+    assert rc == 1 and err.count("\n") == 1 and "model_type: 'gpt2'" in err
+
+
+def test_a_mixtral_config_plans_with_expert_parallel(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    config = {
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 32000,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    rc, out, _ = plan(
+        capsys, str(tmp_path), "--instance", "p5.48xlarge", "--nodes", "2", "--json", "--top", "100"
+    )
+    assert rc == 0
+    assert any(c["parallelism"]["ep"] > 1 for c in json.loads(out)["ranked"])
+
+
+def test_write_gives_a_spec_that_submit_takes_and_plan_judges_as_fitting(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "job.yaml"
+    rc, out, _ = plan(
+        capsys, "8B", "--instance", "p5.48xlarge", "--nodes", "2", "--top", "4", "--write", str(path)
+    )
+    assert rc == 0 and f"wrote {path}" in out
+    text = path.read_text()
+    assert "Runners-up and why they lost:" in text
+    assert text.count("#   #") == 3  # the three runners-up, each with its reason
+    spec = load_document(JobSpec, path)
+    assert spec.instance_type == "p5.48xlarge" and spec.world_size == 16
+    assert "#SBATCH --nodes=2" in render(spec)
+    rc, out, _ = plan(capsys, str(path), "--json")
+    judged = json.loads(out)
+    assert rc == 0 and judged["fits"]
+    winner = text.split("Predicted: ")[1].split(" GiB")[0]
+    assert judged["peak_gib"] == pytest.approx(float(winner), abs=0.06)
+
+
+def test_judging_a_spec_names_its_verdict(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    demo = REPO / "slurm/jobs/demo.yaml"
+    rc, _, err = plan(capsys, str(demo))
+    assert rc == 1 and "instance_type: missing" in err and err.count("\n") == 1
+    rc, out, _ = plan(capsys, str(demo), "--instance", "p4d.24xlarge")
+    assert rc == 0 and "verdict: fits" in out and "dp_shard=2 tp=2" in out
+    big = tmp_path / "big.yaml"
+    big.write_text(demo.read_text().replace("name: debug", "name: 70B"))
+    rc, out, _ = plan(capsys, str(big), "--instance", "p4d.24xlarge")
+    assert rc == 1 and "verdict: does not fit: needs" in out
+
+
+def test_plan_imports_no_torch() -> None:
+    code = (
+        "import sys\nfrom hpkit.cli import main\n"
+        "assert main(['plan', '70B', '--instance', 'p5.48xlarge', '--nodes', '16', '--json']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO / "python")},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
