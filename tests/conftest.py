@@ -63,6 +63,8 @@ def slurm_cluster_24_11(tmp_path_factory) -> dict[str, str]:
     """The same cluster under Slurm 24.11 (HyperPod's), run from the trixie root that slurm/dev/slurm-root.sh
     builds once per machine (`make test` builds it first); its clients are the wrappers in <dir>/bin."""
     env = devcluster.client_env(tmp_path_factory.mktemp("slurm-24.11"), *slot("slurm-24.11"), slurm="24.11")
+    # As HyperPod's recent clusters: topology/tree and a topology.conf that hpkit renders (test_slurm_topology).
+    env["TOPOLOGY"] = "tree"
     try:
         devcluster.up(env)
     except devcluster.DevClusterError as exc:

@@ -26,6 +26,9 @@
 #                          slurmd (and so its job steps) runs in a network namespace of its own, node i at
 #                          10.<port/256>.<port%256>.(i+1) on a bridge at .1 where slurmctld is reached (net.sh; its
 #                          fault helpers cut, slow and second-if act on a node's link). down.sh removes them all
+#   TOPOLOGY               none: no TopologyPlugin (default). tree | block (block: 24.11 only): TopologyPlugin=topology/...
+#                          and a topology.conf naming every node, TOPOLOGY_GROUP (default 2) nodes a leaf switch or a
+#                          block, rendered by hpkit (python3 -m hpkit.topology render), as HyperPod manages one
 #
 # <dir>/etc/env sets SLURM_CONF (and PATH for 24.11): `. <dir>/etc/env` and sbatch, squeue, hpkit reach this cluster.
 set -euo pipefail
@@ -41,6 +44,8 @@ min_job_age=${MIN_JOB_AGE:-600}
 memory_kill=${MEMORY_KILL:-0}
 slurm=${SLURM:-22.05}
 net=${NET:-loopback}
+topo=${TOPOLOGY:-none}
+topo_group=${TOPOLOGY_GROUP:-2}
 
 die() { echo "cluster-up: $*" >&2; exit 1; }
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, not '$nodes'"
@@ -54,6 +59,9 @@ fi
 [[ $memory_kill =~ ^[01]$ ]] || die "MEMORY_KILL must be 0 or 1, not '$memory_kill'"
 [[ $slurm == 22.05 || $slurm == 24.11 ]] || die "SLURM must be 22.05 (the host's packages) or 24.11, not '$slurm'"
 [[ $net == loopback || $net == netns ]] || die "NET must be loopback or netns, not '$net'"
+[[ $topo == none || $topo == tree || $topo == block ]] || die "TOPOLOGY must be none, tree or block, not '$topo'"
+[[ $topo_group =~ ^[1-9][0-9]*$ ]] || die "TOPOLOGY_GROUP must be a positive integer, not '$topo_group'"
+[[ $topo != block || $slurm != 22.05 ]] || die "TOPOLOGY=block needs Slurm 23.11 or later: use SLURM=24.11, or TOPOLOGY=tree"
 [[ $(id -u) == 0 ]] || die "run as root: slurmd must be able to start jobs as any user"
 
 alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
@@ -134,10 +142,12 @@ if ! alive "$dir/run/slurmctld.pid"; then
     memory=$((cpus * 1024))
   fi
   node_lines=""
+  node_names_new=()
   for ((i = 1; i <= nodes; i++)); do
     mkdir -p "$dir/spool/node$i" "$dir/tmp/node$i"
     addr=127.0.0.1
     [[ $net == loopback ]] || addr=$("$here/net.sh" "$dir" addr "node$i")
+    node_names_new+=("node$i")
     node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=$addr Port=$((port + i)) CPUs=$cpus RealMemory=$memory State=UNKNOWN"$'\n'
   done
   sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@CTLD_ADDR@|$ctld_addr|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" "$here/slurm.conf.in" >"$conf.tmp"
@@ -149,6 +159,16 @@ if ! alive "$dir/run/slurmctld.pid"; then
     else print
   }' "$conf.tmp" >"$conf"
   rm -f "$conf.tmp"
+  rm -f "$dir/etc/topology.conf"
+  if [[ $topo != none ]]; then
+    # As HyperPod's clusters: the plugin, and a topology.conf that names every node (without one, 24.11's
+    # slurmctld stops at start; with a node left out, sbatch refuses jobs that need it).
+    PYTHONPATH="$here/../../python${PYTHONPATH:+:$PYTHONPATH}" python3 -m hpkit.topology render --plugin "$topo" \
+      --nodes "$(IFS=,; echo "${node_names_new[*]}")" --group-size "$topo_group" >"$dir/etc/topology.conf.tmp" ||
+      die "cannot render a topology.conf for TOPOLOGY=$topo TOPOLOGY_GROUP=$topo_group (see above)"
+    mv "$dir/etc/topology.conf.tmp" "$dir/etc/topology.conf"
+    echo "TopologyPlugin=topology/$topo" >>"$conf"
+  fi
   # Slurm's OCI containers (--container=BUNDLE) run by runc: only a step that asks for one uses it.
   sed -e "s|@DIR@|$dir|g" "$here/oci.conf.in" >"$dir/etc/oci.conf"
   sed -e "s|@DIR@|$dir|g" "$here/task-prolog.sh" >"$dir/etc/task-prolog.sh"

@@ -8,7 +8,9 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+from hpkit import topology
 from hpkit.checks.context import Context
+from hpkit.checks.hostlist import compress
 from hpkit.checks.probe import read_text, run_cmd, which
 from hpkit.checks.registry import check
 from hpkit.checks.result import Result
@@ -64,6 +66,84 @@ def slurm(ctx: Context) -> Result:
             "see why with `sinfo -R`; resume a node with `scontrol update nodename=NAME state=resume`",
         )
     return Result.ok(detail)
+
+
+def _slurm_conf(ctx: Context) -> Path | None:
+    """The slurm.conf this node's clients read: SLURM_CONF, else where HyperPod and Debian put it."""
+    candidates = [Path(ctx.env["SLURM_CONF"])] if ctx.env.get("SLURM_CONF") else []
+    candidates += [ctx.roots.opt / "slurm" / "etc" / "slurm.conf", ctx.roots.etc / "slurm" / "slurm.conf"]
+    return next((path for path in candidates if path.is_file()), None)
+
+
+def _topology_file_problem(ctx: Context, why: str) -> Result:
+    """The controller cannot be asked: say what this node's slurm.conf and topology.conf would do to it."""
+    conf = _slurm_conf(ctx)
+    text = read_text(conf) if conf else None
+    plugin = topology.conf_value(text or "", "TopologyPlugin") or ""
+    if conf is None or plugin in topology.FLAT_PLUGINS:
+        return Result.skip(f"`scontrol show config` failed ({why})", "see the slurm check")
+    topo = conf.parent / "topology.conf"
+    if not topo.is_file():
+        return Result.fail(
+            f"the controller does not answer ({why}); {conf} sets TopologyPlugin={plugin} and {topo} is missing: "
+            "slurmctld stops at start without it (Slurm 24.11: 'fatal: something wrong with opening/reading "
+            "topology.conf')",
+            f"write {topo} naming every node (`python3 -m hpkit.topology render --plugin {plugin} --nodes "
+            "NODELIST`), or drop TopologyPlugin; then restart slurmctld",
+        )
+    return Result.skip(f"`scontrol show config` failed ({why}); {topo} exists", "see the slurm check")
+
+
+@check("topology", "Slurm topology: what TopologyPlugin needs", profiles=("login",))
+def slurm_topology(ctx: Context) -> Result:
+    scontrol = which("scontrol", ctx.env, _slurm_dirs(ctx))
+    sinfo = which("sinfo", ctx.env, _slurm_dirs(ctx))
+    if scontrol is None or sinfo is None:
+        return Result.skip("scontrol or sinfo is not on PATH", _FIX_SLURM_CLIENT)
+    shown = run_cmd([scontrol, "show", "config"], ctx.probe_timeout, ctx.env)
+    if not shown.ok:
+        return _topology_file_problem(ctx, shown.why())
+    plugin = topology.config_value(shown.out, "TopologyPlugin") or ""
+    if plugin in topology.FLAT_PLUGINS:
+        return Result.ok(f"TopologyPlugin={plugin or '(unset)'}: no topology.conf needed")
+    if plugin not in (topology.TREE, topology.BLOCK):
+        return Result.skip(f"TopologyPlugin={plugin}: hpkit checks topology/tree and topology/block only")
+    fix_file = (
+        "name every node in the cluster's topology.conf "
+        f"(`python3 -m hpkit.topology render --plugin {plugin} --nodes NODELIST` writes one), then "
+        "`scontrol reconfigure`"
+    )
+    asked = run_cmd([scontrol, "show", "topology"], ctx.probe_timeout, ctx.env)
+    groups = topology.parse(asked.out) if asked.ok else []
+    if not groups:
+        why = asked.why() if not asked.ok else "it lists no switch or block"
+        return Result.fail(
+            f"TopologyPlugin={plugin} but `scontrol show topology` answers nothing ({why})", fix_file
+        )
+    listed = run_cmd([sinfo, "--noheader", "--Node", "--format=%N"], ctx.probe_timeout, ctx.env)
+    if not listed.ok:
+        return Result.skip(f"sinfo failed ({listed.why()})", "see the slurm check")
+    nodes = {line.strip() for line in listed.out.splitlines() if line.strip()}
+    missing = nodes - topology.placed_nodes(groups)
+    kind = "switch" if plugin == topology.TREE else "block"
+    if missing:
+        return Result.fail(
+            f"TopologyPlugin={plugin}: {len(missing)} of {len(nodes)} nodes are in no {kind} "
+            f"({compress(missing)}): sbatch refuses jobs that need them "
+            "('Requested topology configuration is not available')",
+            fix_file,
+        )
+    if plugin == topology.TREE and not topology.switch_reaching_all(groups):
+        # Measured on 22.05 and 24.11: sbatch then refuses any job larger than one part of the tree.
+        return Result.fail(
+            f"TopologyPlugin={plugin}: no switch reaches all {len(nodes)} nodes: sbatch refuses a job that "
+            "spans two parts of the tree",
+            "add a top switch over the others in topology.conf (SwitchName=spine Switches=...), then "
+            "`scontrol reconfigure`",
+        )
+    count = sum(1 for g in groups if g.kind == kind)
+    noun = "switches" if kind == "switch" else "blocks"
+    return Result.ok(f"TopologyPlugin={plugin}: {count} {noun} place all {len(nodes)} nodes")
 
 
 def _plugstack_mentions_pyxis(ctx: Context) -> Path | None:
