@@ -11,7 +11,7 @@ import torch
 
 from hpkit.errors import SpecError
 from hpkit.runtime.config import RunConfig
-from hpkit.runtime.stragglers import StragglerDetector, WorkTimer, slowdowns
+from hpkit.runtime.stragglers import StragglerDetector, WorkTimer, ring_link_figures, slowdowns
 from hpkit.validation import parse_document
 
 
@@ -112,3 +112,21 @@ def test_on_a_cpu_a_step_counts_its_compute_not_its_sleep_and_a_batch_wait_count
     wall = time.perf_counter() - started
     assert 0.4 <= timer.take() <= wall + 0.01, wall
     assert timer.take() == 0.0  # a new window starts empty
+
+
+def test_a_node_whose_links_are_all_slow_stands_out_and_its_neighbours_do_not():
+    # Four nodes in a ring; node 2's links (1->2 and 2->3) take ten times as long as the others.
+    receive_s = [0.01, 0.01, 0.1, 0.1]  # node i received from node i-1
+    figures = ring_link_figures(receive_s)
+    assert figures == [0.01, 0.01, 0.1, 0.01]
+    (found,) = StragglerDetector(factor=3.0, windows=1).update(figures)
+    assert found.rank == 2 and found.factor == pytest.approx(10.0)
+    # One slow link alone (between nodes 1 and 2, one direction) names no node: each end has a fast one.
+    assert StragglerDetector(factor=3.0, windows=1).update(ring_link_figures([0.01, 0.01, 0.1, 0.01])) == []
+
+
+def test_the_link_probe_is_off_by_default_and_takes_a_byte_count():
+    spec = parse_document(RunConfig, {}).train.stragglers
+    assert spec.link_probe_bytes == 0
+    with pytest.raises(SpecError, match="link_probe_bytes"):
+        parse_document(RunConfig, {"train": {"stragglers": {"link_probe_bytes": -1}}}, source="run.yaml")

@@ -15,6 +15,14 @@ the same numbers.
 The detector is a pure function of those numbers (`StragglerDetector`): a rank whose local work time is
 more than `factor` times the median of the other ranks' in `windows` windows in a row is reported once;
 it is reported again only after it has recovered and fallen behind again.
+
+A slow link does not show in local work: a node whose network is slow makes every rank wait in the same
+collectives, and its own ranks sleep there like the others. With `link_probe_bytes` set, each window also
+times the nodes' links (`LinkProbe`): the first rank of each node sends that many bytes to the next node's
+and receives as many from the previous one's, around a ring of the nodes, all at once after a barrier. A
+link shows in both nodes that it joins, so a node's figure is the faster of its two links (in from the
+previous node, out to the next): only a node whose links are all slow stands out, and the same detector
+names it. It takes three nodes; with two, both share the one link and neither can be told.
 """
 
 from __future__ import annotations
@@ -77,6 +85,14 @@ class StragglerDetector:
         return found
 
 
+def ring_link_figures(receive_s: Sequence[float]) -> list[float]:
+    """Each node's link figure from one ring exchange, where node i received from node i-1 in receive_s[i]:
+    the faster of its link in (receive_s[i]) and its link out (node i+1's receive). A slow node makes both
+    of its links slow; each of its neighbours keeps one fast link."""
+    n = len(receive_s)
+    return [min(receive_s[i], receive_s[(i + 1) % n]) for i in range(n)]
+
+
 # ----------------------------------------------------------------------------------------------------
 # The measurement (torch)
 
@@ -91,6 +107,10 @@ class Window:
     step_s: list[float]  # per rank, mean per step (nearly equal: see the module's docstring)
     ratios: list[float]  # per rank: local work over the median of the others'
     stragglers: list[Straggler]
+    # With the link probe (three nodes or more): per node, in LinkProbe.nodes' order, its figure (seconds),
+    # and the nodes whose links have just been slow `windows` times in a row (Straggler.rank: the node's index).
+    link_s: list[float] = field(default_factory=list)
+    slow_links: list[Straggler] = field(default_factory=list)
 
 
 def _schedstat_path() -> Path | None:
@@ -172,6 +192,46 @@ class WorkTimer:
         return total
 
 
+class LinkProbe:
+    """Times each node's links once per window: a ring exchange between the first ranks of the nodes.
+
+    Every rank of the group calls `measure` (a barrier first, so that no transfer waits for a peer still at
+    its step); the others return 0 at once."""
+
+    def __init__(self, group: dist.ProcessGroup, rank_nodes: Sequence[str], size_bytes: int) -> None:
+        self.group = group
+        firsts: dict[str, int] = {}
+        for rank, node in enumerate(rank_nodes):
+            firsts.setdefault(node, rank)
+        self.nodes = list(firsts)
+        self.leaders = list(firsts.values())  # group ranks, one per node, in the nodes' order
+        me = dist.get_rank(group)
+        self.index = self.leaders.index(me) if me in self.leaders else None
+        elements = max(1, size_bytes // 4)
+        self.send = torch.ones(elements)
+        self.recv = torch.empty(elements)
+
+    @property
+    def usable(self) -> bool:
+        return len(self.leaders) >= 3
+
+    def measure(self) -> float:
+        """Seconds this node's first rank took to receive the probe from the previous node (0 elsewhere)."""
+        dist.barrier(group=self.group)
+        if self.index is None:
+            return 0.0
+        n = len(self.leaders)
+        to = dist.get_global_rank(self.group, self.leaders[(self.index + 1) % n])
+        frm = dist.get_global_rank(self.group, self.leaders[(self.index - 1) % n])
+        start = time.perf_counter()
+        sending = dist.isend(self.send, dst=to, group=self.group)
+        receiving = dist.irecv(self.recv, src=frm, group=self.group)
+        receiving.wait()
+        seconds = time.perf_counter() - start
+        sending.wait()
+        return seconds
+
+
 class StragglerMonitor:
     """Times each step's local work, exchanges window means and runs the detector (every rank alike)."""
 
@@ -187,6 +247,10 @@ class StragglerMonitor:
         names: list[object] = [None] * self.world
         dist.all_gather_object(names, node, group=group)
         self.nodes = [str(n) for n in names]
+        self.links = LinkProbe(group, self.nodes, spec.link_probe_bytes) if spec.link_probe_bytes else None
+        if self.links is not None and not self.links.usable:
+            self.links = None  # fewer than three nodes: no link can be told from another
+        self.link_detector = StragglerDetector(spec.factor, spec.windows)
         self._steps = 0
         self._step_seconds = 0.0
         self._pending: tuple[object, list[torch.Tensor], int, int] | None = None
@@ -197,8 +261,9 @@ class StragglerMonitor:
         self._steps += 1
         self._step_seconds += step_time_s
         if self._steps == self.spec.every_steps:
-            mine = torch.tensor([self.timer.take() / self._steps, self._step_seconds / self._steps])
-            gathered = [torch.zeros(2) for _ in range(self.world)]
+            link_s = self.links.measure() if self.links is not None else 0.0
+            mine = torch.tensor([self.timer.take() / self._steps, self._step_seconds / self._steps, link_s])
+            gathered = [torch.zeros(3) for _ in range(self.world)]
             work = dist.all_gather(gathered, mine, group=self.group, async_op=True)
             self._pending = (work, gathered, step, self._steps)
             self._steps, self._step_seconds = 0, 0.0
@@ -213,4 +278,11 @@ class StragglerMonitor:
         work.wait()  # type: ignore[attr-defined]
         local = [float(t[0]) for t in gathered]
         wall = [float(t[1]) for t in gathered]
-        return Window(step, steps, local, wall, slowdowns(local), self.detector.update(local))
+        link_s: list[float] = []
+        slow_links: list[Straggler] = []
+        if self.links is not None:
+            link_s = ring_link_figures([float(gathered[r][2]) for r in self.links.leaders])
+            slow_links = self.link_detector.update(link_s)
+        return Window(
+            step, steps, local, wall, slowdowns(local), self.detector.update(local), link_s, slow_links
+        )
