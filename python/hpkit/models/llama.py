@@ -310,6 +310,10 @@ def named_parameters_unwrapped(model: nn.Module):
     # so that wrapped and unwrapped models draw the same values.
     for name, param in model.named_parameters():
         clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+        if clean.endswith((".lora_A.weight", ".lora_B.weight")):
+            # LoRA adapters (hpkit.runtime.lora) are not the model's weights: neither initialised like
+            # them nor read from a Hugging Face checkpoint; the runtime initialises them itself.
+            continue
         yield clean, param
 
 

@@ -71,15 +71,21 @@ class CheckpointError(HpkitError):
 
 
 class ModelState:
-    """DCP Stateful for this rank's model part(s): keys are the full model's parameter names."""
+    """DCP Stateful for this rank's model part(s): keys are the full model's parameter names.
 
-    def __init__(self, parts: list[nn.Module]) -> None:
+    `trainable_only` (LoRA): only the parameters that train; the frozen base is not saved (it is
+    model.init_from's, or the seed's, and the commit record names it)."""
+
+    def __init__(self, parts: list[nn.Module], trainable_only: bool = False) -> None:
         self.parts = parts
+        self.options = StateDictOptions(
+            flatten_optimizer_state_dict=True, ignore_frozen_params=trainable_only
+        )
 
     def state_dict(self) -> dict[str, Any]:
         merged: dict[str, Any] = {}
         for part in self.parts:
-            merged.update(get_model_state_dict(part, options=_OPTIONS))
+            merged.update(get_model_state_dict(part, options=self.options))
         return merged
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -192,6 +198,7 @@ class Checkpointer:
         on_commit: Callable[[CommitRecord, Path], None] | None = None,
         model: dict[str, Any] | None = None,
         saving: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+        refusal: Callable[[CommitRecord, Path], str | None] | None = None,
     ) -> None:
         self.spec = spec
         self.root = Path(root)
@@ -202,6 +209,8 @@ class Checkpointer:
         self.writer_threads = spec.writer_threads
         self.layout = dict(layout or {})
         self.model = model  # recorded in each commit record (`hpkit ckpt export` reads it)
+        # Why a checkpoint must not be resumed at all (LoRA adapters of another base): the run stops.
+        self._refusal = refusal
         self.world_size = dist.get_world_size()
         self._log = log
         self._on_commit = on_commit  # rank 0, after the rename: the metrics file records each checkpoint
@@ -256,7 +265,12 @@ class Checkpointer:
         whose last part (applying each Stateful) runs on each rank alone.
         """
         dirty = False
-        for path in self._agreed_candidates():
+        candidates = self._agreed_candidates()
+        if self._refusal is not None:
+            refused = self._agree(self._refused(candidates))
+            if refused is not None:
+                raise CheckpointError(refused.rsplit(" (seen by ", 1)[0])
+        for path in candidates:
             problem = self._agree(self._local_problem(state, path))
             if problem is None:
                 try:
@@ -274,6 +288,17 @@ class Checkpointer:
             if self.is_rank0:
                 self._log(f"hpkit train: warning: skipping checkpoint {path}: {problem}")
         return None, dirty
+
+    def _refused(self, candidates: list[Path]) -> str | None:
+        """The refusal of the newest candidate whose record reads (an unreadable one is skipped later)."""
+        assert self._refusal is not None
+        for path in candidates:
+            try:
+                record = read_record(path)
+            except RecordError:
+                continue
+            return self._refusal(record, path)
+        return None
 
     def _agreed_candidates(self) -> list[Path]:
         # Rank 0's view decides: a rank whose filesystem shows another list (a node-local directory, a

@@ -191,6 +191,46 @@ class MoESpec(StrictModel):
         return self
 
 
+# LoRA targets by their Hugging Face (PEFT) names -> the module each names inside an hpkit block.
+LORA_TARGETS = {
+    "q_proj": "attention.wq",
+    "k_proj": "attention.wk",
+    "v_proj": "attention.wv",
+    "o_proj": "attention.wo",
+    "gate_proj": "feed_forward.w1",
+    "up_proj": "feed_forward.w3",
+    "down_proj": "feed_forward.w2",
+}
+
+
+class LoraSpec(StrictModel):
+    """Low-rank adapters (LoRA, as PEFT's): each targeted projection W gains B @ A (rank `rank`), scaled by
+    alpha / rank; W and every other base weight stay frozen and only A and B are trained and saved."""
+
+    rank: int = Field(default=8, ge=1, description="the adapters' rank r")
+    alpha: float = Field(default=16.0, gt=0, description="scaling numerator: B @ A is scaled by alpha / rank")
+    dropout: float = Field(default=0.0, ge=0, lt=1, description="dropout on the adapter's input")
+    targets: list[str] = Field(
+        default_factory=lambda: list(LORA_TARGETS),
+        min_length=1,
+        description="projections to adapt, by Hugging Face name: " + ", ".join(LORA_TARGETS),
+    )
+
+    @field_validator("targets")
+    @classmethod
+    def _known_targets(cls, value: list[str]) -> list[str]:
+        for name in value:
+            if name not in LORA_TARGETS:
+                raise ValueError(f"{name!r} names no module: choose among {', '.join(LORA_TARGETS)}")
+        if len(set(value)) != len(value):
+            raise ValueError("a target is named twice: name each once")
+        return value
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
 class ModelSpec(StrictModel):
     """A model family's named shape (hpkit.model_families), optionally with some dimensions overridden, or
     the shape and weights of a Hugging Face Llama checkpoint (init_from)."""
@@ -209,6 +249,9 @@ class ModelSpec(StrictModel):
     n_kv_heads: int | None = Field(default=None, ge=1, description="override the key/value heads (GQA)")
     ffn_dim: int | None = Field(default=None, ge=1, description="override the SwiGLU hidden size")
     moe: MoESpec | None = Field(default=None, description="make the model a mixture of experts (MoESpec)")
+    lora: LoraSpec | None = Field(
+        default=None, description="train low-rank adapters on a frozen base instead of every weight (LoraSpec)"
+    )
 
     @model_validator(mode="after")
     def _init_from_sets_the_shape(self) -> ModelSpec:
@@ -310,15 +353,6 @@ class StragglerSpec(StrictModel):
     every_steps: int = Field(default=20, ge=1, description="steps in one window (one all-gather per window)")
     factor: float = Field(default=1.5, gt=1, description="how many times slower than the others' median")
     windows: int = Field(default=3, ge=1, description="consecutive slow windows before the warning")
-    link_probe_bytes: int = Field(
-        default=0,
-        ge=0,
-        description=(
-            "also time each node's links every window: the first rank of each node sends this many bytes to the "
-            "next node's around a ring (on the CPU group: TCP, not the GPUs' fabric); a node whose links are "
-            "all slow is named. 0: off. Needs three nodes"
-        ),
-    )
 
 
 class PrometheusSpec(StrictModel):
