@@ -33,11 +33,33 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--skip-bad", action="store_true", help="skip malformed JSON lines (and count them)")
     p.add_argument("--dtype", choices=["auto", "uint16", "uint32"], default="auto", help="token id type")
     p.add_argument("--eos-token", help="the token that ends documents (default: the tokenizer's EOS)")
+    chat = p.add_argument_group(
+        "chat (--format chat)",
+        "JSONL conversations ({messages: [{role, content}]}, {conversations: [{from, value}]} or {prompt, "
+        "completion}) rendered with the tokenizer's chat_template, a loss mask beside the tokens",
+    )
+    chat.add_argument("--format", choices=["text", "chat"], default="text", help="input kind (%(default)s)")
+    chat.add_argument(
+        "--seq-len", type=int, help="the model's model.seq_len: rows are that long (chat: required)"
+    )
+    chat.add_argument(
+        "--train-on",
+        choices=["assistant", "all", "last"],
+        default="assistant",
+        help="tokens the loss counts: every assistant turn, every token, or the last assistant turn (%(default)s)",
+    )
+    chat.add_argument(
+        "--no-pack",
+        action="store_true",
+        help="one conversation per row, padded (default: packed, attention kept apart)",
+    )
     return parser
 
 
 def main(argv: list[str], prog: str = "hpkit data") -> int:
     args = _parser(prog).parse_args(argv[1:] if argv and argv[0] == "data" else argv)
+    if args.format == "chat":
+        return _chat(args)
     try:
         from hpkit.data.prepare import Options, prepare
         from hpkit.data.sources import cpu_count
@@ -63,5 +85,36 @@ def main(argv: list[str], prog: str = "hpkit data") -> int:
     print(
         f"hpkit data: wrote {result.out}: {result.tokens} tokens in {len(result.shards)} shards, "
         f"{result.documents} documents{skipped}{resumed}"
+    )
+    return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    if args.seq_len is None:
+        raise HpkitError("--format chat needs --seq-len: the model.seq_len you will train with")
+    try:
+        from hpkit.data.chat_prepare import ChatOptions, prepare_chat
+    except ImportError as exc:
+        raise HpkitError(f"{exc.name} is not installed: pip install 'hpkit[data]'") from None
+    opts = ChatOptions(
+        inputs=args.inputs,
+        tokenizer=args.tokenizer,
+        out=args.out,
+        seq_len=args.seq_len,
+        train_on=args.train_on,
+        pack=not args.no_pack,
+        shard_tokens=args.shard_tokens,
+        dtype=args.dtype,
+    )
+    result = prepare_chat(opts)
+    st = result.stats
+    if result.already_done:
+        print(f"hpkit data: {result.out} is already prepared from these inputs ({st.examples} conversations)")
+        return 0
+    cut = f", {st.truncated} cut to seq_len+1 tokens" if st.truncated else ""
+    print(
+        f"hpkit data: wrote {result.out}: {st.examples} conversations in {st.rows} rows of {args.seq_len + 1} "
+        f"tokens ({'packed' if opts.pack else 'padded'}), {st.counted} of {st.tokens} tokens count in the "
+        f"loss (--train-on {args.train_on}){cut}"
     )
     return 0

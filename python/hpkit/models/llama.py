@@ -181,7 +181,10 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # The tables stay real buffers (collectives and checkpoints see no complex tensors); the complex
     # view lives only inside this function.
     seq = x.shape[1]
-    rot = torch.complex(cos[:seq], sin[:seq]).view(1, seq, 1, -1)
+    if cos.dim() == 3:  # per-sample tables (batch, seq, head_dim/2): positions that restart per document
+        rot = torch.complex(cos, sin).unsqueeze(2)
+    else:
+        rot = torch.complex(cos[:seq], sin[:seq]).view(1, seq, 1, -1)
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * rot).flatten(-2).type_as(x)
 
@@ -197,7 +200,9 @@ class Attention(nn.Module):
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
         bs, seq, _ = x.shape
         # -1 heads: under tensor parallel each rank holds a slice of the heads.
         q = self.wq(x).view(bs, seq, -1, self.head_dim)
@@ -205,9 +210,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(bs, seq, -1, self.head_dim)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        gqa = self.n_kv_heads != self.n_heads
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        else:  # packed documents: block-causal (document_mask)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
         return self.wo(out.transpose(1, 2).reshape(bs, seq, -1))
 
 
@@ -235,8 +242,11 @@ class Block(nn.Module):
         else:
             self.feed_forward = FeedForward(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        # The mask goes as a keyword: tensor parallel's input plan for the attention names 3 positionals.
+        h = x + self.attention(self.attention_norm(x), cos, sin, mask=mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -253,10 +263,15 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """`positions` (batch, seq): packed documents, each restarting at 0 (chat data). Rotary positions
+        then restart per document and attention stays inside it; without them, one causal sequence."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        cos, sin, mask = self.rope_cos, self.rope_sin, None
+        if positions is not None:
+            cos, sin, mask = cos[positions], sin[positions], document_mask(positions)
         for block in self.layers.values():
-            h = block(h, self.rope_cos, self.rope_sin)
+            h = block(h, cos, sin, mask=mask) if mask is not None else block(h, cos, sin)
         if self.norm is not None:
             h = self.norm(h)
         if self.output is not None:
@@ -303,6 +318,17 @@ class Llama(nn.Module):
                 param.to_local().copy_(local.to_local())
             else:
                 param.copy_(full)
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """(batch, 1, seq, seq) bool, True where query i may attend to key j: j <= i in the same document.
+
+    A document starts where its position is 0. An SDPA boolean mask rather than a varlen kernel: it
+    runs on every device and backend (math, memory-efficient, cuDNN) that the unmasked path runs on."""
+    doc = (positions == 0).cumsum(dim=1)
+    seq = positions.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+    return ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
 
 
 def named_parameters_unwrapped(model: nn.Module):

@@ -108,6 +108,54 @@ class TokenFile(_Windows):
         return np.asarray(self.tokens[start:stop], dtype=np.int64)
 
 
+class ChatRows:
+    """A chat directory from `hpkit data prepare --format chat`: whole rows of seq_len+1 tokens with their
+    loss-mask flags, visited in a seeded permutation per epoch (like _Windows), so that a resumed run
+    continues mid-epoch from (seed, position) alone. Packed rows carry several conversations: the loader
+    then hands the model positions that restart at each, and the model keeps attention inside each."""
+
+    field = "train.data.path"
+    masked = True
+
+    def __init__(self, index, seq_len: int, seed: int, vocab_size: int) -> None:
+        from hpkit.data.index import flags_name
+
+        chat = index.chat
+        if chat["seq_len"] != seq_len:
+            raise SpecError(
+                f"{self.field}: {index.path} was prepared for seq_len {chat['seq_len']}, the model has "
+                f"{seq_len}: set model.seq_len: {chat['seq_len']} or prepare again with --seq-len {seq_len}"
+            )
+        self.width, self.seed, self.packed = seq_len + 1, seed, bool(chat["packed"])
+        shards = [s for s in index.shards if s.tokens]
+        self.ids = [np.memmap(index.path / s.name, dtype=index.dtype, mode="r") for s in shards]
+        self.flags = [np.memmap(index.path / flags_name(s.name), dtype=np.uint8, mode="r") for s in shards]
+        self.starts = np.cumsum([0] + [len(a) // self.width for a in self.ids])
+        self.rows = int(self.starts[-1])
+        if self.rows < 1:
+            raise SpecError(f"{self.field}: {index.path} holds no rows")
+        self._perm_epoch, self._perm = -1, np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return self.rows
+
+    def row(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        epoch, i = divmod(index, self.rows)
+        if epoch != self._perm_epoch:
+            self._perm = np.random.default_rng([self.seed, epoch]).permutation(self.rows)
+            self._perm_epoch = epoch
+        r = int(self._perm[i])
+        shard = int(np.searchsorted(self.starts, r, side="right")) - 1
+        at = (r - int(self.starts[shard])) * self.width
+        return (
+            np.asarray(self.ids[shard][at : at + self.width], dtype=np.int64),
+            np.asarray(self.flags[shard][at : at + self.width]),
+        )
+
+    def sample(self, index: int) -> torch.Tensor:
+        return torch.from_numpy(self.row(index)[0])
+
+
 class PreparedTokens(_Windows):
     """A directory from `hpkit data prepare`: its shards, memory-mapped, read as one stream in shard order
     (a window may span two shards)."""
@@ -146,7 +194,7 @@ class PreparedTokens(_Windows):
 class DataLoader:
     """This rank's batches. `position` counts global samples consumed; it is all a resume needs."""
 
-    source: SyntheticTokens | TokenFile | PreparedTokens
+    source: SyntheticTokens | TokenFile | PreparedTokens | ChatRows
     local_batch: int
     dp_rank: int
     dp_degree: int
@@ -165,7 +213,17 @@ class DataLoader:
         return bool(getattr(self.source, "masked", False))
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, labels); chat data's labels are IGNORE_INDEX where a token does not count. Packed chat
+        data also needs its positions: next_batch_with_positions."""
+        inputs, labels, _ = self.next_batch_with_positions()
+        return inputs, labels
+
+    def next_batch_with_positions(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(inputs, labels, positions): positions (restarting at 0 at each packed conversation) for packed
+        chat data, else None (one causal sequence per row)."""
         first = self.position + self.dp_rank * self.local_batch
+        if isinstance(self.source, ChatRows):
+            return self._chat_batch(first)
         if isinstance(self.source, SyntheticTokens):
             rows = self.source.batch(first, self.local_batch)
         else:
@@ -174,7 +232,26 @@ class DataLoader:
             for j, row in enumerate(rows):
                 self.digests.write(f"{first + j} {hashlib.sha1(row.numpy().tobytes()).hexdigest()[:16]}\n")
         self.position += self.global_batch
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous(), None
+
+    def _chat_batch(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        from hpkit.data.chat import row_labels_positions
+        from hpkit.runtime.loss import IGNORE_INDEX
+
+        source = self.source
+        assert isinstance(source, ChatRows)
+        pairs = [source.row(first + j) for j in range(self.local_batch)]
+        rows, flags = np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+        if self.digests is not None:
+            for j in range(self.local_batch):
+                self.digests.write(f"{first + j} {hashlib.sha1(rows[j].tobytes()).hexdigest()[:16]}\n")
+        self.position += self.global_batch
+        inputs, labels, positions = row_labels_positions(rows, flags, IGNORE_INDEX)
+        return (
+            torch.from_numpy(np.ascontiguousarray(inputs)),
+            torch.from_numpy(np.ascontiguousarray(labels)),
+            torch.from_numpy(np.ascontiguousarray(positions)) if source.packed else None,
+        )
 
     def state_dict(self) -> dict[str, int]:
         return {"position": self.position}
@@ -187,5 +264,19 @@ def build_source(kind: str, path: str | None, dtype: str, seq_len: int, seed: in
     if kind == "synthetic":
         return SyntheticTokens(vocab_size, seq_len, seed)
     if kind == "prepared":
+        from hpkit.data.index import read_index
+        from hpkit.errors import HpkitError
+
+        try:
+            index = read_index(path)
+        except HpkitError as exc:
+            raise SpecError(str(exc)) from None
+        if index.chat is not None:
+            if index.vocab_size > vocab_size:
+                raise SpecError(
+                    f"train.data.path: {path} was tokenised with a vocabulary of {index.vocab_size}, more than "
+                    f"the model's {vocab_size}: set model.vocab_size to at least {index.vocab_size}"
+                )
+            return ChatRows(index, seq_len, seed, vocab_size)
         return PreparedTokens(path, seq_len, seed, vocab_size)
     return TokenFile(path, dtype, seq_len, seed, vocab_size)
