@@ -40,6 +40,7 @@ from hpkit.runtime.env import DeviceInfo, node_name
 from hpkit.runtime.expert_parallel import apply_ep
 from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
 from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
+from hpkit.runtime.lora import apply_lora, base_identity, init_lora, lora_record, resume_refusal
 from hpkit.runtime.loss import TokenWeightedLoss
 from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
 from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model, stage_ids
@@ -128,6 +129,17 @@ class Trainer:
         # load_pretrained once resuming has found no checkpoint of this run.
         self.hf = self._hf_model() if cfg.model.init_from else None
         self.model_cfg = self.hf.cfg if self.hf else self.adapter.config(cfg.model)
+        # LoRA: the adapters' settings and the base's identity, recorded in every checkpoint.
+        self.lora = (
+            lora_record(
+                cfg.model.lora,
+                base_identity(
+                    cfg.model.init_from, self.adapter.config_to_dict(self.model_cfg), cfg.train.seed
+                ),
+            )
+            if cfg.model.lora is not None
+            else None
+        )
         par = cfg.parallelism
         self.n_stages = self.dims.pp * par.stages_per_rank
         # The pipeline stages this rank holds; the V placement puts the first and the last on one rank.
@@ -214,6 +226,9 @@ class Trainer:
             raise SpecError(
                 f"parallelism.ep={self.dims.ep} splits experts, but the model has none: set model.moe"
             )
+        if cfg.model.lora is not None:
+            # After TP and EP (the adapters take the base's tensor-parallel layout), before AC and FSDP.
+            apply_lora(part, cfg.model.lora, adapter, self.mixed_precision, self.dims.fsdp_enabled)
         apply_ac(part, tr.activation_checkpoint, adapter)
         if tr.compile:
             apply_compile(part, adapter)
@@ -228,6 +243,8 @@ class Trainer:
             )
         part.to_empty(device=self.device)
         adapter.init_weights(part, tr.seed)
+        if cfg.model.lora is not None:
+            init_lora(part, tr.seed)
         return part
 
     def _moe_blocks(self) -> list[tuple[int, MoE]]:
@@ -313,6 +330,8 @@ class Trainer:
         torch.manual_seed(self.cfg.train.seed)
         for part, optimizer in zip(self.model_parts, self.optimizers, strict=True):
             self.adapter.init_weights(part, self.cfg.train.seed)
+            if self.cfg.model.lora is not None:
+                init_lora(part, self.cfg.train.seed)
             optimizer.state.clear()
         self.step = 0
         self.loader.position = 0
@@ -340,7 +359,8 @@ class Trainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {
-            "model": ModelState(self.model_parts),
+            # Under LoRA only the adapters: the frozen base is init_from's (or the seed's), unchanged.
+            "model": ModelState(self.model_parts, trainable_only=self.cfg.model.lora is not None),
             "optimizer": OptimizerState(self.model_parts, self.optimizers),
             "train": self,
         }
@@ -367,7 +387,14 @@ class Trainer:
             "config": self.adapter.config_to_dict(self.model_cfg),
             "hf": dict(self.hf.extras) if self.hf else {},
             "init_from": self.cfg.model.init_from,
+            **({"lora": self.lora} if self.lora is not None else {}),
         }
+
+    def checkpoint_refusal(self, record: Any, path: Path) -> str | None:
+        """Why this run must not resume the checkpoint whose commit record is `record` (LoRA adapters on
+        another base, adapters for a whole-model run or the reverse), or None."""
+        theirs = (record.model or {}).get("lora")
+        return resume_refusal(theirs, self.lora, f"checkpoint {path}")
 
     def resume(self, checkpointer: Checkpointer) -> Path | None:
         """Load the newest usable checkpoint, agreed by every rank; None (and a fresh start) if none is."""
