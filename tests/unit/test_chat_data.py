@@ -70,9 +70,11 @@ def test_packed_rows_keep_mask_and_boundaries_and_training_reads_them(tokenizer,
     next_pos = torch.cat([positions[:, 1:], torch.zeros_like(positions[:, :1])], 1)
     assert not (counted & (next_pos == 0) & (positions != SEQ - 1)).any()
     # The first conversation's counted targets are exactly its assistant tokens ("hello world<|eot_id|>").
-    row = [r for r in range(len(source)) if inputs[r, : len(examples[0].ids)].tolist() == examples[0].ids.tolist()][0]
     n = len(examples[0].ids)
-    assert labels[row, : n - 1].tolist() == np.where(examples[0].counts[1:], examples[0].ids[1:], -100).tolist()
+    row = next(r for r in range(len(source)) if inputs[r, :n].tolist() == examples[0].ids.tolist())
+    assert (
+        labels[row, : n - 1].tolist() == np.where(examples[0].counts[1:], examples[0].ids[1:], -100).tolist()
+    )
 
 
 def test_a_resumed_loader_continues_mid_epoch_with_the_same_rows(tokenizer, tmp_path):
@@ -92,7 +94,7 @@ def test_unpacked_rows_hold_one_conversation_each(tokenizer, tmp_path):
     assert rc == 0
     source = build_source("prepared", str(out), "uint16", SEQ, 3, 512)
     assert len(source) == 20
-    inputs, labels, positions = DataLoader(source, 20, 0, 1).next_batch_with_positions()
+    _, labels, positions = DataLoader(source, 20, 0, 1).next_batch_with_positions()
     assert positions is None and (labels != IGNORE_INDEX).any(dim=1).all()
 
 
@@ -128,8 +130,19 @@ def test_bad_lines_name_file_and_line_and_leave_nothing(tokenizer, tmp_path, bad
 def test_a_role_the_template_refuses_names_file_and_line(tmp_path):
     tokenizer = make_chat_tokenizer(tmp_path / "mistral", "mistral")
     src = _write(tmp_path / "chat.jsonl", [LINES[0], LINES[3]])  # line 2 has a system turn
-    args = ["prepare", str(src), "--tokenizer", str(tokenizer), "--out", str(tmp_path / "out"), "--format", "chat"]
-    with pytest.raises(HpkitError, match=r"chat.jsonl:2: the chat template refuses it: Conversation roles must"):
+    args = [
+        "prepare",
+        str(src),
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(tmp_path / "out"),
+        "--format",
+        "chat",
+    ]
+    with pytest.raises(
+        HpkitError, match=r"chat.jsonl:2: the chat template refuses it: Conversation roles must"
+    ):
         data_cmd.main([*args, "--seq-len", str(SEQ)])
     assert not (tmp_path / "out").exists()
 
@@ -142,7 +155,16 @@ def test_a_tokenizer_without_a_chat_template_is_refused_in_one_line(tokenizer, t
     del config["chat_template"]
     (plain / "tokenizer_config.json").write_text(json.dumps(config))
     src = _write(tmp_path / "chat.jsonl", LINES)
-    args = ["prepare", str(src), "--tokenizer", str(plain), "--out", str(tmp_path / "out"), "--format", "chat"]
-    with pytest.raises(HpkitError, match="tokenizer_config.json has no chat_template") as info:
+    args = [
+        "prepare",
+        str(src),
+        "--tokenizer",
+        str(plain),
+        "--out",
+        str(tmp_path / "out"),
+        "--format",
+        "chat",
+    ]
+    with pytest.raises(HpkitError, match=r"tokenizer_config\.json has no chat_template") as info:
         data_cmd.main([*args, "--seq-len", str(SEQ)])
     assert "\n" not in str(info.value) and not (tmp_path / "out").exists()

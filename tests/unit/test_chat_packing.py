@@ -21,7 +21,9 @@ def _model() -> torch.nn.Module:
 
 
 def _row(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, CFG.vocab_size, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(seed))
+    tokens = torch.randint(
+        0, CFG.vocab_size, (1, sum(LENGTHS)), generator=torch.Generator().manual_seed(seed)
+    )
     positions = torch.cat([torch.arange(n) for n in LENGTHS]).unsqueeze(0)
     return tokens, positions
 
