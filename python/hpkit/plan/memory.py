@@ -217,40 +217,68 @@ def _sharded(weights: list[tuple[int, int]], shards: int) -> int:
 # ---- activations (bytes per token of one block) ----------------------------------------------------
 
 
+def _regime(layout: Layout) -> str:
+    """How the runtime runs the precision: fp32; bf16 by FSDP's param_dtype (everything bf16); or bf16 by
+    autocast (no FSDP: the residual stream and norms stay fp32, each matmul input is cast)."""
+    if layout.precision == "fp32":
+        return "fp32"
+    return "fsdp_bf16" if layout.fsdp_enabled else "autocast"
+
+
+# Bytes per token one dense block saves for backward with no checkpointing, per unit of each width:
+# h (model dim: block input, norm inputs/outputs and the matmul-input copies of them), q (query heads x
+# head dim: rotated q, attention output), kv (rotated k, v), f (SwiGLU: w1, w3, silu, product), plus
+# 4 per head (log-sum-exp) and 8 (the norms' rstd). Measured with saved-tensor hooks on
+# hpkit.models.llama.Block (torch 2.13, CPU): fp32 and autocast exactly; fsdp_bf16 by halving fp32.
+_DENSE = {
+    "fp32": {"h": 24, "q": 8, "kv": 8, "f": 16},
+    "autocast": {"h": 26, "q": 4, "kv": 4, "f": 8},
+    "fsdp_bf16": {"h": 12, "q": 4, "kv": 4, "f": 8},
+}
+
+
 def _block_saved(shape: ModelShape, layout: Layout, index: int, sp: bool) -> dict[str, float]:
-    """Bytes per token one block keeps for backward under no checkpointing, split into the parts the
-    `selective` policy keeps (matmul and attention outputs) and the rest; `residual`: the h-wide tensors
-    (sharded along the sequence under sequence parallel)."""
-    b = 2 if layout.precision == "bf16" else 4
+    """Bytes per token one block keeps for backward: `none` (no checkpointing), `selective` (what the
+    selective policy keeps: matmul and attention outputs, and the block input), `full` (the block input)."""
+    regime = _regime(layout)
+    c = _DENSE[regime]
+    b = 4 if regime == "fp32" else 2  # matmul outputs
+    stream = 2 if regime == "fsdp_bf16" else 4  # the residual stream between blocks
     tp = layout.tp
     h = shape.dim / (tp if sp else 1)
     q = shape.n_heads * shape.hd / tp
     kv = shape.n_kv_heads * shape.hd / tp
     heads = shape.n_heads / tp
-    f32_copy = 4 if b == 2 else 0  # rotary math runs on an fp32 copy of q and k under bf16
-    # Attention: norm input and output, q/k/v, the rotary inputs, attention out + log-sum-exp, the
-    # re-laid-out output that wo reads.
-    mm = b * (q + 2 * kv) + b * q + 4 * heads  # wq/wk/wv outputs, attention output and lse
-    rest = 2 * b * h + 8 + (b + f32_copy) * (q + kv) + b * q
+    attn_none = c["h"] / 2 * h + c["q"] * q + c["kv"] * kv + 4 * heads + 4
+    if tp > 1 and not sp:
+        # The replicated norm output becomes a DTensor for the column-parallel matmuls: one more copy kept
+        # (measured: fsdp_tp in tests/integration/plan_memory_layouts.py).
+        attn_none += stream * h
+    attn_sel = b * (2 * q + 2 * kv + h) + 4 * heads
     if shape.is_moe_block(index):
-        moe_mm, moe_rest = _moe_saved(shape, layout, b, h)
-        mm += moe_mm
-        rest += moe_rest
+        ffn_none, ffn_sel = _moe_saved(shape, layout, b, h)
+        ffn_none += c["h"] / 2 * h + 4
     else:
         f = shape.ffn_dim / tp
-        mm += 2 * b * f  # w1, w3 outputs
-        rest += 2 * b * f + 2 * b * h + 4  # silu, product; ffn norm in/out
-    return {"mm": mm, "rest": rest, "residual": b * h}
+        ffn_none = c["h"] / 2 * h + c["f"] * f + 4
+        ffn_sel = b * (2 * f + h)
+    return {
+        "none": attn_none + ffn_none,
+        "selective": attn_sel + ffn_sel + stream * h,
+        "full": stream * h,
+    }
 
 
 def _moe_saved(shape: ModelShape, layout: Layout, b: int, h: float) -> tuple[float, float]:
+    """(none, selective) bytes per token of a MoE FFN (its norm excluded)."""
     k, e, he = shape.top_k or 0, shape.experts or 0, shape.expert_hidden
     dim = shape.dim  # the MoE FFN runs on whole (replicated) tokens under TP
+    shared = shape.shared_experts or 0
     routed = k * (4 * b * he + 3 * b * dim)  # per routed slot: w1, w3, silu, product; rows, out, unsorted
-    shared = 4 * b * he * (shape.shared_experts or 0)
     router = e * (b + 4 + 4 + 8)  # scores, fp32 probabilities, slots, one-hot (int64)
-    mm = 2 * b * he * k + 2 * b * he * (shape.shared_experts or 0)
-    return mm, routed + shared + router - mm + 2 * b * h + 4
+    none = routed + 4 * b * he * shared + router
+    selective = 2 * b * he * (k + shared) + b * e + 2 * b * dim
+    return none, selective
 
 
 # ---- the model ------------------------------------------------------------------------------------
@@ -265,7 +293,6 @@ def predict(shape: ModelShape, layout: Layout, instance: str | None = None) -> M
 def _rank(shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None) -> RankMemory:
     device = "cpu" if instance is None else "cuda"
     sp = layout.sequence_parallel_on(device)
-    b = 2 if layout.precision == "bf16" else 4
     stages = stage_ids(pp_rank, layout.pp, layout.stages_per_rank, layout.pp_schedule)
     n_stages = layout.n_stages
     parts = [
@@ -281,69 +308,80 @@ def _rank(shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None)
     buffers = len(parts) * 2 * shape.max_seq_len * (shape.hd // 2) * 4
     buffers += sum(4 * ((shape.experts or 0) + 2) for p in parts for i in p.blocks if shape.is_moe_block(i))
 
-    # Compute copies of the weights.
+    regime = _regime(layout)
+    pb = 2 if regime == "fsdp_bf16" else 4  # FSDP's unsharded weights (param_dtype)
+    stream = 2 if regime == "fsdp_bf16" else 4
+    # Compute copies of the weights, at the peak (the start of backward).
     unsharded = 0
+    grads_at_peak = 0
     if layout.fsdp_enabled:
-        pb = b
         if layout.pp > 1:
-            # Nothing reshards; unsharded gradients accumulate in fp32 over the microbatches.
-            unsharded = sum(sum(p.unsharded_units) for p in parts) * (pb + 4)
+            # Nothing reshards under a pipeline, and the unsharded gradients accumulate over the microbatches
+            # until the last one (in fp32: the reduce dtype).
+            unsharded = sum(sum(p.unsharded_units) for p in parts) * pb
+            grads_at_peak = sum(sum(p.unsharded_units) for p in parts) * 4
         else:
             part = parts[0]
             blocks = part.unsharded_units[1:-1] if part.first else part.unsharded_units[:-1]
-            biggest = max(blocks, default=0)
-            # The head and the last block stay gathered into backward; the next block is prefetched; the
-            # block in backward also holds its unsharded gradient (param dtype, then fp32 for the reduce).
-            unsharded = (part.unsharded_units[-1] + 2 * biggest) * pb + biggest * (pb + 4)
-    elif layout.precision == "bf16":
-        unsharded = 2 * (local - sum(_sharded(p.dense[:1], 1) for p in parts if p.first))
+            # The head and the last block stay gathered from their forward into backward.
+            unsharded = (part.unsharded_units[-1] + (blocks[-1] if blocks else 0)) * pb
+    else:
+        if regime == "autocast":
+            # autocast's cache keeps a bf16 copy of every weight a matmul used (not the embeddings).
+            unsharded = 2 * (local - sum(_sharded(p.dense[:1], 1) for p in parts if p.first))
+        if layout.pp > 1:
+            grads_at_peak = grads  # accumulated over the microbatches
 
     # Activations: saved per block and microbatch, times the microbatches in flight.
     tokens = layout.microbatch_size * shape.seq_len
     flights = in_flight(layout, pp_rank)
+    ac = layout.activation_checkpoint
     saved_total = 0.0
     transient = 0.0
     for part, flight in zip(parts, flights, strict=True):
         for i in part.blocks:
-            s = _block_saved(shape, layout, i, sp)
-            full = s["mm"] + s["rest"]
-            if layout.activation_checkpoint == "none":
-                kept = full
-            elif layout.activation_checkpoint == "selective":
-                kept = s["mm"] + s["residual"]
-            else:
-                kept = s["residual"]
-            saved_total += kept * tokens * flight
-            # Backward of one block: its recomputed activations (checkpointing) and gradient temporaries.
-            transient = max(transient, (full if layout.activation_checkpoint != "none" else 0) * tokens)
+            saved = _block_saved(shape, layout, i, sp)
+            saved_total += saved[ac] * tokens * flight
+            if ac != "none":
+                # Backward recomputes one block's activations at a time.
+                transient = max(transient, (saved["none"] - saved[ac]) * tokens)
     activations = int(saved_total + transient)
 
-    # Logits and loss on the rank with the last stage.
+    # Logits and loss on the rank with the last stage: the final norm's saves, the logits, the fp32
+    # log-softmax, and backward's two fp32 gradients of them.
     logits_loss = 0
     last_at = [k for k, p in enumerate(parts) if p.last]
     if last_at:
         v = shape.vocab_size / (layout.tp if layout.loss_parallel else 1)
-        per_mb = tokens * v * (b + 4 + (4 if b == 2 else 0))  # logits, log-softmax (fp32), fp32 copy
-        logits_loss = int(per_mb * flights[last_at[0]] + tokens * v * 8)  # + backward's two fp32 grads
+        b = 4 if regime == "fp32" else 2
+        # (The loss's fp32 copy of bf16 logits is not kept: log-softmax's backward reads its output.)
+        per_mb = tokens * (v * (b + 4) + 3 * stream * shape.dim)
+        logits_loss = int(per_mb * flights[last_at[0]] + tokens * v * 8)
 
     moe_buffers = 0
     if shape.is_moe and any(shape.is_moe_block(i) for p in parts for i in p.blocks) and layout.ep > 1:
         # Tokens exchanged with the experts' ranks: sent, received, regrouped, returned (each way).
-        moe_buffers = int(4 * tokens * (shape.top_k or 0) * shape.dim * b)
+        moe_buffers = int(4 * tokens * (shape.top_k or 0) * shape.dim * (4 if regime == "fp32" else 2))
 
     comm_buffers = 0
     if layout.pp > 1:
+        # torch's stages allocate a receive buffer per microbatch for each direction they receive.
         h = shape.dim / (layout.tp if sp else 1)
         for p in parts:
             directions = (0 if p.first else 1) + (0 if p.last else 1)
-            comm_buffers += int(directions * layout.microbatches * tokens * h * b)
+            comm_buffers += int(directions * layout.microbatches * tokens * h * stream)
 
     costs = fixed_costs(instance)
     dynamic = activations + unsharded + logits_loss + moe_buffers
     fixed = costs.cuda_context_bytes + costs.nccl_buffer_bytes + int(costs.fragmentation * dynamic)
+    # Two candidate peaks: the start of backward (every activation, no reduced gradient yet but what a
+    # pipeline accumulates) and the optimizer step (every gradient, no activation).
+    if dynamic + grads_at_peak < grads:
+        activations = unsharded = logits_loss = moe_buffers = 0
+        grads_at_peak = grads
     breakdown = Breakdown(
         params=params,
-        grads=grads,
+        grads=grads_at_peak,
         optimizer=optimizer,
         buffers=buffers,
         fsdp_unsharded=int(unsharded),

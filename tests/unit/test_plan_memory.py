@@ -1,0 +1,195 @@
+"""The planner's shapes, layouts and memory formulas: hand-computed small cases, the runtime's own numbers, and
+the directions memory must move (more checkpointing, more shards: less per rank)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from hpkit.errors import SpecError
+from hpkit.plan.layout import Layout
+from hpkit.plan.memory import in_flight, predict, stage_ids, stage_layers
+from hpkit.plan.shapes import ModelShape, parse_hf, resolve_model, shape_named, shape_of_spec
+from hpkit.runtime.config import ModelSpec, RunConfig
+from hpkit.validation import parse_document
+
+TINY = ModelShape(dim=8, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=16, vocab_size=32, seq_len=4)
+
+
+def test_params_of_a_tiny_shape_by_hand():
+    # Per block: attention 8*4*(2*2 + 1*2) = 192, SwiGLU 3*8*16 = 384, two norms 16: 592. Two blocks,
+    # final norm 8, embeddings and head 2*32*8 = 512.
+    assert TINY.params() == 2 * 592 + 8 + 512
+
+
+def test_every_named_shape_counts_as_the_runtime_does():
+    from hpkit.models.llama import SHAPES, config_for
+
+    for name, cfg in SHAPES.items():
+        shape = shape_named(name, 512)
+        assert shape.params() == cfg.num_params(), name
+        assert shape.params(active=True) == cfg.num_params(active=True), name
+        assert shape.flops_per_token(512) == cfg.flops_per_token(512), name
+    cfg = config_for("8B", 1024, n_layers=4, n_heads=16, dim=2048)
+    shape = shape_named("8B", 1024, n_layers=4, n_heads=16, dim=2048)
+    assert (shape.params(), shape.flops_per_token()) == (cfg.num_params(), cfg.flops_per_token(1024))
+
+
+def test_a_spec_model_block_gives_the_adapters_shape():
+    from hpkit.runtime.adapters import adapter_for
+
+    for block in (
+        {"name": "debug", "dim": 64, "n_heads": 4},
+        {"name": "debug", "moe": {"experts": 4}},
+        {"name": "debug-moe", "moe": {"top_k": 2}, "n_layers": 4},
+    ):
+        spec = ModelSpec(**block)
+        cfg = adapter_for("moe" if spec.moe or spec.name == "debug-moe" else "llama").config(spec)
+        shape = shape_of_spec(spec)
+        assert shape.params() == cfg.num_params(), block
+        assert shape.flops_per_token() == cfg.flops_per_token(spec.seq_len), block
+
+
+MIXTRAL = {
+    "model_type": "mixtral",
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 96,
+    "vocab_size": 128,
+    "num_local_experts": 4,
+    "num_experts_per_tok": 2,
+}
+
+
+def test_hf_configs_read_as_the_runtime_reads_them(tmp_path):
+    from hpkit.hf.config import parse_hf_config
+
+    llama = {**MIXTRAL, "model_type": "llama"}
+    for data in (llama, MIXTRAL):
+        cfg = parse_hf_config(data, 256).cfg
+        assert parse_hf(data, 256).params() == cfg.num_params()
+        assert parse_hf(data, 256).flops_per_token() == cfg.flops_per_token(256)
+    (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
+    assert resolve_model(tmp_path, 256).experts == 4
+
+
+def test_an_unsupported_family_is_one_line_naming_the_field(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL, "model_type": "gpt2"}))
+    with pytest.raises(SpecError, match=r"config.json: model_type: 'gpt2': only Llama and Mixtral") as err:
+        resolve_model(tmp_path, 256)
+    assert "\n" not in str(err.value)
+    with pytest.raises(SpecError, match="neither a shape name"):
+        resolve_model("9B", 256)
+
+
+def test_layout_round_trips_through_the_spec_blocks():
+    cfg = parse_document(
+        RunConfig,
+        {
+            "parallelism": {"dp_shard": -1, "tp": 2, "pp": 2, "microbatches": 4, "pp_schedule": "gpipe"},
+            "train": {"local_batch_size": 8, "activation_checkpoint": "full"},
+        },
+    )
+    layout = Layout.from_run_config(cfg, world=16)
+    assert (layout.dp_shard, layout.tp, layout.pp, layout.world) == (4, 2, 2, 16)
+    assert layout.precision == "bf16"  # auto, on GPUs
+    assert Layout.from_run_config(cfg, world=16, device_type="cpu").precision == "fp32"
+    again = parse_document(
+        RunConfig, {"parallelism": layout.parallelism_fields(), "train": layout.train_fields()}
+    )
+    assert Layout.from_run_config(again) == layout
+
+
+def test_a_layout_the_runtime_refuses_gets_the_validators_message():
+    with pytest.raises(SpecError, match="microbatches=2 must be >= pp=4"):
+        Layout(pp=4, microbatches=2).to_parallelism()
+    with pytest.raises(SpecError, match="inferred from the world size"):
+        Layout.from_run_config(parse_document(RunConfig, {"parallelism": {"dp_shard": -1}}))
+
+
+def test_pipeline_placement_matches_the_runtime():
+    from hpkit.runtime import pipeline
+
+    for schedule, spr in (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)):
+        for rank in range(4):
+            assert stage_ids(rank, 4, spr, schedule) == pipeline.stage_ids(rank, 4, spr, schedule)
+    assert [stage_layers(10, 4, s) for s in range(4)] == [pipeline.stage_layers(10, 4, s) for s in range(4)]
+
+
+def test_microbatches_in_flight_per_schedule():
+    gpipe = Layout(pp=4, microbatches=8, pp_schedule="gpipe")
+    assert [in_flight(gpipe, r) for r in range(4)] == [[8]] * 4
+    one_f_one_b = replace(gpipe, pp_schedule="1f1b")
+    assert [in_flight(one_f_one_b, r) for r in range(4)] == [[4], [3], [2], [1]]
+    zbv = replace(gpipe, pp_schedule="zero_bubble", stages_per_rank=2)
+    # Rank r: 2(pp-r)-1 + r chunk-0 forwards, r + 1 chunk-1 forwards before a chunk's first backward.
+    assert [sum(in_flight(zbv, r)) for r in range(4)] == [8, 8, 8, 8]
+
+
+FSDP = Layout(dp_shard=4, local_batch_size=2, precision="fp32")
+
+
+def test_sharded_weights_by_hand():
+    # fp32 master weights: 4 bytes per local element; AdamW 8 more, plus a 4-byte step per tensor.
+    single = predict(TINY, replace(FSDP, dp_shard=1)).worst.breakdown
+    assert single.params == 4 * TINY.params()
+    tensors = 1 + 2 * 9 + 2
+    assert single.optimizer == 8 * TINY.params() + 4 * tensors
+    sharded = predict(TINY, FSDP).worst.breakdown
+    # Every weight's first dimension divides by 4 except the norms' (8) ... all do here: a quarter each.
+    assert sharded.params == single.params // 4
+
+
+def test_more_checkpointing_saves_activations():
+    shape = shape_named("1B", 2048)
+    by_ac = [
+        predict(shape, replace(FSDP, dp_shard=8, activation_checkpoint=ac)).worst.breakdown.activations
+        for ac in ("none", "selective", "full")
+    ]
+    assert by_ac[0] > by_ac[1] > by_ac[2] > 0
+
+
+def test_more_shards_less_per_rank():
+    shape = shape_named("8B", 4096)
+    base = Layout(dp_shard=2, local_batch_size=1, activation_checkpoint="full")
+    peaks = [predict(shape, replace(base, dp_shard=n), "p5.48xlarge").peak_bytes for n in (2, 8, 64)]
+    assert peaks[0] > peaks[1] > peaks[2]
+    tp = [predict(shape, replace(base, tp=t), "p5.48xlarge").peak_bytes for t in (1, 2, 8)]
+    assert tp[0] > tp[1] > tp[2]
+
+
+def test_the_last_stage_holds_the_logits_and_the_first_stage_the_most_microbatches():
+    shape = shape_named("debug", 256)
+    plan = predict(shape, Layout(pp=2, microbatches=4, local_batch_size=4, precision="fp32"))
+    first, last = (r.breakdown for r in plan.ranks)
+    assert first.logits_loss == 0 < last.logits_loss
+    assert first.activations == 2 * last.activations  # 1F1B: 2 microbatches in flight against 1
+    assert plan.ranks[1].kind == "pp rank 1 (stage 1)"
+
+
+def test_gpu_fixed_costs_only_on_gpus():
+    shape = shape_named("debug", 256)
+    assert predict(shape, FSDP).worst.breakdown.fixed == 0
+    assert predict(shape, FSDP, "ml.p5.48xlarge").worst.breakdown.fixed > 2**30
+
+
+def test_planning_a_70b_imports_no_torch_and_takes_milliseconds():
+    code = (
+        "import sys, time\n"
+        "from hpkit.plan import Layout, predict, shape_named\n"
+        "s = shape_named('70B', 8192)\n"
+        "t = time.perf_counter()\n"
+        "for tp in (1, 2, 4, 8):\n"
+        "    for pp in (1, 2, 4, 8):\n"
+        "        predict(s, Layout(dp_shard=128 // tp // pp, tp=tp, pp=pp, microbatches=8, local_batch_size=8), 'p5.48xlarge')\n"
+        "assert 'torch' not in sys.modules, 'torch imported'\n"
+        "print(time.perf_counter() - t)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert float(done.stdout) < 1.0  # 16 layouts; the import (pydantic) is the command's to time
