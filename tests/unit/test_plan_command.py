@@ -150,3 +150,19 @@ def test_plan_imports_no_torch() -> None:
         env={"PYTHONPATH": str(REPO / "python")},
     )
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_a_model_block_file_plans_a_shape_with_overrides(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    mixtral = REPO / "slurm/recipes/models/mixtral-8x7b.yaml"
+    path = tmp_path / "mixtral.yaml"
+    rc, _, _ = plan(capsys, str(mixtral), "--instance", "p5.48xlarge", "--nodes", "4", "--write", str(path))
+    assert rc == 0
+    spec = load_document(JobSpec, path)
+    assert spec.model.vocab_size == 32000 and spec.model.moe is not None and spec.model.moe.experts == 8
+    assert spec.model.seq_len == 8192
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {name: 8B, dim: 3}\n")
+    rc, _, err = plan(capsys, str(bad), "--instance", "p5.48xlarge", "--nodes", "4")
+    assert rc == 1 and err.count("\n") == 1 and "dim" in err

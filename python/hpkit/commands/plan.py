@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -96,21 +97,41 @@ def _hardware(instance: str | None, precision: str, network: str | None) -> tupl
 
 def main(argv: list[str], prog: str = "hpkit plan") -> int:
     args = _parser(prog).parse_args(argv[1:])
+    args.command_line = shlex.join(["hpkit", "plan", *argv[1:]])
     target = Path(args.target)
     if target.suffix in (".yaml", ".yml", ".json") and not target.is_dir():
+        from hpkit.validation import read_document
+
+        document = read_document(target)
+        if isinstance(document, dict) and set(document) == {"model"}:
+            return _search(args, document["model"])  # a file of a model: block alone: a shape with overrides
         return _judge_spec(args, target)
     return _search(args)
 
 
-def _search(args: argparse.Namespace) -> int:
+def _search(args: argparse.Namespace, model: Any = None) -> int:
     from hpkit.plan import report
     from hpkit.plan.search import search
-    from hpkit.plan.shapes import resolve_model
+    from hpkit.plan.shapes import resolve_model, shape_of_spec
 
     if args.nodes is None:
         raise SpecError("--nodes: missing: how many nodes the job runs on")
-    seq = args.seq or DEFAULT_SEQ
-    shape = resolve_model(args.target, seq)
+    if model is not None:
+        from hpkit.runtime.config import ModelSpec
+        from hpkit.validation import parse_document
+
+        if not isinstance(model, dict):
+            raise SpecError(
+                f"{args.target}: model: a mapping of the spec's model fields (name, dim, moe, ...)"
+            )
+        model = dict(model)
+        model["seq_len"] = args.seq or model.get("seq_len") or DEFAULT_SEQ
+        spec_model = parse_document(ModelSpec, model, args.target)
+        seq = spec_model.seq_len
+        shape = shape_of_spec(spec_model)
+    else:
+        seq = args.seq or DEFAULT_SEQ
+        shape = resolve_model(args.target, seq)
     hw, gpu_gib = _hardware(args.instance, args.precision, args.network)
     world = args.nodes * hw.gpus_per_node
     if args.global_tokens is not None:
@@ -134,7 +155,7 @@ def _search(args: argparse.Namespace) -> int:
         first = result.rejected[0].problem if result.rejected else "no layout divides the world"
         raise SpecError(f"model {args.target}: no layout the runtime accepts on {world} GPUs: {first}")
     if args.write:
-        _write(Path(args.write), args, shape, hw, result, seq)
+        _write(Path(args.write), args, model, hw, result, seq)
     if args.json:
         meta = {
             "model": args.target,
@@ -191,15 +212,17 @@ def _judge_spec(args: argparse.Namespace, path: Path) -> int:
     return 0 if cand.fits else 1
 
 
-def _write(path: Path, args: argparse.Namespace, shape: Any, hw: Any, result: Any, seq: int) -> None:
+def _write(path: Path, args: argparse.Namespace, model: Any, hw: Any, result: Any, seq: int) -> None:
     """The winner as a job spec; the runners-up and why they lost as comments above it."""
     from hpkit.plan.recipe import model_block, spec_text
 
-    name = "plan-" + "".join(ch if ch.isalnum() else "-" for ch in Path(args.target).name.lower())
+    stem = Path(args.target).stem if model is not None else Path(args.target).name
+    name = "plan-" + "".join(ch if ch.isalnum() else "-" for ch in stem.lower())
+    block = dict(model, seq_len=seq) if model is not None else model_block(args.target, seq)
     command = (
         " ".join(["hpkit plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else f"hpkit plan {args.target}"
     )
-    text = spec_text(name, model_block(args.target, seq), hw, args.nodes, result, args.top, command)
+    text = spec_text(name, block, hw, args.nodes, result, args.top, command)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:

@@ -148,7 +148,7 @@ def judge(
     if gpu_memory_gib is not None and cand.peak_bytes > gpu_memory_gib * GIB:
         cand.over_gib = cand.peak_bytes / GIB - gpu_memory_gib
         cand.problem = (
-            f"needs {cand.peak_bytes / GIB:.1f} GiB per GPU, {cand.over_gib:.1f} GiB more than the "
+            f"needs {cand.peak_bytes / GIB:.2f} GiB per GPU, {cand.over_gib:.2f} GiB more than the "
             f"{gpu_memory_gib:g} GiB a GPU has"
         )
         if not always_speed:
@@ -177,7 +177,10 @@ def layouts(
                     pipelines: list[tuple[str, int, int]] = [("1f1b", 1, 1)]
                     if pp > 1:
                         pipelines = []
-                        for schedule, mult in itertools.product(SCHEDULES, (1, 2, 4)):
+                        # Microbatches that divide the local batch; pp alone where none does, so that the
+                        # runtime's refusal is shown once rather than never.
+                        mults = [m for m in (1, 2, 4) if lbs % (pp * m) == 0] or [1]
+                        for schedule, mult in itertools.product(SCHEDULES, mults):
                             spr = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
                             pipelines.append((schedule, pp * mult, spr))
                     for schedule, mb, spr in pipelines:
