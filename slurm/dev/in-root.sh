@@ -27,6 +27,9 @@ if [[ -z ${HPKIT_IN_ROOT_NS:-} ]]; then
   HPKIT_IN_ROOT_NS=1 exec unshare --mount -- "$0" "$@"
 fi
 unset HPKIT_IN_ROOT_NS
+# The root made a mount point of its own: runc (Slurm's OCI containers) remounts / as a slave and pivots out of
+# it, which fails ("mount /, flags: 0x84000: invalid argument") when / is a plain folder of the host's disk.
+mount --bind "$root" "$root"
 mount --rbind /proc "$root/proc"
 mount --rbind /sys "$root/sys"
 mount --rbind /dev "$root/dev"

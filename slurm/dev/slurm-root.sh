@@ -3,19 +3,22 @@
 # which slurm/dev/up.sh runs a SLURM=24.11 cluster (HyperPod's Slurm) on a Debian 12 host. Packages come from
 # Debian's registry only: the mirror named in the host's apt sources (DEBIAN_MIRROR overrides it).
 #
-#   HPKIT_SLURM_ROOT  where the root lives (default: ${XDG_CACHE_HOME:-$HOME/.cache}/hpkit/slurm-24.11-trixie)
+#   HPKIT_SLURM_ROOT  where the root lives (default: ${XDG_CACHE_HOME:-$HOME/.cache}/hpkit/slurm-24.11-trixie-r2)
 #
 # Built once per machine and shared by every cluster (the tests' too): concurrent callers wait on a lock, and a
 # root appears only when complete (built beside it, then renamed). Besides Slurm, the root holds the libraries
 # that the host's Python and its extension modules link against (libffi8 for ctypes and torch, ...), so that
-# a job step runs the host venv's python inside it. Needs root and mmdebstrap.
+# a job step runs the host venv's python inside it, and runc, which runs Slurm's OCI containers (oci.conf).
+# Needs root and mmdebstrap.
 set -euo pipefail
 
-root=${HPKIT_SLURM_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/hpkit/slurm-24.11-trixie}
+# The default path names the root's revision: a root with other packages is built beside an older one, never over
+# it (clusters running from the older one keep their files). r2: runc, for Slurm's OCI containers.
+root=${HPKIT_SLURM_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/hpkit/slurm-24.11-trixie-r2}
 release=trixie
 # The marker the command wrappers look for: inside the root, run Slurm's binaries directly.
 marker=etc/hpkit-slurm-root
-packages=slurm-wlm,slurm-client,munge,libffi8,libssl3t64,zlib1g,libbz2-1.0,liblzma5,libsqlite3-0,libreadline8t64,libncursesw6,libuuid1,libexpat1,libgdbm6t64,libmpdec4,procps
+packages=slurm-wlm,slurm-client,munge,libffi8,libssl3t64,zlib1g,libbz2-1.0,liblzma5,libsqlite3-0,libreadline8t64,libncursesw6,libuuid1,libexpat1,libgdbm6t64,libmpdec4,procps,runc
 
 die() { echo "slurm-root: $*" >&2; exit 1; }
 
