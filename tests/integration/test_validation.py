@@ -1,0 +1,109 @@
+"""Validation (`eval:`) in real layouts: the same number for the same checkpoint in every layout, equal to a
+loss computed without the evaluator; an uneven split over data-parallel ranks neither hangs nor drops a
+batch; eval.only reproduces the value the training run recorded at that step.
+
+Two launches (validation_layouts.py): 4 processes run every layout in turn through `hpkit train`'s own run,
+then one process computes the expected value from the held-out file itself.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import _torchrun
+import pytest
+import validation_layouts as vl
+
+pytestmark = pytest.mark.dist
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "validation_layouts.py"
+RTOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("validation")
+    four = _torchrun.run([str(SCRIPT), "world4", str(root)], root / "tmp4", 4, timeout=500)
+    one = _torchrun.run([str(SCRIPT), "world1", str(root)], root / "tmp1", None)
+    records = {
+        run.tag: [json.loads(line) for line in (root / run.tag / "metrics.jsonl").read_text().splitlines()]
+        for run in [*vl.WORLD4, vl.SINGLE]
+    }
+    return {
+        "records": records,
+        "expected": json.loads((root / "expected.json").read_text()),
+        "stdout": four.stdout + one.stdout,
+    }
+
+
+def evals(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r for r in records if r.get("event") == "eval"}
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def test_training_validates_every_n_steps_on_all_seven_batches_of_two_ranks(runs):
+    """fsdp 2 x tp 2, batches of 2: 13 samples make 7 batches, rank 1 runs 3 and an empty one."""
+    got = evals(runs["records"]["train-fsdp2_tp2"])
+    assert sorted(got) == [2, 4]
+    expected = runs["expected"]
+    assert expected["tokens"] == vl.WINDOWS * vl.SEQ
+    for record in got.values():
+        assert record["batches"] == 7 and record["tokens"] == vl.WINDOWS * vl.SEQ, record
+        assert record["only"] is False and record["perplexity"] == pytest.approx(math.exp(record["loss"]))
+    # Independently: every window of the file through the one-process model, one cross-entropy call.
+    assert _rel(got[4]["loss"], expected["loss"]) <= RTOL, (got[4]["loss"], expected["loss"])
+    assert got[2]["loss"] != got[4]["loss"], "the weights changed between the validations"
+
+
+def test_validation_is_the_same_in_every_layout(runs):
+    reference = runs["expected"]["loss"]
+    tags = [run.tag for run in vl.WORLD4 if not run.moe] + [vl.SINGLE.tag]
+    for tag in tags:
+        record = evals(runs["records"][tag])[vl.TRAIN_STEPS]
+        assert record["tokens"] == vl.WINDOWS * vl.SEQ, (tag, record)
+        assert _rel(record["loss"], reference) <= RTOL, (tag, record["loss"], reference)
+    # The split differs with the data-parallel degree: 13 batches of 1 over 4 ranks, 4 batches of 4 on one.
+    assert evals(runs["records"]["only-fsdp4"])[4]["batches"] == 13
+    assert evals(runs["records"]["only-tp4"])[4]["batches"] == 4
+
+
+def test_expert_parallel_validates_alike(runs):
+    trained = evals(runs["records"]["moe-train-ep2_fsdp2"])[vl.TRAIN_STEPS]
+    for tag in ("moe-only-ep2_tp2", "moe-only-fsdp4"):
+        got = evals(runs["records"][tag])[vl.TRAIN_STEPS]
+        assert got["tokens"] == vl.WINDOWS * vl.SEQ
+        assert _rel(got["loss"], trained["loss"]) <= RTOL, (tag, got["loss"], trained["loss"])
+
+
+def test_pipeline_training_validates_and_trains_on_unchanged(runs):
+    """Under pp 2 x fsdp 2 the schedule runs eval() between training steps: the validations match the other
+    layout's, and so do the training losses after them (the schedule went back to training intact)."""
+    pp, ref = runs["records"]["train-pp2_fsdp2"], runs["records"]["train-fsdp2_tp2"]
+    for step, record in evals(ref).items():
+        assert _rel(evals(pp)[step]["loss"], record["loss"]) <= RTOL
+    losses = {r["step"]: r["loss"] for r in pp if "event" not in r}
+    ref_losses = {r["step"]: r["loss"] for r in ref if "event" not in r}
+    assert sorted(losses) == [1, 2, 3, 4]
+    for step, loss in ref_losses.items():
+        assert _rel(losses[step], loss) <= RTOL, (step, losses[step], loss)
+
+
+def test_eval_only_equals_the_value_recorded_in_training(runs):
+    trained = evals(runs["records"]["train-fsdp2_tp2"])[vl.TRAIN_STEPS]
+    only = runs["records"]["only-fsdp2_tp2"]
+    got = evals(only)[vl.TRAIN_STEPS]
+    assert got["only"] is True
+    assert _rel(got["loss"], trained["loss"]) <= RTOL
+    assert [r for r in only if r.get("event") != "eval"] == [], "eval.only trains no step and starts no run"
+    assert "hpkit train: eval only: step 4 (checkpoint) | eval loss" in runs["stdout"]
+
+
+def test_the_step_line_carries_the_validation(runs):
+    lines = [line for line in runs["stdout"].splitlines() if line.startswith("step     2 |")]
+    assert lines and all("| eval loss 6." in line and "| eval ppl " in line for line in lines), lines

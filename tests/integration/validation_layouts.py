@@ -1,0 +1,157 @@
+"""Validation in real layouts, through `hpkit train`'s own run (runtime.run._train), for
+tests/integration/test_validation.py.
+
+`world4 DIR`, under torchrun with 4 processes, the runs of WORLD4 in order:
+  1. trains TRAIN_STEPS steps in fsdp 2 x tp 2, validating every EVAL_EVERY steps on a held-out set of 13
+     windows in batches of 2: 7 batches over 2 data-parallel ranks (rank 1 runs an empty batch in the last
+     round, and batch 6 holds one sample), saving a checkpoint at each validation;
+  2. the same in pp 2 x fsdp 2 (the pipeline schedule goes from training to eval() and back);
+  3. validates the first run's last checkpoint with eval.only in other layouts (DCP reshards it), each with
+     its own batch size (global batch 4), so that the batches and their split differ;
+  4. the same for a mixture of experts: trained under ep 2 x fsdp 2, validated under ep 2 x tp 2 and fsdp 4.
+`world1 DIR`, as one process: eval.only of the first run's checkpoint, and the expected value computed
+without the evaluator: every window of the held-out file, read with numpy, through the one-process model,
+the cross-entropy of all their tokens averaged in one call.
+Each run writes its metrics JSONL under DIR/<tag>/; world1 also writes DIR/expected.json.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from training_layouts import BASE
+
+GLOBAL_BATCH = 4
+TRAIN_STEPS = 4
+EVAL_EVERY = 2
+WINDOWS = 13  # 6 full batches of 2 and one of 1: 7 batches
+VOCAB = BASE["model"]["vocab_size"]
+SEQ = BASE["model"]["seq_len"]
+MOE = {"experts": 4, "top_k": 2, "shared_experts": 1, "every": 1, "aux_loss_coef": 0.1}
+PP2_FSDP2 = {"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "1f1b"}
+PP2_TP2_INTERLEAVED = {
+    "pp": 2,
+    "dp_shard": 1,
+    "tp": 2,
+    "microbatches": 2,
+    "pp_schedule": "interleaved_1f1b",
+    "stages_per_rank": 2,
+}
+
+
+@dataclass(frozen=True)
+class Run:
+    tag: str  # its metrics: DIR/<tag>/metrics.jsonl
+    parallelism: dict[str, Any]
+    only: bool  # eval.only of the newest checkpoint in DIR/<ckpt>; else train, saving there
+    ckpt: str = "ckpt"
+    moe: bool = False
+
+
+WORLD4 = [
+    Run("train-fsdp2_tp2", {"dp_shard": 2, "tp": 2}, only=False),
+    Run("train-pp2_fsdp2", PP2_FSDP2, only=False, ckpt="ckpt-pp"),
+    # Batches of 1: 13 batches over 4 ranks, three of them with an empty batch in the last round.
+    Run("only-fsdp4", {"dp_shard": 4}, only=True),
+    Run("only-hsdp", {"dp_replicate": 2, "dp_shard": 2}, only=True),
+    Run("only-tp4", {"dp_shard": 1, "tp": 4}, only=True),
+    Run("only-fsdp2_tp2", {"dp_shard": 2, "tp": 2}, only=True),
+    Run("only-pp2_fsdp2", PP2_FSDP2, only=True),
+    Run("only-pp2_tp2_interleaved", PP2_TP2_INTERLEAVED, only=True),
+    Run("moe-train-ep2_fsdp2", {"dp_shard": 2, "ep": 2}, only=False, ckpt="ckpt-moe", moe=True),
+    Run("moe-only-ep2_tp2", {"dp_shard": 1, "ep": 2, "tp": 2}, only=True, ckpt="ckpt-moe", moe=True),
+    Run("moe-only-fsdp4", {"dp_shard": 4}, only=True, ckpt="ckpt-moe", moe=True),
+]
+SINGLE = Run("only-single", {"dp_shard": 1}, only=True)
+
+
+def write_data(root: Path) -> tuple[Path, Path]:
+    import numpy as np
+
+    train, held_out = root / "train.bin", root / "held_out.bin"
+    if not held_out.exists():
+        rng = np.random.default_rng(7)
+        rng.integers(0, VOCAB, 40 * SEQ + 1).astype(np.uint16).tofile(train)
+        rng.integers(0, VOCAB, WINDOWS * SEQ + 1).astype(np.uint16).tofile(held_out)
+    return train, held_out
+
+
+def config(root: Path, run: Run, world: int):
+    from hpkit.runtime.config import RunConfig
+    from hpkit.runtime.parallel_dims import ParallelDims
+    from hpkit.validation import parse_document
+
+    train, held_out = write_data(root)
+    data: dict[str, Any] = {
+        "name": f"validation-{run.tag}",
+        "output_dir": str(root / run.tag),
+        "parallelism": run.parallelism,
+        "model": {**BASE["model"], **({"moe": MOE} if run.moe else {})},
+        "train": {
+            **BASE["train"],
+            "steps": TRAIN_STEPS,
+            "metrics_file": "metrics.jsonl",
+            "stragglers": {"enabled": False},
+            "data": {"kind": "tokens", "path": str(train)},
+        },
+        "eval": {
+            **({"only": True} if run.only else {"every": EVAL_EVERY}),
+            "data": {"kind": "tokens", "path": str(held_out)},
+        },
+        "checkpoint": {"dir": str(root / run.ckpt), "interval": EVAL_EVERY, "keep": 2},
+        # A rank left waiting in a collective fails the run in a minute instead of hanging the test.
+        "resilience": {"hang": {"enabled": False}, "collective_timeout_s": 60},
+    }
+    dp = ParallelDims.from_spec(parse_document(RunConfig, data).parallelism, world).dp
+    data["train"]["local_batch_size"] = GLOBAL_BATCH // dp
+    return parse_document(RunConfig, data)
+
+
+def expected(root: Path, cfg: Any, device: Any) -> dict[str, float]:
+    """The checkpoint's loss over every held-out token, from the file itself: no evaluator, no batches."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+
+    from hpkit.runtime.checkpoint import Checkpointer
+    from hpkit.runtime.trainer import Trainer
+
+    trainer = Trainer(cfg, device)
+    checkpointer = Checkpointer(
+        cfg.checkpoint, root / "ckpt", 0, layout=trainer.dims.degrees(), model=trainer.model_record()
+    )
+    path = trainer.resume(checkpointer)
+    assert path is not None and trainer.step == TRAIN_STEPS, path
+    tokens = np.fromfile(root / "held_out.bin", dtype=np.uint16).astype(np.int64)
+    rows = torch.from_numpy(np.stack([tokens[w * SEQ : w * SEQ + SEQ + 1] for w in range(WINDOWS)]))
+    with torch.no_grad():
+        logits = trainer.module(rows[:, :-1])
+        loss = F.cross_entropy(logits.flatten(0, 1).double(), rows[:, 1:].flatten())
+    checkpointer.close()
+    trainer.close()
+    return {"step": trainer.step, "loss": float(loss), "tokens": int(rows[:, 1:].numel())}
+
+
+def main(mode: str, root: Path) -> int:
+    from hpkit.runtime.env import distributed
+    from hpkit.runtime.run import _train, quiet_known_warnings
+
+    quiet_known_warnings()
+    with distributed() as job:
+        world = job.launch.world_size
+        if mode == "world4":
+            for run in WORLD4:
+                assert _train(config(root, run, world), job.launch, job.device) == 0, run.tag
+        else:
+            cfg = config(root, SINGLE, world)
+            assert _train(cfg, job.launch, job.device) == 0
+            (root / "expected.json").write_text(json.dumps(expected(root, cfg, job.device)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1], Path(sys.argv[2])))
