@@ -35,6 +35,7 @@ _MODULES = (
     "imds",
     "instance_types",
     "network_efa",
+    "network_ifname",
     "container",
     "slurm",
     "storage",
