@@ -345,7 +345,6 @@ def _rank(shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None)
             if ac != "none":
                 # Backward recomputes one block's activations at a time.
                 transient = max(transient, (saved["none"] - saved[ac]) * tokens)
-    activations = int(saved_total + transient)
 
     # Logits and loss on the rank with the last stage: the final norm's saves, the logits, the fp32
     # log-softmax, and backward's two fp32 gradients of them.
@@ -356,7 +355,16 @@ def _rank(shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None)
         b = 4 if regime == "fp32" else 2
         # (The loss's fp32 copy of bf16 logits is not kept: log-softmax's backward reads its output.)
         per_mb = tokens * (v * (b + 4) + 3 * stream * shape.dim)
-        logits_loss = int(per_mb * flights[last_at[0]] + tokens * v * 8)
+        logits_loss = int(per_mb + tokens * v * 8)
+        if layout.pp > 1:
+            # torch's last stage keeps each microbatch's output for its loss and the gradient it returns,
+            # beyond the one microbatch in loss (measured: the pipeline layouts, about 3 logits' worth).
+            logits_loss += int(3 * tokens * v * b)
+    activations = int(saved_total + (0 if ac == "none" else max(0.0, transient - logits_loss)))
+    if ac != "none" and last_at:
+        # The logits stay referenced while the last block is recomputed; the loss's temporaries do not.
+        v = shape.vocab_size / (layout.tp if layout.loss_parallel else 1)
+        activations += int(tokens * v * (4 if regime == "fp32" else 2))
 
     moe_buffers = 0
     if shape.is_moe and any(shape.is_moe_block(i) for p in parts for i in p.blocks) and layout.ep > 1:

@@ -1,0 +1,94 @@
+"""The planner's memory model against measurement: every layout the runtime trains, each rank's peak as torch's
+MemTracker sees it on the real CPU run, within 10 % of hpkit.plan.memory's prediction.
+
+One torchrun launch of 4 processes builds every 4-rank layout in turn (tests/integration/plan_memory_layouts.py),
+and one plain process the single-process ones. Where a rank misses, the message prints the predicted parts
+beside the tracker's categories and names the part that differs most from what the miss would need.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import _torchrun
+import pytest
+
+from hpkit.plan.layout import Layout
+from hpkit.plan.memory import MemoryPlan, predict
+from hpkit.plan.shapes import shape_of_spec
+from hpkit.runtime.config import RunConfig
+from hpkit.validation import parse_document
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "plan_memory_layouts.py"
+TOLERANCE = 0.10
+
+pytestmark = pytest.mark.dist
+
+
+def _layouts() -> dict[int, dict[str, Any]]:
+    spec = importlib.util.spec_from_file_location("plan_memory_layouts", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.LAYOUTS
+
+
+LAYOUTS = _layouts()
+CASES = [(world, name) for world, names in LAYOUTS.items() for name in names]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory) -> dict[str, Any]:
+    tmp = tmp_path_factory.mktemp("plan-memory")
+    results: dict[str, Any] = {}
+    for world in sorted(LAYOUTS):
+        out = tmp / f"world{world}.json"
+        _torchrun.run(
+            [str(SCRIPT), str(out)], tmp / f"run{world}", None if world == 1 else world, timeout=600
+        )
+        results |= json.loads(out.read_text())
+    return results
+
+
+def planned(record: dict[str, Any]) -> MemoryPlan:
+    cfg = parse_document(RunConfig, record["spec"])
+    layout = Layout.from_run_config(cfg, record["world"], device_type="cpu")
+    return predict(shape_of_spec(cfg.model), layout, instance=None)
+
+
+def side_by_side(plan: MemoryPlan, pp_rank: int, peak: dict[str, int]) -> str:
+    rank = plan.ranks[pp_rank]
+    predicted = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in rank.breakdown.as_dict().items() if v)
+    tracked = ", ".join(
+        f"{k.rsplit('.', 1)[-1].lower()} {v / 2**20:.2f}" for k, v in peak.items() if v and k != "Total"
+    )
+    return f"predicted MiB: {predicted}\n  measured MiB: {tracked}"
+
+
+def differing_part(plan: MemoryPlan, pp_rank: int, measured_total: int) -> str:
+    """The predicted part whose size is nearest to the miss: the likeliest culprit to name."""
+    miss = plan.ranks[pp_rank].peak_bytes - measured_total
+    parts = {k: v for k, v in plan.ranks[pp_rank].breakdown.as_dict().items() if v}
+    name = min(parts, key=lambda k: abs(parts[k] - abs(miss)))
+    return f"{name} ({'over' if miss > 0 else 'under'} by {abs(miss) / 2**20:.2f} MiB)"
+
+
+@pytest.mark.parametrize(("world", "name"), CASES, ids=[n for _, n in CASES])
+def test_peak_per_rank_within_ten_percent(measured, world, name):
+    record = measured[name]
+    plan = planned(record)
+    misses = []
+    for global_rank, held in enumerate(record["ranks"]):
+        pp_rank, peak = held["pp_rank"], held["peak"]
+        predicted, actual = plan.ranks[pp_rank].peak_bytes, peak["Total"]
+        error = (predicted - actual) / actual
+        if abs(error) > TOLERANCE:
+            misses.append(
+                f"rank {global_rank} ({plan.ranks[pp_rank].kind}): predicted {predicted / 2**20:.2f} MiB, "
+                f"measured {actual / 2**20:.2f} MiB ({error:+.0%}); the part: "
+                f"{differing_part(plan, pp_rank, actual)}\n  {side_by_side(plan, pp_rank, peak)}"
+            )
+    assert not misses, f"{name} ({plan.layout.describe()}):\n" + "\n".join(misses)
