@@ -1,13 +1,15 @@
 """Validation (`eval:`) in real layouts: the same number for the same checkpoint in every layout, equal to a
 loss computed without the evaluator; an uneven split over data-parallel ranks neither hangs nor drops a
-batch; eval.only reproduces the value the training run recorded at that step.
+batch; eval.only reproduces the value the training run recorded at that step; a chat set counts only its
+assistant tokens, with its packed conversations kept apart.
 
 Two launches (validation_layouts.py): 4 processes run every layout in turn through `hpkit train`'s own run,
-then one process computes the expected value from the held-out file itself.
+then one process computes the expected values from the held-out files themselves.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -21,16 +23,59 @@ pytestmark = pytest.mark.dist
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "validation_layouts.py"
 RTOL = 1e-5
+ANSWERS = [
+    "hello world",
+    "4",
+    "Paris.",
+    "lazy dog.",
+    "the quick brown fox jumps over the lazy dog",
+    "no, not today",
+]
+
+
+def prepare_chat(root: Path) -> None:
+    """A held-out chat set: 14 conversations packed into rows of CHAT_SEQ + 1 tokens (Llama 3's template)."""
+    from hpkit.commands import data as data_cmd
+
+    spec = importlib.util.spec_from_file_location(
+        "chat_templates", HERE.parent / "unit" / "test_chat_templates.py"
+    )
+    templates = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(templates)
+    tokenizer = templates.make_chat_tokenizer(root / "tokenizer", "llama3")
+    source = root / "chat.jsonl"
+    lines = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}: what is it?"},
+                {"role": "assistant", "content": " ".join([ANSWERS[i % len(ANSWERS)]] * (1 + i % 3))},
+            ]
+        }
+        for i in range(14)
+    ]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    args = [
+        "prepare",
+        str(source),
+        "--tokenizer",
+        str(tokenizer),
+        "--out",
+        str(root / "chat"),
+        "--format",
+        "chat",
+    ]
+    assert data_cmd.main([*args, "--seq-len", str(vl.CHAT_SEQ)]) == 0
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("validation")
+    prepare_chat(root)
     four = _torchrun.run([str(SCRIPT), "world4", str(root)], root / "tmp4", 4, timeout=500)
     one = _torchrun.run([str(SCRIPT), "world1", str(root)], root / "tmp1", None)
     records = {
         run.tag: [json.loads(line) for line in (root / run.tag / "metrics.jsonl").read_text().splitlines()]
-        for run in [*vl.WORLD4, vl.SINGLE]
+        for run in [*vl.WORLD4, vl.SINGLE, vl.SINGLE_CHAT]
     }
     return {
         "records": records,
@@ -51,7 +96,7 @@ def test_training_validates_every_n_steps_on_all_seven_batches_of_two_ranks(runs
     """fsdp 2 x tp 2, batches of 2: 13 samples make 7 batches, rank 1 runs 3 and an empty one."""
     got = evals(runs["records"]["train-fsdp2_tp2"])
     assert sorted(got) == [2, 4]
-    expected = runs["expected"]
+    expected = runs["expected"][vl.SINGLE.tag]
     assert expected["tokens"] == vl.WINDOWS * vl.SEQ
     for record in got.values():
         assert record["batches"] == 7 and record["tokens"] == vl.WINDOWS * vl.SEQ, record
@@ -62,8 +107,8 @@ def test_training_validates_every_n_steps_on_all_seven_batches_of_two_ranks(runs
 
 
 def test_validation_is_the_same_in_every_layout(runs):
-    reference = runs["expected"]["loss"]
-    tags = [run.tag for run in vl.WORLD4 if not run.moe] + [vl.SINGLE.tag]
+    reference = runs["expected"][vl.SINGLE.tag]["loss"]
+    tags = [run.tag for run in vl.WORLD4 if not (run.moe or run.chat)] + [vl.SINGLE.tag]
     for tag in tags:
         record = evals(runs["records"][tag])[vl.TRAIN_STEPS]
         assert record["tokens"] == vl.WINDOWS * vl.SEQ, (tag, record)
@@ -107,3 +152,24 @@ def test_eval_only_equals_the_value_recorded_in_training(runs):
 def test_the_step_line_carries_the_validation(runs):
     lines = [line for line in runs["stdout"].splitlines() if line.startswith("step     2 |")]
     assert lines and all("| eval loss 6." in line and "| eval ppl " in line for line in lines), lines
+
+
+def test_a_chat_set_counts_only_assistant_tokens_of_its_packed_conversations(runs):
+    """Trained in pp 2 x fsdp 2 (the positions reach every stage), validated in fsdp 2 x tp 2 (a
+    vocabulary-parallel loss over masked labels) and in one process: all equal the loss over the counted
+    tokens of every row, computed from the shards and their flags with the positions that keep the packed
+    conversations apart."""
+    expected = runs["expected"][vl.SINGLE_CHAT.tag]
+    assert 0 < expected["tokens"] < expected["all_tokens"] / 2, (
+        "most tokens (prompts, headers, padding) do not count"
+    )
+    assert expected["rows"] % 4, "the rows do not divide into the data-parallel ranks' batches"
+    trained = evals(runs["records"]["chat-train-pp2_fsdp2"])
+    assert sorted(trained) == [2, 4]
+    for tag, record in [
+        ("chat-train-pp2_fsdp2", trained[vl.TRAIN_STEPS]),
+        ("chat-only-fsdp2_tp2", evals(runs["records"]["chat-only-fsdp2_tp2"])[vl.TRAIN_STEPS]),
+        (vl.SINGLE_CHAT.tag, evals(runs["records"][vl.SINGLE_CHAT.tag])[vl.TRAIN_STEPS]),
+    ]:
+        assert record["tokens"] == expected["tokens"], (tag, record)
+        assert _rel(record["loss"], expected["loss"]) <= RTOL, (tag, record["loss"], expected["loss"])

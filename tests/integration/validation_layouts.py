@@ -8,10 +8,13 @@ tests/integration/test_validation.py.
   2. the same in pp 2 x fsdp 2 (the pipeline schedule goes from training to eval() and back);
   3. validates the first run's last checkpoint with eval.only in other layouts (DCP reshards it), each with
      its own batch size (global batch 4), so that the batches and their split differ;
-  4. the same for a mixture of experts: trained under ep 2 x fsdp 2, validated under ep 2 x tp 2 and fsdp 4.
-`world1 DIR`, as one process: eval.only of the first run's checkpoint, and the expected value computed
-without the evaluator: every window of the held-out file, read with numpy, through the one-process model,
-the cross-entropy of all their tokens averaged in one call.
+  4. the same for a mixture of experts: trained under ep 2 x fsdp 2, validated under ep 2 x tp 2 and fsdp 4;
+  5. the same with a chat held-out set (DIR/chat, from `hpkit data prepare --format chat`, which the test
+     writes): labels masked outside assistant turns, packed conversations with their own positions; trained
+     under pp 2 x fsdp 2, validated under fsdp 2 x tp 2 (a vocabulary-parallel loss over masked labels).
+`world1 DIR`, as one process: eval.only of the first and the chat run's checkpoints, and the expected values
+computed without the evaluator: every window (row) of the held-out set, read from the file(s), through the
+one-process model, the cross-entropy of all their counted tokens in one call.
 Each run writes its metrics JSONL under DIR/<tag>/; world1 also writes DIR/expected.json.
 """
 
@@ -50,6 +53,7 @@ class Run:
     only: bool  # eval.only of the newest checkpoint in DIR/<ckpt>; else train, saving there
     ckpt: str = "ckpt"
     moe: bool = False
+    chat: bool = False  # held-out set: DIR/chat (a prepared chat set), and a vocabulary that covers it
 
 
 WORLD4 = [
@@ -65,8 +69,13 @@ WORLD4 = [
     Run("moe-train-ep2_fsdp2", {"dp_shard": 2, "ep": 2}, only=False, ckpt="ckpt-moe", moe=True),
     Run("moe-only-ep2_tp2", {"dp_shard": 1, "ep": 2, "tp": 2}, only=True, ckpt="ckpt-moe", moe=True),
     Run("moe-only-fsdp4", {"dp_shard": 4}, only=True, ckpt="ckpt-moe", moe=True),
+    Run("chat-train-pp2_fsdp2", PP2_FSDP2, only=False, ckpt="ckpt-chat", chat=True),
+    Run("chat-only-fsdp2_tp2", {"dp_shard": 2, "tp": 2}, only=True, ckpt="ckpt-chat", chat=True),
 ]
 SINGLE = Run("only-single", {"dp_shard": 1}, only=True)
+SINGLE_CHAT = Run("chat-only-single", {"dp_shard": 1}, only=True, ckpt="ckpt-chat", chat=True)
+CHAT_VOCAB = 512  # the test's chat tokenizer has about 400 tokens
+CHAT_SEQ = 128  # rows of several packed conversations (the test prepares the set with this --seq-len)
 
 
 def write_data(root: Path) -> tuple[Path, Path]:
@@ -90,7 +99,11 @@ def config(root: Path, run: Run, world: int):
         "name": f"validation-{run.tag}",
         "output_dir": str(root / run.tag),
         "parallelism": run.parallelism,
-        "model": {**BASE["model"], **({"moe": MOE} if run.moe else {})},
+        "model": {
+            **BASE["model"],
+            **({"moe": MOE} if run.moe else {}),
+            **({"vocab_size": CHAT_VOCAB, "seq_len": CHAT_SEQ} if run.chat else {}),
+        },
         "train": {
             **BASE["train"],
             "steps": TRAIN_STEPS,
@@ -100,7 +113,9 @@ def config(root: Path, run: Run, world: int):
         },
         "eval": {
             **({"only": True} if run.only else {"every": EVAL_EVERY}),
-            "data": {"kind": "tokens", "path": str(held_out)},
+            "data": {"kind": "prepared", "path": str(root / "chat")}
+            if run.chat
+            else {"kind": "tokens", "path": str(held_out)},
         },
         "checkpoint": {"dir": str(root / run.ckpt), "interval": EVAL_EVERY, "keep": 2},
         # A rank left waiting in a collective fails the run in a minute instead of hanging the test.
@@ -111,9 +126,37 @@ def config(root: Path, run: Run, world: int):
     return parse_document(RunConfig, data)
 
 
-def expected(root: Path, cfg: Any, device: Any) -> dict[str, float]:
-    """The checkpoint's loss over every held-out token, from the file itself: no evaluator, no batches."""
+def held_out_rows(root: Path, chat: bool) -> tuple[Any, Any, Any]:
+    """(inputs, labels, positions or None) of every sample of the held-out set, read from its files."""
     import numpy as np
+    import torch
+
+    if not chat:
+        tokens = np.fromfile(root / "held_out.bin", dtype=np.uint16).astype(np.int64)
+        rows = torch.from_numpy(np.stack([tokens[w * SEQ : w * SEQ + SEQ + 1] for w in range(WINDOWS)]))
+        return rows[:, :-1], rows[:, 1:], None
+    from hpkit.data.chat import row_labels_positions
+    from hpkit.data.index import flags_name, read_index
+    from hpkit.runtime.loss import IGNORE_INDEX
+
+    index = read_index(root / "chat")
+    ids = np.concatenate([np.fromfile(index.path / s.name, dtype=index.dtype) for s in index.shards])
+    flags = np.concatenate(
+        [np.fromfile(index.path / flags_name(s.name), dtype=np.uint8) for s in index.shards]
+    )
+    width = CHAT_SEQ + 1
+    inputs, labels, positions = row_labels_positions(
+        ids.reshape(-1, width).astype(np.int64), flags.reshape(-1, width), IGNORE_INDEX
+    )
+    return (
+        torch.from_numpy(inputs),
+        torch.from_numpy(labels),
+        torch.from_numpy(np.ascontiguousarray(positions)),
+    )
+
+
+def expected(root: Path, cfg: Any, device: Any, run: Run) -> dict[str, float]:
+    """The checkpoint's loss over every counted held-out token, from the files: no evaluator, no batches."""
     import torch
     import torch.nn.functional as F
 
@@ -122,18 +165,23 @@ def expected(root: Path, cfg: Any, device: Any) -> dict[str, float]:
 
     trainer = Trainer(cfg, device)
     checkpointer = Checkpointer(
-        cfg.checkpoint, root / "ckpt", 0, layout=trainer.dims.degrees(), model=trainer.model_record()
+        cfg.checkpoint, root / run.ckpt, 0, layout=trainer.dims.degrees(), model=trainer.model_record()
     )
     path = trainer.resume(checkpointer)
     assert path is not None and trainer.step == TRAIN_STEPS, path
-    tokens = np.fromfile(root / "held_out.bin", dtype=np.uint16).astype(np.int64)
-    rows = torch.from_numpy(np.stack([tokens[w * SEQ : w * SEQ + SEQ + 1] for w in range(WINDOWS)]))
+    inputs, labels, positions = held_out_rows(root, run.chat)
     with torch.no_grad():
-        logits = trainer.module(rows[:, :-1])
-        loss = F.cross_entropy(logits.flatten(0, 1).double(), rows[:, 1:].flatten())
+        logits = trainer.module(inputs, **({"positions": positions} if positions is not None else {}))
+        loss = F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten(), ignore_index=-100)
     checkpointer.close()
     trainer.close()
-    return {"step": trainer.step, "loss": float(loss), "tokens": int(rows[:, 1:].numel())}
+    return {
+        "step": trainer.step,
+        "loss": float(loss),
+        "tokens": int((labels != -100).sum()),
+        "all_tokens": int(labels.numel()),
+        "rows": int(labels.shape[0]),
+    }
 
 
 def main(mode: str, root: Path) -> int:
@@ -147,9 +195,12 @@ def main(mode: str, root: Path) -> int:
             for run in WORLD4:
                 assert _train(config(root, run, world), job.launch, job.device) == 0, run.tag
         else:
-            cfg = config(root, SINGLE, world)
-            assert _train(cfg, job.launch, job.device) == 0
-            (root / "expected.json").write_text(json.dumps(expected(root, cfg, job.device)))
+            values = {}
+            for run in (SINGLE, SINGLE_CHAT):
+                cfg = config(root, run, world)
+                assert _train(cfg, job.launch, job.device) == 0, run.tag
+                values[run.tag] = expected(root, cfg, job.device, run)
+            (root / "expected.json").write_text(json.dumps(values))
     return 0
 
 

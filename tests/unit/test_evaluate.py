@@ -60,7 +60,8 @@ def test_held_out_batches_pad_the_last_and_an_empty_batch_counts_nothing(tmp_pat
     assert s.n_batches(2) == 7 and s.n_batches(1) == 7
     seen = []
     for b in range(7):
-        inputs, labels = s.batch(b)
+        inputs, labels, positions = s.batch(b)
+        assert positions is None  # token data: one causal sequence per row
         assert inputs.shape == labels.shape == (2, SEQ)
         counted = labels[(labels != IGNORE_INDEX).all(1)]
         seen += [tuple(row.tolist()) for row in counted]
@@ -69,7 +70,7 @@ def test_held_out_batches_pad_the_last_and_an_empty_batch_counts_nothing(tmp_pat
     )
     last = s.batch(6)[1]
     assert (last[1] == IGNORE_INDEX).all() and (last[0] != IGNORE_INDEX).all()
-    inputs, labels = s.batch(None)
+    inputs, labels, _ = s.batch(None)
     assert inputs.shape == (2, SEQ) and (labels == IGNORE_INDEX).all()
     limited = EvalSet(EvalSpec(every=1, steps=2, data=spec.data), SEQ, 0, 64, local_batch=2)
     assert limited.n_batches(2) == 4 and limited.n_batches(8) == 7

@@ -100,11 +100,12 @@ class EvalSet:
         whole = -(-self.samples // self.local_batch)
         return whole if self.max_rounds is None else min(whole, self.max_rounds * dp)
 
-    def batch(self, index: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch `index` (inputs, labels); None: an empty batch (shaped as batch 0, nothing counted)."""
+    def batch(self, index: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Batch `index` (inputs, labels, positions: packed chat data's, else None); None: an empty batch
+        (shaped as batch 0, nothing counted)."""
         self.loader.position = (index or 0) * self.local_batch
         try:
-            inputs, labels = self.loader.next_batch()
+            inputs, labels, positions = self.loader.next_batch_with_positions()
         except SpecError as exc:
             raise SpecError(str(exc).replace("train.data", "eval.data")) from None
         first = (index or 0) * self.local_batch
@@ -116,7 +117,7 @@ class EvalSet:
         if past:
             labels = labels.clone()
             labels[self.local_batch - past :] = IGNORE_INDEX
-        return inputs, labels
+        return inputs, labels, positions
 
 
 class Evaluator:
@@ -144,8 +145,10 @@ class Evaluator:
         count = torch.zeros((), dtype=torch.float64, device=t.device)
         with _eval_mode(t.model_parts), torch.no_grad():
             for index in self.rounds:
-                inputs, labels = self.set.batch(index)
-                s, c = self._forward(inputs.to(t.device), labels.to(t.device))
+                inputs, labels, positions = self.set.batch(index)
+                # Packed conversations: positions restart at each, and attention stays inside each (as in training).
+                extra = {"positions": positions.to(t.device)} if positions is not None else {}
+                s, c = self._forward(inputs.to(t.device), labels.to(t.device), extra)
                 loss_sum += s
                 count += c
         # Only the last stage's first tp rank adds its data-parallel rank's share: the other tp ranks hold
@@ -176,13 +179,15 @@ class Evaluator:
             time.perf_counter() - start,
         )
 
-    def _forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _forward(
+        self, inputs: torch.Tensor, labels: torch.Tensor, extra: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, count) of this rank's batch; zeros on ranks without the last stage."""
         t = self.trainer
         if t.schedule is None:
             with loss_parallel() if t.loss_parallel else contextlib.nullcontext():
                 with t._autocast():
-                    logits = t.module(inputs)
+                    logits = t.module(inputs, **extra)
                 s, c = masked_loss_sum(logits, labels)
             # A loss-parallel sum is a DTensor replicated over the tp group: every rank holds it whole.
             s = s.full_tensor() if isinstance(s, DTensor) else s
@@ -198,7 +203,7 @@ class Evaluator:
         args = (inputs,) if t.is_first_stage else ()
         kwargs = {"target": labels, "losses": sums} if t.is_last_stage else {}
         with _loss_fn(t.schedule, summed), t._autocast():
-            t.schedule.eval(*args, return_outputs=False, **kwargs)
+            t.schedule.eval(*args, return_outputs=False, **kwargs, **extra)
         if not sums:
             zero = torch.zeros((), dtype=torch.float64, device=t.device)
             return zero, zero
