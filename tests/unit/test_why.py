@@ -313,6 +313,20 @@ def test_a_hang_restarted_in_the_allocation_is_not_the_verdict():
         later, [record("COMPLETED", exit_code="0:0")], events=RESTARTED, start_line=restart_line
     )
     assert decide(completed).kind == why.COMPLETED
+    # With the restarted hang's verdict at hand, the completed job still names the hang and its node.
+    verdict = scan_hang_verdict(HANG_VERDICT_JSON, f"{HANG_DIR}/verdict.json", restart=0)
+    named = decide(
+        facts(
+            later,
+            [record("COMPLETED", exit_code="0:0")],
+            extra=[verdict],
+            events=RESTARTED,
+            start_line=restart_line,
+        )
+    )
+    assert named.kind == why.COMPLETED and (named.rank, named.node) == (verdict.rank, verdict.node), named
+    assert named.summary.startswith("completed; the step hung and was restarted in the allocation (hang: ")
+    assert verdict.node in named.summary
     # restarted, and the new attempt then failed on its own: not a hang
     failing = HANG + "srun: error: node2: task 1: Exited with exit code 3\n"
     verdict = scan_hang_verdict(HANG_VERDICT_JSON, f"{HANG_DIR}/verdict.json", restart=0)

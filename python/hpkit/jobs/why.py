@@ -293,6 +293,16 @@ def _completed(record: SlurmRecord | None, found: _Found) -> _Call:
             f"completed{after}, but training stopped early: {stopped.detail}",
             _ev(stopped, found.first(USR1)),
         )
+    # The step hung and the supervisor restarted it in the allocation (on a spare where it had one): the job
+    # completed, and the hang is named all the same, since the node it names is worth a look.
+    restarted = {_folder(f.where) for f in found.of(HANG_RESTARTED)}
+    hung = [v for v in found.of(HANG_VERDICT) if _folder(v.where) in restarted]
+    if hung:
+        last = hung[-1]
+        text = last.detail.removeprefix("hpkit: ")
+        times = f"{len(hung)} times, the last: " if len(hung) > 1 else ""
+        summary = f"completed{after}; the step hung and was restarted in the allocation ({times}{text})"
+        return _Call(COMPLETED, summary, _ev(done, *hung), last.rank, last.node)
     return _Call(COMPLETED, f"completed{after}", _ev(done))
 
 
