@@ -202,11 +202,8 @@ def _judge_spec(args: argparse.Namespace, path: Path) -> int:
         f"{path}: {spec.model.name} seq {shape.seq_len} on {spec.nodes} x {hw.name} ({spec.world_size} ranks)"
     )
     if args.json:
-        print(
-            json.dumps(
-                {"spec": str(path), "instance": hw.name, "nodes": spec.nodes, **cand.to_json()}, indent=2
-            )
-        )
+        meta = {"spec": str(path), "instance": hw.name, "nodes": spec.nodes, "gpu_memory_gib": gpu_gib}
+        print(json.dumps({**meta, **cand.to_json()}, indent=2))
     else:
         print(report.judge_text(title, cand))
     return 0 if cand.fits else 1
