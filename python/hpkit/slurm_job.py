@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import re
 import shlex
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
 from hpkit import slurm_options
+from hpkit.errors import HpkitError
 from hpkit.smp_params import v2_problems as smp_v2_problems
 from hpkit.validation import StrictModel, check_no_control_chars
 
@@ -415,12 +417,12 @@ class SlurmJob(StrictModel):
                 f"mem: Slurm's --mem, --mem-per-cpu and --mem-per-gpu exclude each other: drop mem or {per_unit[0]}"
             )
         if self.container is not None and self.container.runtime == "oci":
-            if self.launcher != "torchrun":
+            if self.launcher == "mpi":
                 raise ValueError(
-                    f"launcher: {self.launcher} cannot run in container.runtime oci: Slurm 22.05's OCI containers "
-                    "run one task per node and give it none of Slurm's per-task variables (SLURM_PROCID): use "
-                    "launcher: torchrun, which starts the node's ranks inside the container"
+                    "launcher: mpi cannot run in container.runtime oci (PMIx into Slurm's OCI containers is untested "
+                    "in any Slurm version): use launcher: torchrun, or srun on Slurm 24.11"
                 )
+            # launcher: srun depends on the cluster's Slurm version, which `hpkit submit` reads (oci_launcher_problem).
             if not self.container.image.startswith("/"):
                 raise ValueError(
                     f"container.image: {self.container.image!r}: with runtime oci give the absolute path of an OCI "
@@ -461,3 +463,34 @@ class SlurmJob(StrictModel):
     @property
     def world_size(self) -> int:
         return self.nodes * self.ranks_per_node
+
+
+# Slurm's OCI containers (srun --container=BUNDLE) with one task each: 22.05 ran one container per node and gave
+# it none of Slurm's per-task variables (SLURM_PROCID); 24.11 runs a container per task, several per node, each with
+# its SLURM_PROCID, SLURM_LOCALID and SLURMD_NODENAME (both measured on the local clusters). The versions between
+# were not measured: they are refused as 22.05 is.
+OCI_TASKS_SINCE = (24, 11)
+
+
+def oci_launcher_problem(job: SlurmJob, read_version: Callable[[], tuple[int, int]]) -> str | None:
+    """Why this job's launcher cannot run under container.runtime oci on the cluster's Slurm, or None.
+
+    Only launcher: srun depends on the version (torchrun starts the node's ranks inside one container; the spec
+    refuses mpi), so `read_version` (`sinfo --version` at submit) is called only for it."""
+    if job.container is None or job.container.runtime != "oci" or job.launcher != "srun":
+        return None
+    since = ".".join(str(part) for part in OCI_TASKS_SINCE)
+    try:
+        version = read_version()
+    except HpkitError as exc:
+        return (
+            f"launcher: srun under container.runtime oci needs Slurm {since} or later (a container per task), and "
+            f"the cluster's version could not be read ({exc}): make `sinfo --version` answer, or use launcher: torchrun"
+        )
+    if version < OCI_TASKS_SINCE:
+        return (
+            f"launcher: srun cannot run in container.runtime oci on Slurm {version[0]}.{version[1]:02d}: its OCI "
+            "containers run one task per node and give it none of Slurm's per-task variables (SLURM_PROCID): use "
+            f"launcher: torchrun, which starts the node's ranks inside the container (Slurm {since} runs one per task)"
+        )
+    return None

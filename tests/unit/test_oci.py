@@ -60,11 +60,12 @@ def test_submit_checks_name_the_field_in_one_line(tmp_path: Path) -> None:
     oci.check_container(pyxis.container)
 
 
-def test_oci_needs_torchrun_and_an_absolute_bundle_path() -> None:
-    with pytest.raises(SpecError, match=r"launcher: srun cannot run in container.runtime oci") as err:
+def test_oci_needs_an_absolute_bundle_path_and_no_mpi() -> None:
+    # launcher: srun depends on the cluster's Slurm (tests/unit/test_slurm_24_11.py); mpi is refused everywhere.
+    with pytest.raises(SpecError, match=r"launcher: mpi cannot run in container.runtime oci") as err:
         parse_document(
             JobSpec,
-            {"name": "j", "launcher": "srun", "container": {"runtime": "oci", "image": "/b"}},
+            {"name": "j", "launcher": "mpi", "container": {"runtime": "oci", "image": "/b"}},
             "job.yaml",
         )
     assert "\n" not in str(err.value).strip()

@@ -181,3 +181,65 @@ def test_the_job_completion_log():
     assert (second.state, second.restarts) == ("CANCELLED", 1)
     (timed_out,) = scan_jobcomp(lines, "jobcomp", "9004")
     assert (timed_out.state, timed_out.time_limit) == ("TIMEOUT", "1")
+
+
+# --- OCI containers with launcher: srun, by the cluster's version (`sinfo --version` at submit) -------------------
+
+
+def _oci_job(launcher: str = "srun"):
+    from hpkit.spec import JobSpec
+    from hpkit.validation import parse_document
+
+    data = {
+        "name": "j",
+        "launcher": launcher,
+        "tasks_per_node": 2,
+        "container": {"runtime": "oci", "image": "/b"},
+    }
+    return parse_document(JobSpec, data, "job.yaml")
+
+
+def _sinfo_prints(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str, status: int = 0) -> None:
+    sinfo = tmp_path / "sinfo"
+    sinfo.write_text(f"#!/bin/sh\nprintf '%s\\n' '{text}'\nexit {status}\n")
+    sinfo.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+
+
+def test_oci_srun_launcher_runs_on_24_11(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from hpkit.slurm_job import oci_launcher_problem
+
+    _sinfo_prints(
+        monkeypatch, tmp_path, (FIXTURES / "sinfo-version.txt").read_text().strip()
+    )  # slurm-wlm 24.11.5
+    assert oci_launcher_problem(_oci_job(), slurm.slurm_version) is None
+
+
+def test_oci_srun_launcher_is_refused_on_22_05_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from hpkit.slurm_job import oci_launcher_problem
+
+    _sinfo_prints(monkeypatch, tmp_path, "slurm-wlm 22.05.8")  # the host's Debian 12 sinfo --version
+    problem = oci_launcher_problem(_oci_job(), slurm.slurm_version)
+    assert problem is not None and problem.startswith(
+        "launcher: srun cannot run in container.runtime oci on Slurm 22.05"
+    )
+    assert "launcher: torchrun" in problem and "\n" not in problem
+    # torchrun never asks the version: a cluster that does not answer changes nothing.
+    assert oci_launcher_problem(_oci_job("torchrun"), lambda: pytest.fail("the version was read")) is None
+
+
+def test_oci_srun_launcher_without_a_version_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from hpkit.slurm_job import oci_launcher_problem
+
+    _sinfo_prints(monkeypatch, tmp_path, "sinfo: error: Could not establish a configuration source", status=1)
+    problem = oci_launcher_problem(_oci_job(), slurm.slurm_version)
+    assert problem is not None and "could not be read" in problem and "sinfo --version" in problem
+
+
+def test_oci_mpi_launcher_is_refused_by_the_spec() -> None:
+    from hpkit.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"launcher: mpi cannot run in container.runtime oci"):
+        _oci_job("mpi")

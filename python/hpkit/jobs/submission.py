@@ -16,7 +16,8 @@ from hpkit.errors import HpkitError, SpecError
 from hpkit.jobs.index import JobNote, remember
 from hpkit.oci import check_container
 from hpkit.render import render
-from hpkit.slurm import Backend, get_backend
+from hpkit.slurm import Backend, get_backend, slurm_version
+from hpkit.slurm_job import oci_launcher_problem
 from hpkit.spec import JobSpec
 from hpkit.validation import load_document
 
@@ -77,6 +78,8 @@ def prepare(spec_file: str | Path) -> Submission:
         check_container(spec.container)
     except SpecError as exc:
         raise SpecError(f"{spec_file}: {exc}") from None
+    if problem := oci_launcher_problem(spec, slurm_version):
+        raise SpecError(f"{spec_file}: {problem}")
     out_dir = (job_workdir(spec) / spec.output_dir).resolve()
     # A snapshot of the spec travels with the job: editing the YAML after submitting must not
     # change a job that is still pending.
