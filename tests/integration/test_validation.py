@@ -75,7 +75,7 @@ def runs(tmp_path_factory) -> dict:
     one = _torchrun.run([str(SCRIPT), "world1", str(root)], root / "tmp1", None)
     records = {
         run.tag: [json.loads(line) for line in (root / run.tag / "metrics.jsonl").read_text().splitlines()]
-        for run in [*vl.WORLD4, vl.SINGLE, vl.SINGLE_CHAT]
+        for run in [*vl.WORLD4, vl.SINGLE, vl.SINGLE_CHAT, vl.SINGLE_INIT]
     }
     return {
         "records": records,
@@ -173,3 +173,13 @@ def test_a_chat_set_counts_only_assistant_tokens_of_its_packed_conversations(run
     ]:
         assert record["tokens"] == expected["tokens"], (tag, record)
         assert _rel(record["loss"], expected["loss"]) <= RTOL, (tag, record["loss"], expected["loss"])
+
+
+def test_eval_only_of_init_from_weights_equals_transformers_loss(runs):
+    """No checkpoint: eval.only validates model.init_from's weights as loaded (step 0), and the number is
+    transformers' own cross-entropy of LlamaForCausalLM on the same held-out tokens."""
+    got = evals(runs["records"][vl.SINGLE_INIT.tag])
+    expected = runs["expected"][vl.SINGLE_INIT.tag]
+    assert list(got) == [0] and got[0]["only"] is True and got[0]["tokens"] == expected["tokens"]
+    assert _rel(got[0]["loss"], expected["loss"]) <= RTOL, (got[0]["loss"], expected["loss"])
+    assert "hpkit train: eval only: step 0 (init_from " in runs["stdout"]

@@ -15,6 +15,8 @@ tests/integration/test_validation.py.
 `world1 DIR`, as one process: eval.only of the first and the chat run's checkpoints, and the expected values
 computed without the evaluator: every window (row) of the held-out set, read from the file(s), through the
 one-process model, the cross-entropy of all their counted tokens in one call.
+It also validates, with eval.only and no checkpoint, the weights of a tiny random Llama that transformers
+saves to DIR/hf (model.init_from), expecting transformers' own loss on the same tokens.
 Each run writes its metrics JSONL under DIR/<tag>/; world1 also writes DIR/expected.json.
 """
 
@@ -54,6 +56,7 @@ class Run:
     ckpt: str = "ckpt"
     moe: bool = False
     chat: bool = False  # held-out set: DIR/chat (a prepared chat set), and a vocabulary that covers it
+    init_from: bool = False  # the model and its weights: DIR/hf (no checkpoint)
 
 
 WORLD4 = [
@@ -74,6 +77,7 @@ WORLD4 = [
 ]
 SINGLE = Run("only-single", {"dp_shard": 1}, only=True)
 SINGLE_CHAT = Run("chat-only-single", {"dp_shard": 1}, only=True, ckpt="ckpt-chat", chat=True)
+SINGLE_INIT = Run("init-only-single", {"dp_shard": 1}, only=True, init_from=True)
 CHAT_VOCAB = 512  # the test's chat tokenizer has about 400 tokens
 CHAT_SEQ = 128  # rows of several packed conversations (the test prepares the set with this --seq-len)
 
@@ -117,10 +121,16 @@ def config(root: Path, run: Run, world: int):
             if run.chat
             else {"kind": "tokens", "path": str(held_out)},
         },
-        "checkpoint": {"dir": str(root / run.ckpt), "interval": EVAL_EVERY, "keep": 2},
+        "checkpoint": {
+            "dir": None if run.init_from else str(root / run.ckpt),
+            "interval": EVAL_EVERY,
+            "keep": 2,
+        },
         # A rank left waiting in a collective fails the run in a minute instead of hanging the test.
         "resilience": {"hang": {"enabled": False}, "collective_timeout_s": 60},
     }
+    if run.init_from:
+        data["model"] = {"init_from": str(root / "hf"), "seq_len": SEQ}
     dp = ParallelDims.from_spec(parse_document(RunConfig, data).parallelism, world).dp
     data["train"]["local_batch_size"] = GLOBAL_BATCH // dp
     return parse_document(RunConfig, data)
@@ -184,6 +194,43 @@ def expected(root: Path, cfg: Any, device: Any, run: Run) -> dict[str, float]:
     }
 
 
+def make_hf(root: Path) -> Any:
+    """A tiny random Llama as transformers saves it (config.json + safetensors), vocabulary VOCAB."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, p.shape[-1] ** -0.5)
+    model.save_pretrained(root / "hf")
+    return model
+
+
+def transformers_loss(model: Any, root: Path) -> dict[str, float]:
+    import torch
+    import torch.nn.functional as F
+
+    inputs, labels, _ = held_out_rows(root, chat=False)
+    with torch.no_grad():
+        logits = model(input_ids=inputs).logits
+    loss = F.cross_entropy(logits.flatten(0, 1).double(), labels.flatten())
+    return {"step": 0, "loss": float(loss), "tokens": int(labels.numel())}
+
+
 def main(mode: str, root: Path) -> int:
     from hpkit.runtime.env import distributed
     from hpkit.runtime.run import _train, quiet_known_warnings
@@ -200,6 +247,9 @@ def main(mode: str, root: Path) -> int:
                 cfg = config(root, run, world)
                 assert _train(cfg, job.launch, job.device) == 0, run.tag
                 values[run.tag] = expected(root, cfg, job.device, run)
+            reference = make_hf(root)
+            assert _train(config(root, SINGLE_INIT, world), job.launch, job.device) == 0
+            values[SINGLE_INIT.tag] = transformers_loss(reference, root)
             (root / "expected.json").write_text(json.dumps(values))
     return 0
 
