@@ -316,10 +316,13 @@ def _checkpointer(
 
 
 def _banner(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, trainer: Trainer) -> str:
+    work = f"{cfg.train.steps} steps of {trainer.tokens_per_step} tokens"
+    if cfg.eval is not None and cfg.eval.only:
+        work = "validation only (eval.only)"
     return (
         f"hpkit train: {cfg.name}: model {cfg.model.init_from or cfg.model.name} ({trainer.adapter.num_params(trainer.model_cfg) / 1e6:.2f}M params), "
         f"{trainer.dims.describe()} on {launch.world_size} {device.type} rank(s) ({device.backend}, "
-        f"launched by {launch.source}), {cfg.train.steps} steps of {trainer.tokens_per_step} tokens"
+        f"launched by {launch.source}), {work}"
     )
 
 
