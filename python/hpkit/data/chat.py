@@ -96,21 +96,27 @@ class ChatEncoder:
         self.special = sorted(special_tokens, key=len, reverse=True)
 
     def encode(self, messages: list[dict[str, Any]]) -> Example:
+        text, spans = self.render(messages)
+        return self.example(self.tok.encode(text, add_special_tokens=False), spans)
+
+    def render(self, messages: list[dict[str, Any]]) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation's text and the character spans that count (BadExample if the template refuses)."""
         try:
             rendered = self.template.render(messages)
-            spans = self._spans(messages, rendered.text, rendered.generation)
+            return rendered.text, self._spans(messages, rendered.text, rendered.generation)
         except TemplateRefused as exc:
             raise BadExample(str(exc)) from None
-        enc = self.tok.encode(rendered.text, add_special_tokens=False)
+
+    def example(self, enc: Any, spans: list[tuple[int, int]]) -> Example:
+        """The example from the rendered text's encoding (tokenizers' Encoding: ids, offsets)."""
         ids = np.asarray(enc.ids, dtype=np.int64)
         counts = np.zeros(len(ids), dtype=bool)
         if self.train_on == "all":
             counts[:] = True
-        else:
-            for a, b in spans:
-                for j, (s, e) in enumerate(enc.offsets):
-                    if s < b and e > a:
-                        counts[j] = True
+        elif spans:
+            offsets = np.asarray(enc.offsets, dtype=np.int64).reshape(-1, 2)
+            for a, b in spans:  # a token counts if its characters overlap the span
+                counts |= (offsets[:, 0] < b) & (offsets[:, 1] > a)
         if len(counts):
             counts[0] = False  # the first token has nothing before it to predict it from
         return Example(ids, counts)

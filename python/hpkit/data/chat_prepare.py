@@ -35,6 +35,8 @@ from hpkit.data.prepare import _dtype
 from hpkit.data.tokenizer import load as load_tokenizer
 from hpkit.errors import HpkitError
 
+ENCODE_BATCH = 256  # conversations rendered, then tokenised together
+
 
 @dataclass(frozen=True)
 class ChatOptions:
@@ -150,22 +152,34 @@ def _write(opts, srcs, encoder: ChatEncoder, packer: Packer, dtype: str, manifes
         )
         pending.clear()
 
+    batch: list[tuple[str, int, str, list[tuple[int, int]]]] = []
+
+    def encode_batch() -> None:
+        # tokenizers' encode_batch runs in its own threads: tokenising is most of the time here.
+        encodings = encoder.tok.encode_batch([text for _, _, text, _ in batch], add_special_tokens=False)
+        for (path, lineno, _, spans), enc in zip(batch, encodings, strict=True):
+            example = encoder.example(enc, spans)
+            if example.ids.max(initial=0) >= np.iinfo(dtype).max + 1:
+                raise HpkitError(f"{path}:{lineno}: a token id does not fit {dtype}: use --dtype uint32")
+            pending.extend(packer.add(example))
+            if len(pending) >= rows_per_shard:
+                flush()
+        batch.clear()
+
     for src in srcs:
         with open(src.path, encoding="utf-8") as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
                 try:
-                    example = encoder.encode(messages_of(load_record(line)))
+                    text, spans = encoder.render(messages_of(load_record(line)))
                 except BadExample as exc:
                     raise HpkitError(f"{src.path}:{lineno}: {exc}; nothing was written") from None
-                if example.ids.max(initial=0) >= np.iinfo(dtype).max + 1:
-                    raise HpkitError(
-                        f"{src.path}:{lineno}: a token id does not fit {dtype}: use --dtype uint32"
-                    )
-                pending.extend(packer.add(example))
-                if len(pending) >= rows_per_shard:
-                    flush()
+                batch.append((src.path, lineno, text, spans))
+                if len(batch) == ENCODE_BATCH:
+                    encode_batch()
+    if batch:
+        encode_batch()
     pending.extend(packer.finish())
     if pending:
         flush()
