@@ -118,3 +118,28 @@ def test_a_calibrated_cpu_needs_no_catalog() -> None:
     fast = predict(shape, Layout(dp_shard=4, local_batch_size=8, precision="fp32"), cpu)
     slow = predict(shape, Layout(tp=4, local_batch_size=32, precision="fp32"), cpu)
     assert fast.tokens_per_s_per_gpu > slow.tokens_per_s_per_gpu
+
+
+def test_shared_cores_fill_the_bubble_and_dtensor_dispatch_costs_tp_layouts_only() -> None:
+    cpu = Hardware(
+        name="cpu",
+        gpus_per_node=4,
+        peak_flops=10e9,
+        matmul_flops=10e9,
+        mem_bw=1e9,
+        intra_bw=0.4e9,
+        inter_bw_node=0.4e9,
+        op_overhead_s=50e-6,
+        overlap=False,
+    )
+    shape = shape_named("debug", 128)
+    pipeline = Layout(pp=4, pp_schedule="gpipe", microbatches=4, local_batch_size=8, precision="fp32")
+    alone = predict(shape, pipeline, cpu)
+    shared = predict(shape, pipeline, dataclasses.replace(cpu, shared_cores=True))
+    assert alone.parts["bubble"] > 0 and "bubble" not in shared.parts
+    assert shared.step_s < alone.step_s
+    tp = Layout(dp_shard=2, tp=2, local_batch_size=4, precision="fp32")
+    fsdp = Layout(dp_shard=4, local_batch_size=2, precision="fp32")
+    dispatch = dataclasses.replace(cpu, tp_op_overhead_s=1e-3)
+    assert predict(shape, tp, dispatch).parts["compute"] > predict(shape, tp, cpu).parts["compute"] + 0.01
+    assert predict(shape, fsdp, dispatch).parts["compute"] == predict(shape, fsdp, cpu).parts["compute"]

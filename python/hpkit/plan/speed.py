@@ -38,6 +38,8 @@ OP_OVERHEAD_S = 5e-6
 ELEMENTWISE_TENSORS = 24
 # Operators per block, forward and backward (matmuls counted apart): the floor per block.
 OPS_PER_BLOCK = 40
+# The tensor-parallel linears of a block: wq, wk, wv, wo, w1, w2, w3.
+TP_LINEARS_PER_BLOCK = 7
 # AdamW's bytes per local parameter: fp32 param, grad, two moments read; param and moments written.
 OPTIMIZER_BYTES_PER_PARAM = 28
 # ZB-H1's bubble is a third of 1F1B's (Qi et al., "Zero Bubble Pipeline Parallelism", 2023).
@@ -59,6 +61,12 @@ class Hardware:
     latency_inter_s: float = LATENCY_INTER_S
     op_overhead_s: float = OP_OVERHEAD_S
     overlap: bool = True  # collectives run beside compute (GPU streams); gloo on CPU shares the cores: no
+    # A tensor-parallel linear's dispatch (DTensor) beyond a plain one's, forward and backward: hidden behind a
+    # GPU's kernels (0), paid in full by a CPU rank (measured by bench/bench_plan_ranking.py's probe).
+    tp_op_overhead_s: float = 0.0
+    # Ranks share fewer cores than there are ranks (CPU runs): a waiting rank's core goes to another, so a
+    # pipeline's bubble costs no time and the step is the ranks' mean work, not the busiest rank's.
+    shared_cores: bool = False
 
 
 def hardware_for(instance_type: str, precision: str, inter_node_gbs: float | None = None) -> Hardware:
@@ -203,6 +211,8 @@ def predict(shape: ModelShape, layout: Layout, hw: Hardware, seq_len: int | None
         t += 12 * shape.n_heads / tp * hd * seq * tokens_mb / hw.matmul_flops
         t += ELEMENTWISE_TENSORS * tokens_mb * dm * act / hw.mem_bw
         t += OPS_PER_BLOCK * hw.op_overhead_s
+        if tp > 1:
+            t += TP_LINEARS_PER_BLOCK * hw.tp_op_overhead_s
         if ac == "selective":  # keeps matmul outputs, recomputes the rest of the forward
             t += (
                 ELEMENTWISE_TENSORS / 3 * tokens_mb * dm * act / hw.mem_bw
@@ -234,6 +244,8 @@ def predict(shape: ModelShape, layout: Layout, hw: Hardware, seq_len: int | None
     compute = max(per_rank)
     busiest = ranks[per_rank.index(compute)]
     bubble = compute * bubble_fraction(layout.pp_schedule, pp, mbs, spr)
+    if hw.shared_cores:
+        compute, bubble = sum(per_rank) / len(per_rank), 0.0
     blocks = [b for s in busiest for b in stage_layers(shape.n_layers, n_stages, s)]
 
     # Exposed collectives: TP's all-reduces (2 forward, 2 backward per block, 2 more forward under full AC;
