@@ -5,8 +5,12 @@ The corpus (generated text) and a BPE tokenizer trained on it are made first; th
 that a noisy machine slows every side alike, each side runs in a fresh process:
   - baseline:      read lines, json.loads, encode_batch in batches of 1,000 (tokenizers' own threads on);
   - baseline-1t:   the same with TOKENIZERS_PARALLELISM=false (one core: the per-worker reference);
-  - prepare-wN:    `hpkit data prepare --workers N` (whole run: reading, tokenising, shards, fsync, index).
-Tokens are counted alike on every side (each document's ids plus one EOS).
+  - prepare-wN:    `hpkit data prepare --workers N` (whole run: reading, tokenising, shards, fsync, index);
+  - chat:          `hpkit data prepare --format chat` over the same documents, each split into a 4-turn
+                   conversation (user/assistant) rendered with Qwen 2's ChatML template, assistant-only mask,
+                   packed into rows of 2048 (one process: rendering, tokenising, masks, packing, shards, index).
+Tokens are counted alike on the token sides (each document's ids plus one EOS); the chat side counts the
+rendered conversations' tokens (the template adds its headers), so its ratio is of tokens/s.
 
     python3 bench/bench_data_prepare.py [--docs 20000] [--workers 1,2] [--rounds 3]
 """
@@ -43,6 +47,22 @@ def _parse() -> argparse.Namespace:
     return p.parse_args()
 
 
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\n"
+    "You are a helpful assistant.<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>"
+    "assistant\\n' }}{% endif %}"
+)  # Qwen/Qwen2-7B-Instruct's tokenizer_config.json chat_template
+
+
+def _conversation(text: str) -> dict:
+    words = text.split()
+    q = len(words) // 4 or 1
+    parts = [" ".join(words[i * q : (i + 1) * q if i < 3 else None]) for i in range(4)]
+    roles = ["user", "assistant", "user", "assistant"]
+    return {"messages": [{"role": r, "content": c} for r, c in zip(roles, parts, strict=True)]}
+
+
 def _make(root: Path, docs: int) -> tuple[Path, Path]:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -50,7 +70,7 @@ def _make(root: Path, docs: int) -> tuple[Path, Path]:
     rng = random.Random(0)
     corpus = root / "corpus.jsonl"
     texts = []
-    with corpus.open("w") as f:
+    with corpus.open("w") as f, (root / "chat.jsonl").open("w") as chat:
         for i in range(docs):
             words = [
                 rng.choice(WORDS) + (rng.choice(["", "s", "ed", "ing"]) if i % 3 else "")
@@ -59,14 +79,17 @@ def _make(root: Path, docs: int) -> tuple[Path, Path]:
             text = " ".join(words) + "."
             texts.append(text)
             f.write(json.dumps({"text": text}) + "\n")
+            chat.write(json.dumps(_conversation(text)) + "\n")
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=8000, special_tokens=["<|endoftext|>"],
+    trainer = trainers.BpeTrainer(vocab_size=8000, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
     tok.train_from_iterator(texts[:2000], trainer)
     (root / "tok").mkdir(exist_ok=True)
     tok.save(str(root / "tok" / "tokenizer.json"))
+    config = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "chat_template": CHATML}
+    (root / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
     return corpus, root / "tok"
 
 
@@ -92,6 +115,15 @@ def _side(args: argparse.Namespace) -> None:
     corpus, tok_dir = root / "corpus.jsonl", root / "tok"
     if args.side.startswith("baseline"):
         tokens, seconds = _baseline(corpus, tok_dir)
+    elif args.side == "chat":
+        from hpkit.data.chat_prepare import ChatOptions, prepare_chat
+
+        out = root / "out-chat"
+        shutil.rmtree(out, ignore_errors=True)
+        start = time.perf_counter()
+        result = prepare_chat(ChatOptions([str(root / "chat.jsonl")], str(tok_dir), out, seq_len=2047,
+                                          shard_tokens=1 << 20))  # fmt: skip
+        tokens, seconds = result.stats.tokens, time.perf_counter() - start
     else:
         from hpkit.data.prepare import Options, prepare
 
@@ -121,7 +153,7 @@ def main() -> int:
         return 0
     corpus, _ = _make(Path(args.dir), args.docs)
     workers = [int(w) for w in args.workers.split(",")]
-    sides = ["baseline", "baseline-1t", *(f"prepare-w{w}" for w in workers)]
+    sides = ["baseline", "baseline-1t", *(f"prepare-w{w}" for w in workers), "chat"]
     rates: dict[str, list[float]] = {s: [] for s in sides}
     counts: dict[str, int] = {}
     for _ in range(args.rounds):
@@ -129,19 +161,22 @@ def main() -> int:
             r = _run_side(args, side)
             rates[side].append(r["tokens"] / r["seconds"])
             counts[side] = r["tokens"]
-    assert len(set(counts.values())) == 1, f"the sides counted different tokens: {counts}"
+    token_sides = {k: v for k, v in counts.items() if k != "chat"}
+    assert len(set(token_sides.values())) == 1, f"the sides counted different tokens: {counts}"
     print(f"corpus: {args.docs} documents, {corpus.stat().st_size / 2**20:.1f} MiB, {counts['baseline']} tokens; "
-          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}")  # fmt: skip
+          f"{os.cpu_count()} CPUs, load {os.getloadavg()[0]:.1f}; chat: {counts['chat']} rendered tokens")  # fmt: skip
     base, base1 = statistics.median(rates["baseline"]), statistics.median(rates["baseline-1t"])
     for side in sides:
         med = statistics.median(rates[side])
-        n = int(side.removeprefix("prepare-w")) if side.startswith("prepare") else 1
+        n = int(side.removeprefix("prepare-w")) if side.startswith("prepare-w") else 1
         raw = ", ".join(f"{r:,.0f}" for r in rates[side])
         print(f"{side:12s} {med:12,.0f} tokens/s  {med / n:12,.0f} per worker  [{raw}]")
     for w in workers:
         med = statistics.median(rates[f"prepare-w{w}"])
         print(f"RATIO data_prepare_w{w}/encode_batch = {med / base:.3f}")
         print(f"RATIO data_prepare_w{w}_per_worker/encode_batch_1thread = {med / w / base1:.3f}")
+    chat, w1 = statistics.median(rates["chat"]), statistics.median(rates[f"prepare-w{workers[0]}"])
+    print(f"RATIO data_prepare_chat/data_prepare_w{workers[0]} = {chat / w1:.3f}")
     return 0
 
 
