@@ -54,8 +54,15 @@ def find_step_dir(source: Path) -> Path:
 
 
 def export_hf(
-    source: Path, out: Path, dtype: str = "auto", shard_bytes: int = 5 * 2**30, verify: bool = True
+    source: Path,
+    out: Path,
+    dtype: str = "auto",
+    shard_bytes: int = 5 * 2**30,
+    verify: bool = True,
+    merge: bool = False,
 ) -> ExportResult:
+    """A whole-model checkpoint as config.json + safetensors; a LoRA checkpoint as a PEFT adapter, or with
+    `merge` as the base with the adapters merged in (export_lora)."""
     step_dir = find_step_dir(source)
     try:
         record = read_record(step_dir)
@@ -85,6 +92,12 @@ def export_hf(
         raise HpkitError(f"{step_dir}: {exc}") from None
     if out.exists() and any(out.iterdir()):
         raise HpkitError(f"{out}: not empty: export into a new directory")
+    if record.model.get("lora"):
+        return export_lora(step_dir, record.model, adapter, cfg, out, dtype, shard_bytes, merge)
+    if merge:
+        raise HpkitError(
+            f"{step_dir}: --merge merges LoRA adapters, and this checkpoint holds a whole model: drop --merge"
+        )
 
     stored = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
     names = _parameter_shapes(adapter, cfg)
@@ -178,3 +191,180 @@ def _read_group(
             value = to_hf_rows(value, heads)
         tensors[mapping.tensor_name(name)] = value.to(out_dtype).contiguous()
     return tensors
+
+
+# ----------------------------------------------------------------------------------------------------
+# LoRA checkpoints: a PEFT adapter, or the base with the adapters merged in.
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."  # PeftModel(LlamaForCausalLM): its state dict's names start so
+
+
+def export_lora(
+    step_dir: Path,
+    model: dict[str, Any],
+    adapter: ModelAdapter,
+    cfg: Any,
+    out: Path,
+    dtype: str,
+    shard_bytes: int,
+    merge: bool,
+) -> ExportResult:
+    """A PEFT adapter (adapter_config.json + adapter_model.safetensors, PEFT's tensor names, Hugging Face's
+    rotary layout), which `PeftModel.from_pretrained(base, OUT)` loads; or with `merge` the base (the
+    recorded init_from, checked against the recorded identity, or the seed's weights) plus scaling * B @ A
+    in every targeted projection, as config.json + safetensors."""
+    lora = model["lora"]
+    mapping = adapter.hf
+    assert mapping is not None
+    adapters = _read_adapters(step_dir)
+    scaling = float(lora["alpha"]) / int(lora["rank"])
+    # name of the base weight (hpkit) -> (A, B) with B's rows in Hugging Face's rotary layout
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for name, a in adapters.items():
+        if not name.endswith(".lora_A.weight"):
+            continue
+        base = name.removesuffix(".lora_A.weight") + ".weight"
+        b = adapters[name.removesuffix(".lora_A.weight") + ".lora_B.weight"]
+        heads = mapping.rotary_heads(base, cfg)
+        pairs[base] = (a, to_hf_rows(b, heads) if heads is not None else b)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if merge:
+            files, tensors, total, dtype_name = _write_merged(
+                tmp, model, adapter, cfg, pairs, scaling, dtype, shard_bytes
+            )
+        else:
+            files, tensors, total, dtype_name = _write_peft(tmp, model, mapping, pairs, dtype)
+        if out.exists():
+            out.rmdir()  # empty, checked by the caller
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return ExportResult(step_dir, out, files, tensors, total, dtype_name)
+
+
+def _read_adapters(step_dir: Path) -> dict[str, torch.Tensor]:
+    stored = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    names = [
+        k for k in stored if k.startswith(_MODEL_PREFIX) and k.endswith((".lora_A.weight", ".lora_B.weight"))
+    ]
+    if not names:
+        raise HpkitError(
+            f"{step_dir}: its record names LoRA adapters but it holds none: export another checkpoint"
+        )
+    state = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in names}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"torch.distributed is disabled")
+        dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
+    return {k.removeprefix(_MODEL_PREFIX): v for k, v in state.items()}
+
+
+def _write_peft(
+    tmp: Path, model: dict[str, Any], mapping: HfMapping, pairs: dict[str, Any], dtype: str
+) -> tuple[list[str], int, int, str]:
+    lora = model["lora"]
+    out_dtype = next(iter(pairs.values()))[0].dtype if dtype == "auto" else DTYPES[dtype]
+    tensors: dict[str, torch.Tensor] = {}
+    for base, (a, b) in pairs.items():
+        stem = _PEFT_PREFIX + mapping.tensor_name(base).removesuffix(".weight")
+        tensors[f"{stem}.lora_A.weight"] = a.to(out_dtype).contiguous()
+        tensors[f"{stem}.lora_B.weight"] = b.to(out_dtype).contiguous()
+    save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": model.get("init_from"),
+        "r": int(lora["rank"]),
+        "lora_alpha": lora["alpha"],
+        "lora_dropout": lora["dropout"],
+        "target_modules": sorted(lora["targets"]),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "init_lora_weights": True,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "revision": None,
+    }
+    (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    return [ADAPTER_WEIGHTS], len(tensors), total, next(k for k, v in DTYPES.items() if v == out_dtype)
+
+
+def _base_hf_tensors(model: dict[str, Any], adapter: ModelAdapter, cfg: Any) -> dict[str, torch.Tensor]:
+    """The frozen base as Hugging Face tensors: init_from's files (refused if they are not the recorded
+    base any more), or the seed's initialisation."""
+    from hpkit.runtime.lora import base_identity
+
+    lora, mapping = model["lora"], adapter.hf
+    assert mapping is not None
+    init_from = model.get("init_from")
+    if init_from is not None:
+        found = base_identity(init_from, model["config"], 0)
+        if found["sha256"] != lora["base"]["sha256"]:
+            raise HpkitError(
+                f"{init_from}: not the base these adapters were trained on (sha256 {found['sha256'][:12]}, the "
+                f"checkpoint records {lora['base']['sha256'][:12]}): put that base back at {init_from}, or "
+                "export the PEFT adapter (without --merge)"
+            )
+        from safetensors.torch import load_file
+
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted(Path(init_from).glob("*.safetensors")):
+            tensors.update(load_file(str(file)))
+        return tensors
+    seed = int(str(lora["base"]["source"]).removeprefix("seed "))
+    built = adapter.build(cfg, "cpu")
+    adapter.init_weights(built, seed)
+    out = {}
+    for name, value in built.state_dict().items():
+        if name.endswith(".weight") and not name.endswith(("lora_A.weight", "lora_B.weight")):
+            heads = mapping.rotary_heads(name, cfg)
+            out[mapping.tensor_name(name)] = to_hf_rows(value, heads) if heads is not None else value
+    return out
+
+
+def _write_merged(
+    tmp: Path,
+    model: dict[str, Any],
+    adapter: ModelAdapter,
+    cfg: Any,
+    pairs: dict[str, tuple[torch.Tensor, torch.Tensor]],
+    scaling: float,
+    dtype: str,
+    shard_bytes: int,
+) -> tuple[list[str], int, int, str]:
+    mapping = adapter.hf
+    assert mapping is not None
+    tensors = _base_hf_tensors(model, adapter, cfg)
+    lm_head, embed = mapping.tensor_name("output.weight"), mapping.tensor_name("tok_embeddings.weight")
+    if lm_head not in tensors:  # a tied base: the export is untied (to_config), so it carries the head
+        tensors[lm_head] = tensors[embed].clone()
+    out_dtype = tensors[embed].dtype if dtype == "auto" else DTYPES[dtype]
+    for base, (a, b) in pairs.items():
+        name = mapping.tensor_name(base)
+        merged = tensors[name].float() + scaling * (b.float() @ a.float())
+        tensors[name] = merged
+    tensors = {k: v.to(out_dtype).contiguous() for k, v in tensors.items()}
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    groups = _shards(shapes, out_dtype.itemsize, shard_bytes)
+    files, weight_map = [], {}
+    for i, group in enumerate(groups, 1):
+        file = "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
+        save_file({k: tensors[k] for k in group}, str(tmp / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, file))
+        files.append(file)
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
+    dtype_name = next(k for k, v in DTYPES.items() if v == out_dtype)
+    hf_config = mapping.to_config(cfg, dict(model.get("hf") or {}), dtype_name)
+    (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
+    return files, len(tensors), total, dtype_name

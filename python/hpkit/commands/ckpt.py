@@ -1,5 +1,6 @@
 """`hpkit ckpt verify|ls DIR`: check checkpoints offline against their commit records (no torch needed);
-`hpkit ckpt export --hf CKPT OUT`: a checkpoint as a Hugging Face Llama (torch and the hf extra)."""
+`hpkit ckpt export --hf CKPT OUT`: a checkpoint as a Hugging Face Llama, or a LoRA checkpoint as a PEFT
+adapter (`--merge`: the base with the adapters merged in) (torch and the hf extra)."""
 
 from __future__ import annotations
 
@@ -40,6 +41,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     export.add_argument(
         "--max-shard-gib", type=float, default=5.0, help="largest safetensors file, GiB (default 5)"
     )
+    export.add_argument(
+        "--merge",
+        action="store_true",
+        help="a LoRA checkpoint: write the base with the adapters merged in (a whole model) instead of a "
+        "PEFT adapter; reads the recorded base (model.init_from), which must be unchanged",
+    )
     return parser
 
 
@@ -49,7 +56,7 @@ def main(argv: list[str], prog: str = "hpkit ckpt") -> int:
     if not root.exists():
         raise HpkitError(f"{root}: no such directory")
     if args.action == "export":
-        return _export(root, Path(args.out), args.dtype, args.max_shard_gib)
+        return _export(root, Path(args.out), args.dtype, args.max_shard_gib, args.merge)
     dirs = checkpoint_dirs(root)
     if not dirs:
         raise HpkitError(
@@ -69,7 +76,7 @@ def main(argv: list[str], prog: str = "hpkit ckpt") -> int:
     return 0 if all(r.ok for r in reports) else 1
 
 
-def _export(root: Path, out: Path, dtype: str, max_shard_gib: float) -> int:
+def _export(root: Path, out: Path, dtype: str, max_shard_gib: float, merge: bool = False) -> int:
     if max_shard_gib <= 0:
         raise HpkitError(f"--max-shard-gib {max_shard_gib}: give a positive size")
     try:
@@ -78,7 +85,13 @@ def _export(root: Path, out: Path, dtype: str, max_shard_gib: float) -> int:
         raise HpkitError(
             f"hpkit ckpt export needs torch and the hf extra ({exc.name} is missing): pip install 'hpkit[train,hf]'"
         ) from None
-    done = export_hf(root, out, dtype, int(max_shard_gib * 2**30))
+    done = export_hf(root, out, dtype, int(max_shard_gib * 2**30), merge=merge)
+    if done.files == ["adapter_model.safetensors"]:
+        print(
+            f"{done.out}: PEFT adapter, {done.tensors} tensors ({_size(done.total_bytes)}, {done.dtype}) in "
+            f"adapter_model.safetensors + adapter_config.json, from {done.step_dir}"
+        )
+        return 0
     print(
         f"{done.out}: {done.tensors} tensors ({_size(done.total_bytes)}, {done.dtype}) in {len(done.files)} "
         f"safetensors file(s) + config.json, from {done.step_dir}"
