@@ -92,6 +92,8 @@ def main(argv: list[str], prog: str = "hpkit data") -> int:
 def _chat(args: argparse.Namespace) -> int:
     if args.seq_len is None:
         raise HpkitError("--format chat needs --seq-len: the model.seq_len you will train with")
+    if args.skip_bad:
+        raise HpkitError("--skip-bad is for text data: with --format chat fix or remove the lines it names")
     try:
         from hpkit.data.chat_prepare import ChatOptions, prepare_chat
     except ImportError as exc:
