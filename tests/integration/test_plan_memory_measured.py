@@ -29,14 +29,14 @@ TOLERANCE = 0.10
 pytestmark = pytest.mark.dist
 
 
-def _layouts() -> dict[int, dict[str, Any]]:
+def _script() -> Any:
     spec = importlib.util.spec_from_file_location("plan_memory_layouts", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.LAYOUTS
+    return module
 
 
-LAYOUTS = _layouts()
+LAYOUTS = _script().LAYOUTS
 CASES = [(world, name) for world, names in LAYOUTS.items() for name in names]
 
 
@@ -92,3 +92,24 @@ def test_peak_per_rank_within_ten_percent(measured, world, name):
                 f"{differing_part(plan, pp_rank, actual)}\n  {side_by_side(plan, pp_rank, peak)}"
             )
     assert not misses, f"{name} ({plan.layout.describe()}):\n" + "\n".join(misses)
+
+
+# FSDP in bf16 is what GPUs run, but gloo cannot reduce bf16 on CPUs: there the prediction is checked
+# against torch's FSDPMemTracker following the runtime's own FSDP2 model under FakeTensor (--check-with-torch).
+@pytest.mark.parametrize("ac", ["none", "selective"])
+def test_fsdp_bf16_within_ten_percent_of_torchs_fsdp_tracker(ac):
+    from hpkit.plan.shapes import shape_named
+    from hpkit.plan.torch_check import check_with_torch
+
+    model = dict(_script().MODEL)
+    shape = shape_named(model.pop("name"), model.pop("seq_len"), **model)
+    layout = Layout(dp_shard=4, local_batch_size=8, precision="bf16", activation_checkpoint=ac)
+    checked = check_with_torch(shape, layout)
+    plan = predict(shape, layout)
+    error = (plan.peak_bytes - checked.peak_bytes) / checked.peak_bytes
+    tracked = ", ".join(f"{k} {v / 2**20:.2f}" for k, v in checked.by_category.items() if v)
+    assert abs(error) <= TOLERANCE, (
+        f"predicted {plan.peak_bytes / 2**20:.2f} MiB, FSDPMemTracker {checked.peak_bytes / 2**20:.2f} MiB "
+        f"({error:+.0%}); the part: {differing_part(plan, 0, checked.peak_bytes)}\n"
+        f"  predicted MiB: {plan.worst.breakdown.as_dict()}\n  tracked MiB: {tracked}"
+    )

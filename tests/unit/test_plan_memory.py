@@ -193,3 +193,11 @@ def test_planning_a_70b_imports_no_torch_and_takes_milliseconds():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert float(done.stdout) < 1.0  # 16 layouts; the import (pydantic) is the command's to time
+
+
+def test_the_torch_check_refuses_what_its_tracker_cannot_follow_in_one_line():
+    from hpkit.plan.torch_check import check_with_torch
+
+    with pytest.raises(SpecError, match="--check-with-torch follows FSDP-only layouts") as err:
+        check_with_torch(TINY, Layout(dp_shard=2, tp=2))
+    assert "\n" not in str(err.value)

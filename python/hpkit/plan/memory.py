@@ -229,11 +229,13 @@ def _regime(layout: Layout) -> str:
 # h (model dim: block input, norm inputs/outputs and the matmul-input copies of them), q (query heads x
 # head dim: rotated q, attention output), kv (rotated k, v), f (SwiGLU: w1, w3, silu, product), plus
 # 4 per head (log-sum-exp) and 8 (the norms' rstd). Measured with saved-tensor hooks on
-# hpkit.models.llama.Block (torch 2.13, CPU): fp32 and autocast exactly; fsdp_bf16 by halving fp32.
+# hpkit.models.llama.Block (torch 2.13, CPU): fp32 and autocast exactly; fsdp_bf16 (which gloo cannot run)
+# fitted to FSDPMemTracker under FakeTensor over three shapes (hpkit.plan.torch_check): the fp32 copies
+# rotary embeddings make of k, and more of the norms' saves than halving fp32 gives.
 _DENSE = {
     "fp32": {"h": 24, "q": 8, "kv": 8, "f": 16},
     "autocast": {"h": 26, "q": 4, "kv": 4, "f": 8},
-    "fsdp_bf16": {"h": 12, "q": 4, "kv": 4, "f": 8},
+    "fsdp_bf16": {"h": 15, "q": 4, "kv": 8, "f": 8},
 }
 
 
