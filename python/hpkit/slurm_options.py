@@ -57,6 +57,12 @@ SRUN_OPTIONS = _names(
     threads-per-core time time-min tmp uid unbuffered usage use-min-nodes verbose version wait wckey x11
     """
 )
+# What 24.11 (HyperPod's Slurm) adds to each (its `sbatch --help`/`srun --help`, tests/fixtures/slurm-24.11); none
+# of 22.05's went away. Known to hpkit on every version: on 22.05, sbatch itself says it does not know them.
+SBATCH_OPTIONS_SINCE_24_11 = _names("container-id oom-kill-step resv-ports tres-bind tres-per-task")
+SRUN_OPTIONS_SINCE_24_11 = _names("container-id oom-kill-step tres-bind tres-per-task")
+SBATCH_OPTIONS = SBATCH_OPTIONS | SBATCH_OPTIONS_SINCE_24_11
+SRUN_OPTIONS = SRUN_OPTIONS | SRUN_OPTIONS_SINCE_24_11
 # pyxis (the SPANK plugin HyperPod uses for containers) adds these to srun where it is installed.
 PYXIS_OPTIONS = _names(
     """
@@ -101,7 +107,12 @@ _SPEC_FIELD = {
     "mail-type": "mail_type",
     "mail-user": "mail_user",
 }
-SBATCH_SET_BY_HPKIT = _SPEC_FIELD
+SBATCH_SET_BY_HPKIT = {
+    **_SPEC_FIELD,
+    # Slurm 24.11 refuses --tres-per-task=cpu: beside the --cpus-per-task that hpkit writes ("You can not have
+    # --tres-per-task=cpu= and --cpus-per-task"); 22.05 has no such option.
+    "tres-per-task": "cpus_per_task (and gpus_per_node for GPUs)",
+}
 SRUN_SET_BY_HPKIT = {
     **{k: v for k, v in _SPEC_FIELD.items() if k in ("job-name", "nodes", "ntasks", "ntasks-per-node")},
     **{k: v for k, v in _SPEC_FIELD.items() if k in ("cpus-per-task", "gpus-per-node", "gpus")},
@@ -273,7 +284,7 @@ def extra_option(entry: str, command: str) -> str:
     name, eq, value = entry[2:].partition("=")
     if name not in known:
         raise ValueError(
-            f"{entry!r}: --{name} is not an {command} option hpkit knows (Slurm 22.05); "
+            f"{entry!r}: --{name} is not an {command} option hpkit knows (Slurm 22.05 and 24.11); "
             "spell it out in full, abbreviations are not accepted"
         )
     if name in owned:
