@@ -166,3 +166,12 @@ def test_a_model_block_file_plans_a_shape_with_overrides(
     bad.write_text("model: {name: 8B, dim: 3}\n")
     rc, _, err = plan(capsys, str(bad), "--instance", "p5.48xlarge", "--nodes", "4")
     assert rc == 1 and err.count("\n") == 1 and "dim" in err
+
+
+def test_check_with_torch_refuses_what_the_tracker_cannot_follow_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    rc, _, err = plan(
+        capsys, str(REPO / "slurm/jobs/demo.yaml"), "--instance", "p4d.24xlarge", "--check-with-torch"
+    )
+    assert rc == 1 and err.count("\n") == 1 and "--check-with-torch follows FSDP-only layouts" in err

@@ -10,6 +10,7 @@ and the search (hpkit.plan.search) are arithmetic over the catalog's figures.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import shlex
 import statistics
@@ -48,6 +49,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("--top", type=positive_int, default=5, help="layouts to print (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--write", metavar="JOB_YAML", help="write the winner as a job spec `hpkit submit` takes")
+    p.add_argument(
+        "--check-with-torch",
+        action="store_true",
+        help="also run torch's FSDPMemTracker (FakeTensor, no GPU) on the spec's layout, or on the best-ranked "
+        "FSDP-only layout, and print its peak beside the planner's (imports torch: hpkit[train])",
+    )
     p.add_argument(
         "--network",
         metavar="PAIRS_JSON",
@@ -93,6 +100,33 @@ def _hardware(instance: str | None, precision: str, network: str | None) -> tupl
         )
     inter = _inter_node_gbs(network) if network else None
     return hardware_for(instance, precision, inter), float(row.gpu_memory_gib)
+
+
+def _torch_check(shape: Any, cand: Any) -> dict[str, Any]:
+    """torch's tracker on one layout, beside the planner's figure. Imported by name, as cli imports commands:
+    torch loads only behind --check-with-torch, and the login-node contract holds for this module."""
+    module = importlib.import_module("hpkit.plan.torch_check")
+    tracked = module.check_with_torch(shape, cand.layout)
+    gib = tracked.peak_bytes / 2**30
+    # The tracker sees tensors only: the planner's fixed costs (CUDA context, NCCL, fragmentation) are left out.
+    fixed = cand.memory.worst.breakdown.fixed / 2**30 if cand.memory is not None else 0.0
+    planner = cand.peak_gib - fixed
+    return {
+        "layout": cand.layout.describe(),
+        "torch_peak_gib": round(gib, 3),
+        "planner_peak_gib_without_fixed": round(planner, 3),
+        "planner_vs_torch": round(planner / gib - 1, 4) if gib else None,
+        "torch_by_category_gib": {k: round(v / 2**30, 3) for k, v in tracked.by_category.items()},
+    }
+
+
+def _torch_line(check: dict[str, Any]) -> str:
+    diff = check["planner_vs_torch"]
+    return (
+        f"torch's FSDPMemTracker on {check['layout']}: {check['torch_peak_gib']:.2f} GiB per GPU; the planner, "
+        f"without its fixed costs: {check['planner_peak_gib_without_fixed']:.2f} GiB"
+        + (f" ({diff:+.1%})" if diff is not None else "")
+    )
 
 
 def main(argv: list[str], prog: str = "hpkit plan") -> int:
@@ -154,6 +188,14 @@ def _search(args: argparse.Namespace, model: Any = None) -> int:
             )
         first = result.rejected[0].problem if result.rejected else "no layout divides the world"
         raise SpecError(f"model {args.target}: no layout the runtime accepts on {world} GPUs: {first}")
+    check = None
+    if args.check_with_torch:
+        fsdp_only = [c for c in result.ranked if c.layout.world == c.layout.dp_shard]
+        if not fsdp_only:
+            raise SpecError(
+                "--check-with-torch: no FSDP-only layout fits, and torch's tracker follows only those (dp_shard)"
+            )
+        check = _torch_check(shape, fsdp_only[0])
     if args.write:
         _write(Path(args.write), args, model, hw, result, seq)
     if args.json:
@@ -164,9 +206,14 @@ def _search(args: argparse.Namespace, model: Any = None) -> int:
             "seq": seq,
             "precision": args.precision,
         }
-        print(json.dumps(report.search_json(meta, result, args.top), indent=2))
+        document = report.search_json(meta, result, args.top)
+        if check is not None:
+            document["torch_check"] = check
+        print(json.dumps(document, indent=2))
     else:
         print(report.search_text(title, result, args.top))
+        if check is not None:
+            print("\n" + _torch_line(check))
         if args.write:
             print(f"\nwrote {args.write}")
     return 0
@@ -198,14 +245,19 @@ def _judge_spec(args: argparse.Namespace, path: Path) -> int:
     if layout.precision != "bf16":
         hw, gpu_gib = _hardware(instance, layout.precision, args.network)
     cand = judge(shape, layout, hw, instance, gpu_gib)
+    check = _torch_check(shape, cand) if args.check_with_torch and cand.peak_gib is not None else None
     title = (
         f"{path}: {spec.model.name} seq {shape.seq_len} on {spec.nodes} x {hw.name} ({spec.world_size} ranks)"
     )
     if args.json:
         meta = {"spec": str(path), "instance": hw.name, "nodes": spec.nodes, "gpu_memory_gib": gpu_gib}
+        if check is not None:
+            meta["torch_check"] = check
         print(json.dumps({**meta, **cand.to_json()}, indent=2))
     else:
         print(report.judge_text(title, cand))
+        if check is not None:
+            print(_torch_line(check))
     return 0 if cand.fits else 1
 
 
