@@ -282,8 +282,41 @@ def startup_check_step(container: ContainerSpec | None) -> str | None:
         return None
     warn_only = "export HPKIT_STARTUP_CHECK_WARN_ONLY=1; " if container.startup_check == "warn" else ""
     return (
+        f"{in_image_step(container)}; "
         'if [ "${SLURM_LOCALID:-0}" = 0 ] && command -v hpkit-entrypoint >/dev/null; then '
         f'{warn_only}set -- hpkit-entrypoint "$@"; fi'
+    )
+
+
+def in_image_step(container: ContainerSpec) -> str:
+    """Shell that stops a task (or warns, under startup_check: warn) that runs on the host instead of its image.
+
+    On HyperPod's configless Slurm, srun has been seen to ignore --container-image silently (pyxis not loaded on
+    the node), and Slurm 22.05 without oci.conf ignores --container alike (measured): the job then runs on the
+    host. The batch script (on the host) exports its root's device:inode as HPKIT_HOST_ROOT; a task that sees the
+    same root is not in its image. One line per node (its first task), in the job's log.
+    """
+    where = shell_quote(f"container.image {container.image}")
+    if container.runtime == "oci":
+        fix = "srun ignored --container: put oci.conf beside slurm.conf on every node, then restart slurmd"
+    else:
+        fix = (
+            "srun ignored the container image: srun --help on that node must list the pyxis options "
+            "(plugstack.conf loads spank_pyxis.so; on configless Slurm, on every node), then restart slurmd"
+        )
+    if container.startup_check == "warn":
+        say, then = "hpkit: warning: ${SLURMD_NODENAME:-$(hostname)}: this task runs on the host, not in ", ""
+        fix += "; going on (container.startup_check: warn)"
+    else:
+        # The pause lets the line reach the job's log before srun --kill-on-bad-exit ends the other tasks (as in
+        # docker/entrypoint.sh).
+        say, then = (
+            "hpkit: ${SLURMD_NODENAME:-$(hostname)}: this task runs on the host, not in ",
+            "; sleep 1; exit 1",
+        )
+    return (
+        'if [ -n "${HPKIT_HOST_ROOT:-}" ] && [ "$(stat -Lc %d:%i / 2>/dev/null)" = "$HPKIT_HOST_ROOT" ]; then '
+        f'[ "${{SLURM_LOCALID:-0}}" != 0 ] || echo "{say}"{where}": {fix}" >&2{then}; fi'
     )
 
 

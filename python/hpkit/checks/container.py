@@ -1,5 +1,6 @@
-"""Inside the training container: SMDDP writes to the host's /var/log, so it must be a bind mount from the host,
-and on HyperPod the cluster's logs under /var/log/aws/clusters must be visible."""
+"""Inside the training container: it is the image, not the host (srun may ignore the container silently); SMDDP writes
+to the host's /var/log, so it must be a bind mount from the host, and on HyperPod the cluster's logs under
+/var/log/aws/clusters must be visible."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 from hpkit.checks.context import Context
 from hpkit.checks.mounts import mount_of, read_mounts
+from hpkit.checks.probe import read_text
 from hpkit.checks.registry import check
 from hpkit.checks.result import Result
 
@@ -51,6 +53,50 @@ def var_log_mount(ctx: Context) -> Result:
             "mount it read-write: `--container-mounts=/var/log:/var/log` (no `:ro`), `-v /var/log:/var/log`",
         )
     return Result.ok(shown)
+
+
+# Set by hpkit's job scripts on the host (slurm/templates/_container.sbatch.j2): the host root's device:inode.
+HOST_ROOT_VAR = "HPKIT_HOST_ROOT"
+
+_FIX_IN_IMAGE = (
+    "srun ran this task on the host: with pyxis, make `srun --help` list --container-image on every node "
+    "(plugstack.conf loads spank_pyxis.so; on configless Slurm, on every node), then restart slurmd; with Slurm's OCI "
+    "containers, put oci.conf beside slurm.conf on every node"
+)
+
+
+def _os_name(etc: Path) -> str:
+    for line in (read_text(etc / "os-release") or "").splitlines():
+        if line.startswith("PRETTY_NAME="):
+            return line.partition("=")[2].strip().strip('"')
+    return "unknown OS"
+
+
+@check("in-image", "runs in its container image, not on the host", profiles=("container",))
+def in_image(ctx: Context) -> Result:
+    """On HyperPod's configless Slurm, srun has been seen to ignore --container-image silently and run the job on the
+    host (and Slurm 22.05 ignores --container without oci.conf: measured). The job's batch script, on the host, says
+    what the host's root is; a process that sees the same root is not in its image."""
+    host = ctx.env.get(HOST_ROOT_VAR, "").strip()
+    if not host:
+        return Result.skip(
+            f"{HOST_ROOT_VAR} is not set: only hpkit's job scripts say what the host's root is",
+            "submit the job with `hpkit submit` (container: ...), or export HPKIT_HOST_ROOT=$(stat -Lc %d:%i /) on the host before srun",
+        )
+    try:
+        root = os.stat(ctx.roots.tree)
+    except OSError as exc:
+        return Result.fail(
+            f"cannot stat {ctx.roots.tree}: {exc.strerror}", "run the check where / is readable"
+        )
+    seen = f"{root.st_dev}:{root.st_ino}"
+    name = _os_name(ctx.roots.etc)
+    if seen == host:
+        return Result.fail(
+            f"the root file system is the host's ({seen}, {name}): this is not the container image",
+            _FIX_IN_IMAGE,
+        )
+    return Result.ok(f"in the image ({name}; root {seen}, the host's {host})")
 
 
 @check("hyperpod-logs", "/var/log/aws/clusters (HyperPod)", profiles=("compute", "container"))

@@ -197,6 +197,62 @@ def pyxis(ctx: Context) -> Result:
     return Result.fail(f"`srun --help` failed ({ran.why()}) and no plugstack.conf loads pyxis", _FIX_PYXIS)
 
 
+# `hpkit check` runs one task in this image when set: a pyxis image (registry reference or .sqsh), or oci:BUNDLE.
+CHECK_IMAGE_VAR = "HPKIT_CHECK_IMAGE"
+# Seconds for each of its two sruns: enroot may have to pull and unpack the image first.
+CHECK_IMAGE_TIMEOUT_S = 300.0
+_ROOT_ID = 'echo "$(stat -Lc %d:%i /) ${SLURMD_NODENAME:-$(hostname)}"'
+
+
+@check("container-runs", "a job really runs in its container image", profiles=("login",))
+def container_runs(ctx: Context) -> Result:
+    """On HyperPod's configless Slurm, srun has been seen to take --container-image and run the task on the host,
+    saying nothing (and Slurm 22.05 does so with --container when a node has no oci.conf: measured). One task on
+    the host and one in the image, on the same node, compare the root they see."""
+    image = ctx.env.get(CHECK_IMAGE_VAR, "").strip()
+    if not image:
+        return Result.skip(
+            f"{CHECK_IMAGE_VAR} is not set",
+            f"set {CHECK_IMAGE_VAR}=IMAGE (pyxis: a registry reference or .sqsh; Slurm's OCI: oci:/path/to/bundle) "
+            "to run one task in it and check that srun does not ignore the container",
+        )
+    srun = which("srun", ctx.env, _slurm_dirs(ctx))
+    if srun is None:
+        return Result.fail("srun is not installed or not on PATH", _FIX_SLURM_CLIENT)
+    timeout = max(ctx.probe_timeout, CHECK_IMAGE_TIMEOUT_S)
+    base = [srun, "--nodes=1", "--ntasks=1", "--time=5", "--job-name=hpkit-check-container"]
+    host = run_cmd([*base, "sh", "-c", _ROOT_ID], timeout, ctx.env)
+    if not host.ok or len(host.out.split()) != 2:
+        return Result.fail(
+            f"a plain one-task job failed: {host.why()}", "see the slurm check; `srun hostname` must work"
+        )
+    host_root, node = host.out.split()
+    if image.startswith("oci:"):
+        flags = [f"--container={image[4:]}"]
+        fix = f"put oci.conf beside slurm.conf on {node} (every node), then restart slurmd"
+    else:
+        flags = [f"--container-image={image}"]
+        fix = (
+            f"load pyxis on {node} (every node): plugstack.conf includes spank_pyxis.so (on configless Slurm, "
+            "the controller's plugstack.conf too), then restart slurmd; the pyxis check says more"
+        )
+    inside = run_cmd([*base, f"--nodelist={node}", *flags, "sh", "-c", _ROOT_ID], timeout, ctx.env)
+    if not inside.ok or len(inside.out.split()) != 2:
+        return Result.fail(
+            f"a one-task job in {image} failed on {node}: {inside.why()}",
+            f"run it by hand to see why: srun --nodelist={node} {flags[0]} true",
+        )
+    seen = inside.out.split()[0]
+    if seen == host_root:
+        return Result.fail(
+            f"srun ran the task for {image} on {node}'s host, not in the image (the same root, {seen}), saying nothing",
+            fix,
+        )
+    return Result.ok(
+        f"a task in {image} on {node} sees the image's root ({seen}), not the host's ({host_root})"
+    )
+
+
 def _enroot_paths(ctx: Context) -> dict[str, str]:
     """ENROOT_DATA_PATH, _CACHE_PATH and _RUNTIME_PATH as enroot resolves them: environment, then enroot.conf,
     then its defaults."""
