@@ -275,7 +275,10 @@ class DataSpec(StrictModel):
     kind: Literal["synthetic", "tokens", "prepared"] = "synthetic"
     path: str | None = Field(
         default=None,
-        description="kind tokens: a flat binary file of token ids; kind prepared: a directory from `hpkit data prepare`",
+        description=(
+            "kind tokens: a flat binary file of token ids; kind prepared: a directory from `hpkit data prepare` "
+            "(with --format chat: rows of model.seq_len+1 tokens and their loss mask)"
+        ),
     )
     dtype: Literal["uint16", "uint32"] = Field(
         default="uint16", description="kind tokens only (a prepared directory's index names its own)"
