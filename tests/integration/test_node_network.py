@@ -182,14 +182,16 @@ def test_slow_limits_the_rate_and_unslow_lifts_it(cluster):
 
 def test_slow_delay_shows_in_the_round_trip(cluster):
     # tc netem where the kernel has it, else net.sh's user-space delay (netdelay.py): the same round trip.
-    base = min(float(_connect(cluster, "node2", "node1")) for _ in range(3))
+    base = min(float(_connect(cluster, "node2", "node1")) for _ in range(5))
     devcluster.slow(cluster, "node1", delay="50ms")
     try:
         slowed = min(float(_connect(cluster, "node2", "node1", timeout=5)) for _ in range(3))
     finally:
         devcluster.unslow(cluster, "node1")
-    # A TCP connect is one round trip: 50 ms each way through node1's link.
-    assert slowed >= base + 0.09, f"connect {slowed * 1000:.1f} ms slowed vs {base * 1000:.1f} ms"
+    # A TCP connect is one round trip: 50 ms each way through node1's link, so never under 100 ms. Against the
+    # floor, not base + 100 ms: on this shared machine (load 40) the best of a few unslowed connects took 15 ms.
+    shown = f"connect {slowed * 1000:.1f} ms slowed vs {base * 1000:.1f} ms"
+    assert slowed >= 0.095 and base <= slowed - 0.05, shown
 
 
 def test_fsdp_tp_job_across_node_addresses_with_an_unroutable_first_interface_equals_one_process(
