@@ -64,6 +64,9 @@ class Hardware:
     # A tensor-parallel linear's dispatch (DTensor) beyond a plain one's, forward and backward: hidden behind a
     # GPU's kernels (0), paid in full by a CPU rank (measured by bench/bench_plan_ranking.py's probe).
     tp_op_overhead_s: float = 0.0
+    # Each FSDP unit's collective beyond its bytes and latency: FSDP2's copy-in/out and hooks (and on gloo, a
+    # reduce-scatter run as a whole all-reduce). Hidden on GPUs (0); measured on CPU ranks by the same probe.
+    fsdp_collective_overhead_s: float = 0.0
     # Ranks share fewer cores than there are ranks (CPU runs): a waiting rank's core goes to another, so a
     # pipeline's bubble costs no time and the step is the ranks' mean work, not the busiest rank's.
     shared_cores: bool = False
@@ -275,6 +278,10 @@ def predict(shape: ModelShape, layout: Layout, hw: Hardware, seq_len: int | None
         fsdp_s += all_reduce_s((dense_tp / fsdp_n + experts_tp / expert_n) * grad_bytes, dp_rep, rep_link)
         if fsdp_n > 1:  # one call per unit, each paying the ring's latency
             fsdp_s += (units - 1) * (gathers + 1) * (fsdp_n - 1) * fsdp_link.latency_s
+        if dp_rep > 1:
+            fsdp_s += (units - 1) * 2 * (dp_rep - 1) * rep_link.latency_s
+        calls = (gathers + 1) * (fsdp_n > 1) + (dp_rep > 1)
+        fsdp_s += units * calls * hw.fsdp_collective_overhead_s
     elif layout.ddp_enabled:
         ddp_s = all_reduce_s((dense_tp + experts_tp) * grad_bytes, dp_rep, rep_link)
     if hw.overlap:
