@@ -305,6 +305,7 @@ def main() -> int:
         "command": "python3 bench/bench_plan_ranking.py " + " ".join(sys.argv[1:]),
     }
     results.write_text(json.dumps(document, indent=2) + "\n")
+    print(f"RATIO plan_ranking spearman_rho = {rho:.3f} (target >= 0.8; {results.relative_to(REPO)})")
     return 0 if rho >= 0.8 else 1
 
 
