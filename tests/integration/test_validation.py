@@ -93,7 +93,9 @@ def _rel(a: float, b: float) -> float:
 
 
 def test_training_validates_every_n_steps_on_all_seven_batches_of_two_ranks(runs):
-    """fsdp 2 x tp 2, batches of 2: 13 samples make 7 batches, rank 1 runs 3 and an empty one."""
+    """fsdp 2 x tp 2, batches of 2: 13 samples make 7 batches, rank 1 runs 3 and an empty one. (A rank that
+    skipped its empty batch would leave its peers in FSDP's all-gather: the launch would end after
+    RUN_TIMEOUT_S with every rank's stack, failing the fixture.)"""
     got = evals(runs["records"]["train-fsdp2_tp2"])
     assert sorted(got) == [2, 4]
     expected = runs["expected"][vl.SINGLE.tag]

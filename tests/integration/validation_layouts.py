@@ -36,6 +36,9 @@ EVAL_EVERY = 2
 WINDOWS = 13  # 6 full batches of 2 and one of 1: 7 batches
 VOCAB = BASE["model"]["vocab_size"]
 SEQ = BASE["model"]["seq_len"]
+# A rank still inside one run after this long (left waiting in a collective: a validation that hangs) ends
+# with its stacks on stderr instead of hanging the test; a run takes a few seconds.
+RUN_TIMEOUT_S = 150.0
 MOE = {"experts": 4, "top_k": 2, "shared_experts": 1, "every": 1, "aux_loss_coef": 0.1}
 PP2_FSDP2 = {"pp": 2, "dp_shard": 2, "microbatches": 2, "pp_schedule": "1f1b"}
 PP2_TP2_INTERLEAVED = {
@@ -126,8 +129,7 @@ def config(root: Path, run: Run, world: int):
             "interval": EVAL_EVERY,
             "keep": 2,
         },
-        # A rank left waiting in a collective fails the run in a minute instead of hanging the test.
-        "resilience": {"hang": {"enabled": False}, "collective_timeout_s": 60},
+        "resilience": {"hang": {"enabled": False}},
     }
     if run.init_from:
         data["model"] = {"init_from": str(root / "hf"), "seq_len": SEQ}
@@ -231,24 +233,37 @@ def transformers_loss(model: Any, root: Path) -> dict[str, float]:
     return {"step": 0, "loss": float(loss), "tokens": int(labels.numel())}
 
 
+def train(cfg: Any, job: Any) -> int:
+    """One run through `hpkit train`'s own loop, ended with every stack if it hangs."""
+    import faulthandler
+
+    from hpkit.runtime.run import _train
+
+    faulthandler.dump_traceback_later(RUN_TIMEOUT_S, exit=True)
+    try:
+        return _train(cfg, job.launch, job.device)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def main(mode: str, root: Path) -> int:
     from hpkit.runtime.env import distributed
-    from hpkit.runtime.run import _train, quiet_known_warnings
+    from hpkit.runtime.run import quiet_known_warnings
 
     quiet_known_warnings()
-    with distributed() as job:
+    with distributed(timeout_s=RUN_TIMEOUT_S) as job:
         world = job.launch.world_size
         if mode == "world4":
             for run in WORLD4:
-                assert _train(config(root, run, world), job.launch, job.device) == 0, run.tag
+                assert train(config(root, run, world), job) == 0, run.tag
         else:
             values = {}
             for run in (SINGLE, SINGLE_CHAT):
                 cfg = config(root, run, world)
-                assert _train(cfg, job.launch, job.device) == 0, run.tag
+                assert train(cfg, job) == 0, run.tag
                 values[run.tag] = expected(root, cfg, job.device, run)
             reference = make_hf(root)
-            assert _train(config(root, SINGLE_INIT, world), job.launch, job.device) == 0
+            assert train(config(root, SINGLE_INIT, world), job) == 0
             values[SINGLE_INIT.tag] = transformers_loss(reference, root)
             (root / "expected.json").write_text(json.dumps(values))
     return 0
