@@ -32,6 +32,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "compat_smp": [*TORCHRUN, str(BENCH / "bench_compat_smp.py")],
     "hf_load": [*TORCHRUN, str(BENCH / "bench_hf_load.py")],
     "recovery": [sys.executable, str(BENCH / "bench_recovery.py")],
+    "lora": [*TORCHRUN, str(BENCH / "bench_lora.py")],
     "plan_ranking": [sys.executable, str(BENCH / "bench_plan_ranking.py")],
 }
 # bench_train_step.py (owned with the runtime) prints `ratio hpkit/bare = x`; ours print `RATIO name = x`.

@@ -46,12 +46,16 @@ LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
     4: {
         "dp2_tp2": {"dp_shard": 2, "tp": 2},
         "pp2_dp2": {"pp": 2, "dp_shard": 2, "microbatches": 2},
+        # bf16 under FSDP: the frozen base is stored in bf16 (FSDP casts it so for the forward anyway).
+        "fsdp4_bf16": {"dp_shard": 4},
     },
 }
 TOKENS = torch.randint(0, 128, (2, SEQ), generator=torch.Generator().manual_seed(3))
 
 
-def config(init_from: str, parallelism: dict[str, Any], dp: int, **model: Any) -> RunConfig:
+def config(
+    init_from: str, parallelism: dict[str, Any], dp: int, precision: str = "fp32", **model: Any
+) -> RunConfig:
     return parse_document(
         RunConfig,
         {
@@ -69,7 +73,7 @@ def config(init_from: str, parallelism: dict[str, Any], dp: int, **model: Any) -
                 # High enough that the adapters move the loss visibly within a few steps.
                 "lr": 1e-2,
                 "grad_clip": 1.0,
-                "mixed_precision": "fp32",
+                "mixed_precision": precision,
                 "seed": 11,
                 "tensorboard": False,
                 "stragglers": {"enabled": False},
@@ -117,13 +121,15 @@ def watch_adapter_grads(trainer: Trainer) -> dict[str, bool]:
     return seen
 
 
-def train_layout(init_from: str, parallelism: dict[str, Any], device: Any) -> tuple[Trainer, dict[str, Any]]:
+def train_layout(
+    init_from: str, parallelism: dict[str, Any], device: Any, precision: str
+) -> tuple[Trainer, dict[str, Any]]:
     world = dist.get_world_size()
     probe = config(init_from, parallelism, 1)
     from hpkit.runtime.parallel_dims import ParallelDims
 
     dp = ParallelDims.from_spec(probe.parallelism, world).dp
-    trainer = Trainer(config(init_from, parallelism, dp), device)
+    trainer = Trainer(config(init_from, parallelism, dp, precision), device)
     trainer.load_pretrained()
     before = base_digests(trainer)
     grads = watch_adapter_grads(trainer)
@@ -152,6 +158,9 @@ def train_layout(init_from: str, parallelism: dict[str, Any], device: Any) -> tu
         "base_after": after,
         "adapter_grad_nonzero": nonzero,
         "optimizer_params": sorted(optimizer_names),
+        "frozen_dtypes": sorted(
+            {str(p.dtype) for part in trainer.model_parts for p in part.parameters() if not p.requires_grad}
+        ),
     }
 
 
@@ -215,7 +224,8 @@ def main() -> int:
         world = job.launch.world_size
         for name, parallelism in LAYOUTS[world].items():
             start = time.perf_counter()
-            trainer, results[name] = train_layout(hf_dir, parallelism, job.device)
+            precision = "bf16" if name.endswith("_bf16") else "fp32"
+            trainer, results[name] = train_layout(hf_dir, parallelism, job.device, precision)
             if world == 1:
                 results[name]["extras"] = single_process_extras(trainer, hf_dir, other_hf, out, job.device)
             trainer.close()

@@ -63,6 +63,14 @@ def test_base_weights_stay_bitwise_and_every_adapter_gets_a_gradient_in_every_la
         assert len(got["optimizer_params"]) == 2 * 7 * 2, layout
 
 
+def test_under_bf16_with_fsdp_the_frozen_base_is_bf16_and_still_bitwise_unchanged(runs: dict) -> None:
+    got, fp32 = runs["results"]["fsdp4_bf16"], runs["results"]["single"]
+    assert got["frozen_dtypes"] == ["torch.bfloat16"] and fp32["frozen_dtypes"] == ["torch.float32"]
+    assert got["base_after"] == got["base_before"]
+    assert all(got["adapter_grad_nonzero"].values()) and len(got["adapter_grad_nonzero"]) == 2 * 7 * 2
+    assert got["loss"] == pytest.approx(fp32["loss"], abs=0.05)  # bf16 matmuls: close, not equal
+
+
 def test_losses_are_equal_across_layouts_and_training_moves_them(runs: dict) -> None:
     results = runs["results"]
     single = results["single"]["loss"]

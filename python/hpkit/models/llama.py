@@ -181,10 +181,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     # The tables stay real buffers (collectives and checkpoints see no complex tensors); the complex
     # view lives only inside this function.
     seq = x.shape[1]
+    # float(): FSDP's bf16 mixed precision casts a block's floating inputs, the tables among them, and
+    # torch.complex takes no bf16 (it refused every bf16 FSDP step).
     if cos.dim() == 3:  # per-sample tables (batch, seq, head_dim/2): positions that restart per document
-        rot = torch.complex(cos, sin).unsqueeze(2)
+        rot = torch.complex(cos.float(), sin.float()).unsqueeze(2)
     else:
-        rot = torch.complex(cos[:seq], sin[:seq]).view(1, seq, 1, -1)
+        rot = torch.complex(cos[:seq].float(), sin[:seq].float()).view(1, seq, 1, -1)
     xc = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
     return torch.view_as_real(xc * rot).flatten(-2).type_as(x)
 
