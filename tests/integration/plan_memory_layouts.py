@@ -28,6 +28,7 @@ MODEL: dict[str, Any] = {
     "vocab_size": 1024,
     "seq_len": 64,
 }
+LORA = {"rank": 8}
 MOE = {"experts": 4, "top_k": 2, "shared_experts": 1, "every": 1, "aux_loss_coef": 0.01}
 
 # name -> (model overrides, parallelism, train overrides). Local batch: 8 sequences per data-parallel rank.
@@ -35,6 +36,8 @@ LAYOUTS: dict[int, dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any
     1: {
         "single": ({}, {"dp_shard": 1}, {}),
         "single_bf16": ({}, {"dp_shard": 1}, {"mixed_precision": "bf16"}),
+        # LoRA: a frozen base (bf16 projections under autocast), adapters the only trainable weights.
+        "single_lora_bf16": ({"lora": LORA}, {"dp_shard": 1}, {"mixed_precision": "bf16"}),
     },
     4: {
         "fsdp": ({}, {"dp_shard": 4}, {}),
@@ -80,6 +83,7 @@ LAYOUTS: dict[int, dict[str, tuple[dict[str, Any], dict[str, Any], dict[str, Any
             {"activation_checkpoint": "full"},
         ),
         "pp4_1f1b": ({}, {"pp": 4, "dp_shard": 1, "microbatches": 4}, {}),
+        "fsdp_tp_lora": ({"lora": LORA}, {"dp_shard": 2, "tp": 2}, {}),
         "ep2_fsdp2": ({"moe": MOE}, {"dp_shard": 2, "ep": 2}, {}),
         "ep2_fsdp2_ac_full": ({"moe": MOE}, {"dp_shard": 2, "ep": 2}, {"activation_checkpoint": "full"}),
         "ep2_tp2": ({"moe": MOE}, {"dp_shard": 1, "ep": 2, "tp": 2}, {}),
@@ -109,7 +113,9 @@ def measure(trainer: Any) -> dict[str, int]:
     """The peak of every tensor the steps hold (weights, gradients, optimizer state included), by category."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker() if trainer.schedule is None else _without_module_hooks()
+    frozen = any(not p.requires_grad for part in trainer.model_parts for p in part.parameters())
+    # Module hooks break pipelines, and hook every parameter's gradient (a frozen LoRA base has none).
+    tracker = MemTracker() if trainer.schedule is None and not frozen else _without_module_hooks()
     tracker.track_external(*trainer.model_parts, *trainer.optimizers)
     with tracker:
         for _ in range(STEPS):
@@ -122,7 +128,7 @@ def measure(trainer: Any) -> dict[str, int]:
 
 def _without_module_hooks() -> Any:
     """MemTracker without its per-module hooks: a pipeline stage's backward runs autograd.grad, which those
-    hooks break (torch 2.13). It still sees every allocation; only the forward/backward split of its
+    hooks break (torch 2.13), and they register a gradient hook on every parameter, frozen ones too. It still sees every allocation; only the forward/backward split of its
     categories is lost (everything made in the step counts as activations)."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils._python_dispatch import TorchDispatchMode

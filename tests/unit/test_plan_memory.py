@@ -201,3 +201,17 @@ def test_the_torch_check_refuses_what_its_tracker_cannot_follow_in_one_line():
     with pytest.raises(SpecError, match="--check-with-torch follows FSDP-only layouts") as err:
         check_with_torch(TINY, Layout(dp_shard=2, tp=2))
     assert "\n" not in str(err.value)
+
+
+def test_lora_trains_only_the_adapters_by_hand():
+    spec = ModelSpec(name="debug", lora={"rank": 2})
+    assert shape_of_spec(spec).lora_targets == tuple(spec.lora.targets)
+    lora = replace(TINY, lora_rank=2, lora_targets=tuple(spec.lora.targets))
+    # Per block, A (2 x in) + B (out x 2) of q 8x8, k 8x4, v 8x4, o 8x8, gate 8x16, up 8x16, down 16x8:
+    # 32 + 24 + 24 + 32 + 48 + 48 + 48 = 256; two blocks, 14 adapter tensors each.
+    whole = predict(lora, replace(FSDP, dp_shard=1)).worst.breakdown
+    assert whole.optimizer == 8 * 512 + 4 * 28
+    assert whole.params == 4 * TINY.params() + 4 * 512  # fp32: the frozen base stays fp32
+    bf16 = predict(lora, replace(FSDP, dp_shard=1, precision="bf16")).worst.breakdown
+    projections = 2 * (592 - 16) + 32 * 8  # every nn.Linear: blocks' projections and the head
+    assert bf16.params == whole.params - 2 * projections

@@ -168,6 +168,10 @@ class _Part:
     blocks: list[int]
     first: bool
     last: bool
+    # LoRA: the adapters (the only trainable weights then), and which dense weights are nn.Linear's (the
+    # ones autocast runs in bf16, so LoRA stores them in bf16 without FSDP).
+    adapters: list[tuple[int, int]]
+    linear: list[bool]
 
 
 def _part(shape: ModelShape, layout: Layout, blocks: list[int], first: bool, last: bool) -> _Part:
@@ -176,8 +180,11 @@ def _part(shape: ModelShape, layout: Layout, blocks: list[int], first: bool, las
     dense: list[tuple[int, int]] = []
     experts: list[tuple[int, int]] = []
     units: list[int] = []
+    adapters: list[tuple[int, int]] = []
+    linear: list[bool] = []
     if first:
         dense.append((v // tp, h))
+        linear.append(False)
         units.append(v // tp * h)
     for i in blocks:
         unit = [
@@ -199,14 +206,43 @@ def _part(shape: ModelShape, layout: Layout, blocks: list[int], first: bool, las
         else:
             f = shape.ffn_dim // tp
             unit += [(f, h), (h, f), (f, h)]
+        linear += [False, False] + [True] * (len(unit) - 2)
         dense += unit
+        adapters += _adapters(shape, layout, i)
         units.append(
             sum(a * b for a, b in unit) + sum(a * b for a, b in experts[-3:] if shape.is_moe_block(i))
         )
     if last:
         dense += [(h, 1), (v // tp, h)]
+        linear += [False, True]
         units.append(h + v // tp * h)
-    return _Part(dense, experts, units, blocks, first, last)
+    return _Part(dense, experts, units, blocks, first, last, adapters, linear)
+
+
+# LoRA targets (Hugging Face names) -> (input width, output width, column-parallel) of the projection.
+def _adapters(shape: ModelShape, layout: Layout, index: int) -> list[tuple[int, int]]:
+    """A (r x in) and B (out x r) of each adapted projection of block `index`, after TP: a column-parallel
+    base shards B's rows, a row-parallel one A's columns (hpkit.runtime.lora)."""
+    r, tp = shape.lora_rank, layout.tp
+    if not r:
+        return []
+    h, q, kv = shape.dim, shape.n_heads * shape.hd, shape.n_kv_heads * shape.hd
+    widths = {
+        "q_proj": (h, q, True),
+        "k_proj": (h, kv, True),
+        "v_proj": (h, kv, True),
+        "o_proj": (q, h, False),
+        "gate_proj": (h, shape.ffn_dim, True),
+        "up_proj": (h, shape.ffn_dim, True),
+        "down_proj": (shape.ffn_dim, h, False),
+    }
+    out: list[tuple[int, int]] = []
+    for target in shape.lora_targets:
+        if shape.is_moe_block(index) and target in ("gate_proj", "up_proj", "down_proj"):
+            continue  # the runtime refuses these on routed experts
+        fan_in, fan_out, column = widths[target]
+        out += [(r, fan_in), (fan_out // tp, r)] if column else [(r, fan_in // tp), (fan_out, r)]
+    return out
 
 
 def _sharded(weights: list[tuple[int, int]], shards: int) -> int:
@@ -264,6 +300,11 @@ def _block_saved(shape: ModelShape, layout: Layout, index: int, sp: bool) -> dic
         f = shape.ffn_dim / tp
         ffn_none = c["h"] / 2 * h + c["f"] * f + 4
         ffn_sel = b * (2 * f + h)
+    if shape.lora_rank:
+        # A frozen base keeps no copy of its matmuls' inputs for weight gradients (measured: 8 bytes per
+        # token per model-dim unit fewer, fp32 and autocast; fsdp_tp_lora, single_lora_bf16).
+        attn_none -= 4 * h
+        ffn_none -= 4 * h
     return {
         "none": attn_none + ffn_none,
         "selective": attn_sel + ffn_sel + stream * h,
@@ -302,15 +343,34 @@ def _rank(shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None)
         for s in stages
     ]
     dense_shards, expert_shards = layout.fsdp_shards, layout.expert_fsdp_shards
+    regime = _regime(layout)
     local = sum(_sharded(p.dense, dense_shards) + _sharded(p.experts, expert_shards) for p in parts)
-    n_tensors = sum(len(p.dense) + len(p.experts) for p in parts)
-    params = 4 * local
-    optimizer = 8 * local + 4 * n_tensors
-    grads = 4 * local
+    if shape.lora_rank:
+        # The base is frozen: no gradient, no optimizer state; under bf16 it is stored in bf16 (all of it
+        # with FSDP, the projections without). Only the adapters train.
+        trainable = sum(_sharded(p.adapters, dense_shards) for p in parts)
+        n_tensors = sum(len(p.adapters) for p in parts)
+        base = 4 * local
+        if layout.precision == "bf16":
+            halved = sum(
+                _sharded(
+                    [w for w, lin in zip(p.dense, p.linear, strict=True) if lin or layout.fsdp_enabled],
+                    dense_shards,
+                )
+                + _sharded(p.experts, expert_shards)
+                for p in parts
+            )
+            base -= 2 * halved
+        params = base + 4 * trainable
+    else:
+        trainable = local
+        n_tensors = sum(len(p.dense) + len(p.experts) for p in parts)
+        params = 4 * local
+    optimizer = 8 * trainable + 4 * n_tensors
+    grads = 4 * trainable
     buffers = len(parts) * 2 * shape.max_seq_len * (shape.hd // 2) * 4
     buffers += sum(4 * ((shape.experts or 0) + 2) for p in parts for i in p.blocks if shape.is_moe_block(i))
 
-    regime = _regime(layout)
     pb = 2 if regime == "fsdp_bf16" else 4  # FSDP's unsharded weights (param_dtype)
     stream = 2 if regime == "fsdp_bf16" else 4
     # Compute copies of the weights, at the peak (the start of backward).
@@ -321,15 +381,20 @@ def _rank(shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None)
             # Nothing reshards under a pipeline, and the unsharded gradients accumulate over the microbatches
             # until the last one (in fp32: the reduce dtype).
             unsharded = sum(sum(p.unsharded_units) for p in parts) * pb
-            grads_at_peak = sum(sum(p.unsharded_units) for p in parts) * 4
+            grads_at_peak = 4 * (
+                sum(a * b for p in parts for a, b in p.adapters)
+                if shape.lora_rank
+                else sum(sum(p.unsharded_units) for p in parts)
+            )
         else:
             part = parts[0]
             blocks = part.unsharded_units[1:-1] if part.first else part.unsharded_units[:-1]
             # The head and the last block stay gathered from their forward into backward.
             unsharded = (part.unsharded_units[-1] + (blocks[-1] if blocks else 0)) * pb
     else:
-        if regime == "autocast":
-            # autocast's cache keeps a bf16 copy of every weight a matmul used (not the embeddings).
+        if regime == "autocast" and not shape.lora_rank:
+            # autocast's cache keeps a bf16 copy of every weight a matmul used (not the embeddings); LoRA
+            # stores those weights in bf16 already.
             unsharded = 2 * (local - sum(_sharded(p.dense[:1], 1) for p in parts if p.first))
         if layout.pp > 1:
             grads_at_peak = grads  # accumulated over the microbatches

@@ -55,6 +55,9 @@ class ModelShape:
     every: int | None = None
     expert_ffn_dim: int | None = None
     name: str = "custom"
+    # LoRA (model.lora): the base is frozen and these projections (Hugging Face names) gain rank-r adapters.
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] = ()
 
     # ---- structure ----------------------------------------------------------------------------------
 
@@ -171,9 +174,20 @@ def shape_named(name: str, seq_len: int, **overrides: Any) -> ModelShape:
 def shape_of_spec(model: ModelSpec) -> ModelShape:
     """The shape a spec's `model:` block trains: the named shape with its overrides, or init_from's config.json."""
     if model.init_from:
-        return shape_from_hf(model.init_from, model.seq_len)
+        return with_lora(model, shape_from_hf(model.init_from, model.seq_len))
     family_for(model.name, model.moe is not None)  # the same lookup the trainer makes
     moe = model.moe.model_dump() if model.moe is not None else None
+    return with_lora(model, _named_of_spec(model, moe))
+
+
+def with_lora(model: ModelSpec, shape: ModelShape) -> ModelShape:
+    lora = getattr(model, "lora", None)
+    if lora is None:
+        return shape
+    return replace(shape, lora_rank=lora.rank, lora_targets=tuple(lora.targets))
+
+
+def _named_of_spec(model: ModelSpec, moe: dict[str, Any] | None) -> ModelShape:
     return shape_named(
         model.name,
         model.seq_len,
