@@ -75,7 +75,7 @@ def runs(tmp_path_factory) -> dict:
     one = _torchrun.run([str(SCRIPT), "world1", str(root)], root / "tmp1", None)
     records = {
         run.tag: [json.loads(line) for line in (root / run.tag / "metrics.jsonl").read_text().splitlines()]
-        for run in [*vl.WORLD4, vl.SINGLE, vl.SINGLE_CHAT, vl.SINGLE_INIT]
+        for run in [*vl.WORLD4, vl.SINGLE, vl.SINGLE_CHAT, vl.SINGLE_INIT, *vl.SINGLE_LORA]
     }
     return {
         "records": records,
@@ -185,3 +185,12 @@ def test_eval_only_of_init_from_weights_equals_transformers_loss(runs):
     assert list(got) == [0] and got[0]["only"] is True and got[0]["tokens"] == expected["tokens"]
     assert _rel(got[0]["loss"], expected["loss"]) <= RTOL, (got[0]["loss"], expected["loss"])
     assert "hpkit train: eval only: step 0 (init_from " in runs["stdout"]
+
+
+def test_eval_only_of_a_lora_checkpoint_equals_the_value_recorded_in_training(runs):
+    """A LoRA checkpoint holds only the adapters: eval.only (like any resume) must put them back on the
+    init_from base they were trained on, not on a freshly initialised one."""
+    trained = evals(runs["records"]["lora-train-single"])
+    got = evals(runs["records"]["lora-only-single"])[vl.TRAIN_STEPS]
+    assert sorted(trained) == [2, 4] and trained[2]["loss"] != trained[4]["loss"], "the adapters trained"
+    assert _rel(got["loss"], trained[vl.TRAIN_STEPS]["loss"]) <= RTOL, (got, trained[vl.TRAIN_STEPS])

@@ -16,7 +16,8 @@ tests/integration/test_validation.py.
 computed without the evaluator: every window (row) of the held-out set, read from the file(s), through the
 one-process model, the cross-entropy of all their counted tokens in one call.
 It also validates, with eval.only and no checkpoint, the weights of a tiny random Llama that transformers
-saves to DIR/hf (model.init_from), expecting transformers' own loss on the same tokens.
+saves to DIR/hf (model.init_from), expecting transformers' own loss on the same tokens; and trains LoRA
+adapters on that base, validating in training and then with eval.only of the adapters-only checkpoint.
 Each run writes its metrics JSONL under DIR/<tag>/; world1 also writes DIR/expected.json.
 """
 
@@ -59,7 +60,8 @@ class Run:
     ckpt: str = "ckpt"
     moe: bool = False
     chat: bool = False  # held-out set: DIR/chat (a prepared chat set), and a vocabulary that covers it
-    init_from: bool = False  # the model and its weights: DIR/hf (no checkpoint)
+    init_from: bool = False  # the model and its weights: DIR/hf (no checkpoint unless lora)
+    lora: bool = False  # adapters on the init_from base
 
 
 WORLD4 = [
@@ -81,6 +83,10 @@ WORLD4 = [
 SINGLE = Run("only-single", {"dp_shard": 1}, only=True)
 SINGLE_CHAT = Run("chat-only-single", {"dp_shard": 1}, only=True, ckpt="ckpt-chat", chat=True)
 SINGLE_INIT = Run("init-only-single", {"dp_shard": 1}, only=True, init_from=True)
+SINGLE_LORA = [
+    Run("lora-train-single", {"dp_shard": 1}, only=False, ckpt="ckpt-lora", init_from=True, lora=True),
+    Run("lora-only-single", {"dp_shard": 1}, only=True, ckpt="ckpt-lora", init_from=True, lora=True),
+]
 CHAT_VOCAB = 512  # the test's chat tokenizer has about 400 tokens
 CHAT_SEQ = 128  # rows of several packed conversations (the test prepares the set with this --seq-len)
 
@@ -125,7 +131,7 @@ def config(root: Path, run: Run, world: int):
             else {"kind": "tokens", "path": str(held_out)},
         },
         "checkpoint": {
-            "dir": None if run.init_from else str(root / run.ckpt),
+            "dir": None if run.init_from and not run.lora else str(root / run.ckpt),
             "interval": EVAL_EVERY,
             "keep": 2,
         },
@@ -133,6 +139,8 @@ def config(root: Path, run: Run, world: int):
     }
     if run.init_from:
         data["model"] = {"init_from": str(root / "hf"), "seq_len": SEQ}
+        if run.lora:
+            data["model"]["lora"] = {"rank": 4, "alpha": 8.0}
     dp = ParallelDims.from_spec(parse_document(RunConfig, data).parallelism, world).dp
     data["train"]["local_batch_size"] = GLOBAL_BATCH // dp
     return parse_document(RunConfig, data)
@@ -265,6 +273,8 @@ def main(mode: str, root: Path) -> int:
             reference = make_hf(root)
             assert train(config(root, SINGLE_INIT, world), job) == 0
             values[SINGLE_INIT.tag] = transformers_loss(reference, root)
+            for run in SINGLE_LORA:
+                assert train(config(root, run, world), job) == 0, run.tag
             (root / "expected.json").write_text(json.dumps(values))
     return 0
 

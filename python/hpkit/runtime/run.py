@@ -68,8 +68,9 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
         resumed = trainer.resume(checkpointer)
         if resumed is not None:
             say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
-    if resumed is None and trainer.hf is not None:
-        # A checkpoint of this run (above) takes precedence: it holds the weights trained since.
+    if trainer.hf is not None and (resumed is None or cfg.model.lora is not None):
+        # A checkpoint of this run (above) takes precedence: it holds the weights trained since. A LoRA
+        # checkpoint holds only the adapters: the frozen base it was trained on is still init_from's.
         loaded = trainer.load_pretrained()
         say(
             f"hpkit train: loaded {loaded.tensors} tensors from {cfg.model.init_from} "
