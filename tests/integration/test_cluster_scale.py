@@ -36,9 +36,8 @@ pytestmark = [pytest.mark.cluster, pytest.mark.dist]
 REPO = Path(__file__).resolve().parents[2]
 WIDE = os.environ.get("HPKIT_SCALE_TESTS") == "1"
 NODES = 64 if WIDE else 16
-BANDWIDTH_NODES = (
-    32  # each runs a torch process in the bandwidth step: 64 did not connect here (BENCHMARKS.md)
-)
+# Each runs a torch process in the bandwidth step: 64 did not connect here (BENCHMARKS.md).
+BANDWIDTH_NODES = 32
 JOB_NODES = 16 if WIDE else 2  # one rank per node, and one spare besides
 SLOW = "node23"
 # Stopped early, before the first checkpoint (step 10): the restart runs steps 1.. again, which must match.
@@ -61,9 +60,8 @@ def wide(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     try:
         devcluster.up(env)
         print(f"\n{NODES} nodes up in {time.monotonic() - started:.1f} s")
-        os.environ["SLURM_CONF"] = env[
-            "SLURM_CONF"
-        ]  # CliBackend (hpkit submit) asks the cluster SLURM_CONF names
+        # CliBackend (hpkit submit) asks the cluster that SLURM_CONF names.
+        os.environ["SLURM_CONF"] = env["SLURM_CONF"]
         yield env
     finally:
         if saved is None:
