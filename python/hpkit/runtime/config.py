@@ -356,6 +356,15 @@ class StragglerSpec(StrictModel):
     every_steps: int = Field(default=20, ge=1, description="steps in one window (one all-gather per window)")
     factor: float = Field(default=1.5, gt=1, description="how many times slower than the others' median")
     windows: int = Field(default=3, ge=1, description="consecutive slow windows before the warning")
+    link_probe_bytes: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "also time each node's links every window: the first rank of each node sends this many bytes to the "
+            "next node's around a ring (on the CPU group: TCP, not the GPUs' fabric); a node whose links are "
+            "all slow is named. 0: off. Needs three nodes"
+        ),
+    )
 
 
 class PrometheusSpec(StrictModel):
