@@ -250,7 +250,8 @@ class ModelSpec(StrictModel):
     ffn_dim: int | None = Field(default=None, ge=1, description="override the SwiGLU hidden size")
     moe: MoESpec | None = Field(default=None, description="make the model a mixture of experts (MoESpec)")
     lora: LoraSpec | None = Field(
-        default=None, description="train low-rank adapters on a frozen base instead of every weight (LoraSpec)"
+        default=None,
+        description="train low-rank adapters on a frozen base instead of every weight (LoraSpec)",
     )
 
     @model_validator(mode="after")
