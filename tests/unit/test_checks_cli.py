@@ -31,7 +31,17 @@ def run_json(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict]
 
 def test_profiles() -> None:
     login = {c.name for c in registry.for_profile("login")}
-    assert login == {"python", "imds", "slurm", "topology", "pyxis", "container-runs", "enroot", "shared-fs", "disk"}
+    assert login == {
+        "python",
+        "imds",
+        "slurm",
+        "topology",
+        "pyxis",
+        "container-runs",
+        "enroot",
+        "shared-fs",
+        "disk",
+    }
     assert not login & {"gpus", "cuda", "torch", "efa", "nccl"}  # a login node needs no GPU
     assert "var-log-mount" in {c.name for c in registry.for_profile("container")}
     assert "var-log-mount" not in {c.name for c in registry.for_profile("compute")}
