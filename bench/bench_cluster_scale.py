@@ -264,7 +264,8 @@ def main() -> int:
             if n <= args.job_nodes_max:
                 d = drill(env, work / "job", n)
                 row.update(d.phases())
-                row["named"] = d.stopped_node in (d.verdict.get("line") or "")
+                # None: no rank was stopped (the job ended first: its state says how).
+                row["named"] = bool(d.stopped_node) and d.stopped_node in (d.verdict.get("line") or "")
                 row["state"] = d.state
         except Exception as exc:  # one count's failure is a row, not the end of the curve
             row["error"] = f"{type(exc).__name__}: {exc}"
