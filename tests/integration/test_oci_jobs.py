@@ -1,11 +1,12 @@
-"""Jobs inside the CPU image under Slurm, for real: Slurm 22.05's OCI containers (runc) on a local cluster.
+"""Jobs inside the CPU image under Slurm, for real: Slurm's OCI containers (runc) on local clusters.
 
 The CPU image is built from this checkout (tests/integration/_image_engine.py) and exported with `hpkit image
 export --oci`; every job is submitted with `hpkit submit` to a private 2-node cluster whose oci.conf runs runc
 (slurm/dev/up.sh). A 2-node x 2-rank FSDP x TP job runs inside the image and outside it with the same losses;
 each rank shows that it ran in the image, with the host's /var/log mounted; the image's start-up check runs
-once per node; checkpoints cross between the two ways in both directions. Skips, saying why, only where
-podman or runc cannot run (as the image tests).
+once per node; checkpoints cross between the two ways in both directions. A job whose container srun ignores (a
+cluster without oci.conf, as pyxis has been seen to do on HyperPod's configless Slurm) stops with one line per node,
+and `hpkit check` says so first. Skips, saying why, only where podman or runc cannot run (as the image tests).
 """
 
 from __future__ import annotations
@@ -15,8 +16,10 @@ import os
 import re
 import secrets
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,16 +44,49 @@ def bundle(cpu_image: str, tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory) -> dict[str, str]:
+def _cluster(tmp_path_factory, name: str, offset: int, **options) -> dict[str, str]:
+    """A cluster of the "oci" slot: its ports from `offset` on (a controller and 2 nodes), job ids from 10 x it."""
     if shutil.which("runc") is None:
         pytest.skip("runc cannot run here: not installed (`make image-test-deps` as root installs it)")
-    env = devcluster.client_env(tmp_path_factory.mktemp("oci-cluster"), *slot("oci"))
+    port, first_job_id = slot("oci")
+    env = devcluster.client_env(
+        tmp_path_factory.mktemp(name), port + offset, first_job_id + 10 * offset, **options
+    )
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     try:
         devcluster.up(env)
     except devcluster.DevClusterError as exc:
         pytest.fail(str(exc))
+    return env
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> dict[str, str]:
+    env = _cluster(tmp_path_factory, "oci-cluster", 0)
+    yield env
+    devcluster.down(env)
+
+
+@pytest.fixture(scope="module")
+def cluster_ignoring_containers(tmp_path_factory) -> dict[str, str]:
+    """A 22.05 cluster whose slurmds have no oci.conf: srun takes --container and runs the task on the host, saying
+    nothing (measured), as srun without pyxis loaded has been seen to do with --container-image on HyperPod."""
+    env = _cluster(tmp_path_factory, "oci-ignored", 3)
+    state = Path(env["HPKIT_DEV_CLUSTER_DIR"])
+    (state / "etc" / "oci.conf").unlink()
+    # A slurmd reads oci.conf when it starts: stop this cluster's slurmds, and up.sh starts them again (it keeps
+    # the configuration of a running controller, so it writes no new oci.conf).
+    for pid_file in (state / "run").glob("slurmd-*.pid"):
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+    try:
+        devcluster.up(env)
+    except devcluster.DevClusterError as exc:
+        pytest.fail(str(exc))
+    assert not (state / "etc" / "oci.conf").exists()
     yield env
     devcluster.down(env)
 
@@ -176,6 +212,9 @@ def test_start_up_check_runs_once_per_node_fails_without_var_log_and_warn_goes_o
     assert status != 0, log
     assert "WHERE rank=" not in log, "the ranks started although the check failed"
     assert re.search(r"^FAIL\s+var-log-mount\s+.*not the host's", log, re.M), log
+    # The same report: the container saw a root other than the host's (hpkit check's in-image, through the image's
+    # start-up check; the host side is test_a_container_srun_ignores_stops_the_job_with_one_line_per_node).
+    assert re.search(r"^PASS\s+in-image\s+in the image \(", log, re.M), log
     assert "hpkit-entrypoint: the container start-up check failed" in log, log
 
     spec = _spec(tmp_path, "check-warn", container={**container, "startup_check": "warn"}, ckpt="ckpt-warn")
@@ -208,3 +247,36 @@ def test_bad_container_input_is_one_line_naming_the_field_before_submitting(
         assert status != 0 and len(lines) == 1, f"{case}: {printed}"
         assert field in lines[0] and "submitted job" not in printed, f"{case}: {printed}"
         assert not (tmp_path / "out").exists(), f"{case}: files were written before the check"
+
+
+def test_a_container_srun_ignores_stops_the_job_with_one_line_per_node(
+    cluster_ignoring_containers, cluster, bundle: Path, tmp_path: Path
+) -> None:
+    container = {
+        "runtime": "oci",
+        "image": str(bundle),
+        "mounts": [f"{tmp_path}:{tmp_path}"],
+        "startup_check": "fail",
+    }
+    status, printed, log = _submit(
+        cluster_ignoring_containers, _spec(tmp_path, "ignored", container=container, ckpt="c")
+    )
+    assert status != 0, f"{printed}\n{log}"
+    assert "WHERE rank=" not in log, "the program ran on the host"
+    lines = re.findall(
+        r"^hpkit: (node\d): this task runs on the host, not in container.image (\S+): (.*)$", log, re.M
+    )
+    assert sorted(n for n, _, _ in lines) == ["node1", "node2"], log
+    assert all(image == str(bundle) and "oci.conf beside slurm.conf" in fix for _, image, fix in lines), log
+    # `hpkit check` (login profile) says the same before any job: one task on the host, one in the image.
+    for env, verdict in ((cluster_ignoring_containers, "FAIL"), (cluster, "PASS")):
+        check = subprocess.run(
+            [HPKIT, "check", "--only", "container-runs", "--plain"],
+            env={**env, "HPKIT_CHECK_IMAGE": f"oci:{bundle}"},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        line = next((x for x in check.stdout.splitlines() if "container-runs" in x), "")
+        assert line.startswith(verdict), check.stdout + check.stderr
+        assert bool(re.search(r"node\d's host, not in the image", line)) == (verdict == "FAIL"), line
