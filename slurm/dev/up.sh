@@ -172,6 +172,11 @@ if ! alive "$dir/run/slurmctld.pid"; then
   fi
   # Slurm's OCI containers (--container=BUNDLE) run by runc: only a step that asks for one uses it.
   sed -e "s|@DIR@|$dir|g" "$here/oci.conf.in" >"$dir/etc/oci.conf"
+  if [[ $slurm == 24.11 ]]; then
+    # 24.11 binds each task's spool folder into its container, at /var/run/slurm unless told: a folder that a
+    # read-only image lacks ("create mount destination ... read-only file system"). /run is in every image.
+    echo "MountSpoolDir=/run" >>"$dir/etc/oci.conf"
+  fi
   sed -e "s|@DIR@|$dir|g" "$here/task-prolog.sh" >"$dir/etc/task-prolog.sh"
   chmod 0755 "$dir/etc/task-prolog.sh"
 fi

@@ -4,9 +4,10 @@ The CPU image is built from this checkout (tests/integration/_image_engine.py) a
 export --oci`; every job is submitted with `hpkit submit` to a private 2-node cluster whose oci.conf runs runc
 (slurm/dev/up.sh). A 2-node x 2-rank FSDP x TP job runs inside the image and outside it with the same losses;
 each rank shows that it ran in the image, with the host's /var/log mounted; the image's start-up check runs
-once per node; checkpoints cross between the two ways in both directions. A job whose container srun ignores (a
-cluster without oci.conf, as pyxis has been seen to do on HyperPod's configless Slurm) stops with one line per node,
-and `hpkit check` says so first. Skips, saying why, only where podman or runc cannot run (as the image tests).
+once per node; checkpoints cross between the two ways in both directions. Slurm 24.11 runs the same job with
+launcher: srun, a container per rank (22.05 refuses it at submit). A job whose container srun ignores (a cluster
+without oci.conf, as pyxis has been seen to do on HyperPod's configless Slurm) stops with one line per node. Skips,
+saying why, only where podman or runc cannot run (as the image tests).
 """
 
 from __future__ import annotations
@@ -63,6 +64,17 @@ def _cluster(tmp_path_factory, name: str, offset: int, **options) -> dict[str, s
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory) -> dict[str, str]:
     env = _cluster(tmp_path_factory, "oci-cluster", 0)
+    yield env
+    devcluster.down(env)
+
+
+@pytest.fixture(scope="module")
+def cluster_24_11(tmp_path_factory) -> dict[str, str]:
+    """Slurm 24.11 (HyperPod's): runc from its trixie root (slurm/dev/slurm-root.sh), where the host's /var/log is
+    bound too (HPKIT_SLURM_BINDS), so that the job's bundle mounts the host's, as on a real node."""
+    env = _cluster(
+        tmp_path_factory, "oci-24.11", 6, slurm="24.11", base={**os.environ, "HPKIT_SLURM_BINDS": "/var/log"}
+    )
     yield env
     devcluster.down(env)
 
@@ -280,3 +292,25 @@ def test_a_container_srun_ignores_stops_the_job_with_one_line_per_node(
         line = next((x for x in check.stdout.splitlines() if "container-runs" in x), "")
         assert line.startswith(verdict), check.stdout + check.stderr
         assert bool(re.search(r"node\d's host, not in the image", line)) == (verdict == "FAIL"), line
+
+
+def test_srun_launcher_runs_a_container_per_rank_on_24_11(
+    cluster_24_11, jobs, bundle: Path, var_log_marker: Path, tmp_path: Path
+) -> None:
+    """Slurm 24.11 runs a container per task, several per node: launcher: srun (4 ranks, 2 a node) inside the
+    image gives the losses of torchrun's job outside it (22.05 refuses it at submit: the bad-input test)."""
+    folder, _ = jobs
+    container = {
+        "runtime": "oci",
+        "image": str(bundle),
+        "mounts": [f"{tmp_path}:{tmp_path}"],
+        "startup_check": "fail",
+    }
+    marker = var_log_marker.name
+    spec = _spec(tmp_path, "srun-in", container=container, ckpt="ckpt", launcher="srun", marker=marker)
+    status, printed, log = _submit(cluster_24_11, spec)
+    assert status == 0, f"{printed}\n{log}"
+    inside = re.findall(r"WHERE rank=(\d) image=(\w+) var_log=(\S+)", log)
+    assert sorted(inside) == [(str(r), "yes", marker) for r in range(4)], log
+    assert log.count("hpkit-entrypoint:") == 2, log  # the start-up check once per node
+    assert _losses(tmp_path, "srun-in") == pytest.approx(_losses(folder, "out"), rel=1e-6, abs=0)
