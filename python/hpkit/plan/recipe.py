@@ -7,6 +7,7 @@ from typing import Any
 
 import yaml
 
+from hpkit.plan.layout import Layout
 from hpkit.plan.search import SearchResult, why_lost
 from hpkit.plan.speed import Hardware
 
@@ -47,7 +48,18 @@ def spec_text(
     miss = result.closest_miss()
     if miss is not None:
         comments.append(f"  closest that does not fit: {miss.layout.describe()}: {miss.problem}")
-    spec: dict[str, Any] = {
+    body = yaml.safe_dump(
+        layout_spec(name, model, hw, nodes, layout), sort_keys=False, default_flow_style=None
+    )
+    return "".join(f"# {line}\n" for line in comments) + body
+
+
+def layout_spec(
+    name: str, model: dict[str, Any], hw: Hardware, nodes: int, layout: Layout, steps: int = DEFAULT_STEPS
+) -> dict[str, Any]:
+    """The job spec for one layout, as a mapping: what --write writes, and what each of --trial's jobs starts
+    from (hpkit.plan.trial puts a base spec's job fields over it)."""
+    return {
         "name": name,
         "nodes": nodes,
         "gpus_per_node": hw.gpus_per_node,
@@ -56,7 +68,5 @@ def spec_text(
         "command": ["hpkit", "train"],
         "parallelism": layout.parallelism_fields(),
         "model": model,
-        "train": {"steps": DEFAULT_STEPS, **layout.train_fields()},
+        "train": {"steps": steps, **layout.train_fields()},
     }
-    body = yaml.safe_dump(spec, sort_keys=False, default_flow_style=None)
-    return "".join(f"# {line}\n" for line in comments) + body
