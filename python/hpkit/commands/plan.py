@@ -2,6 +2,8 @@
 
     hpkit plan MODEL --instance TYPE --nodes N [--seq S] [--global-batch B | --global-tokens T] ...
     hpkit plan job.yaml [--instance TYPE] [--json]
+    hpkit plan MODEL|job.yaml ... --trial K [--spec-base job.yaml]   # run the top K as short jobs
+
 
 Torch-free (a login node runs it): the memory model (hpkit.plan.memory), the speed model (hpkit.plan.speed)
 and the search (hpkit.plan.search) are arithmetic over the catalog's figures.
@@ -44,7 +46,9 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     batch.add_argument("--global-batch", type=positive_int, help="sequences per step (default: one per GPU)")
     batch.add_argument("--global-tokens", type=positive_int, help="tokens per step (a multiple of --seq)")
     p.add_argument(
-        "--precision", choices=("bf16", "fp32"), default="bf16", help="mixed precision (default bf16)"
+        "--precision",
+        choices=("bf16", "fp32"),
+        help="mixed precision (default bf16; with --trial, a spec's own)",
     )
     p.add_argument("--top", type=positive_int, default=5, help="layouts to print (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
@@ -61,6 +65,28 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         help="measured inter-node bandwidth: the pairs-JOB.json `hpkit check --all-nodes --bandwidth` wrote "
         "(its nodes' median best all_reduce busbw replaces the catalog's EFA figure)",
     )
+    trial = p.add_argument_group("trials (submit the top layouts as short jobs and measure them)")
+    trial.add_argument(
+        "--trial",
+        type=positive_int,
+        metavar="K",
+        help="submit the top K layouts as short jobs through `hpkit submit`'s path, wait, and print predicted "
+        "and measured tokens/s and peak memory side by side, re-ranked by the measurement. With a job spec: "
+        "the search is over that spec's model and world, and the jobs take its job fields",
+    )
+    trial.add_argument(
+        "--spec-base",
+        metavar="JOB_YAML",
+        help="with MODEL --trial: the job spec whose job fields (partition, time_limit, output_dir, container, "
+        "launcher, env, ...) the trials take (default: the cluster's defaults, named in one line)",
+    )
+    trial.add_argument(
+        "--trial-steps",
+        type=positive_int,
+        default=8,
+        help="steps each trial runs (default 8); the first 2 are warm-up, the median of the rest is measured",
+    )
+    trial.add_argument("--poll", type=float, default=2.0, help="seconds between Slurm polls (default 2)")
     return p
 
 
@@ -139,18 +165,53 @@ def main(argv: list[str], prog: str = "hpkit plan") -> int:
         document = read_document(target)
         if isinstance(document, dict) and set(document) == {"model"}:
             return _search(args, document["model"])  # a file of a model: block alone: a shape with overrides
+        if args.trial:
+            if args.spec_base:
+                raise SpecError(f"--spec-base: {args.target} is a job spec already: its job fields are used")
+            return _search(args, base=_load_spec(target))
         return _judge_spec(args, target)
-    return _search(args)
+    if args.spec_base and not args.trial:
+        raise SpecError("--spec-base: only with --trial K (the job fields of the trial jobs)")
+    return _search(args, base=_load_spec(Path(args.spec_base)) if args.spec_base else None)
 
 
-def _search(args: argparse.Namespace, model: Any = None) -> int:
+def _load_spec(path: Path) -> Any:
+    from hpkit.spec import JobSpec
+    from hpkit.validation import load_document
+
+    return load_document(JobSpec, path)
+
+
+def _search(args: argparse.Namespace, model: Any = None, base: Any = None) -> int:
+    """Rank the layouts for a model (a shape, a model: block, or, with --trial on a spec, the spec's own
+    model, world and batch); `base` is the job spec whose job fields --trial's jobs take."""
+    from dataclasses import replace
+
     from hpkit.plan import report
     from hpkit.plan.search import search
     from hpkit.plan.shapes import resolve_model, shape_of_spec
 
+    spec_mode = base is not None and not args.spec_base  # --trial on a job spec: its model, world and batch
+    if spec_mode:
+        args.nodes = args.nodes or base.nodes
+        args.instance = args.instance or base.instance_type
+        if not args.instance:
+            raise SpecError(f"{args.target}: instance_type: missing: set it in the spec, or give --instance")
     if args.nodes is None:
         raise SpecError("--nodes: missing: how many nodes the job runs on")
-    if model is not None:
+    spec_batch = None
+    if spec_mode:
+        from hpkit.plan.layout import Layout
+
+        device = "cuda" if base.gpus_per_node else "cpu"
+        spec_layout = Layout.from_run_config(base, world=base.world_size, device_type=device)
+        args.precision = args.precision or spec_layout.precision
+        spec_batch = spec_layout.global_batch * args.nodes // base.nodes
+        model = base.model.model_dump(mode="json", exclude_defaults=True)
+        seq = args.seq or base.model.seq_len
+        model["seq_len"] = seq
+        shape = replace(shape_of_spec(base.model), seq_len=seq)
+    elif model is not None:
         from hpkit.runtime.config import ModelSpec
         from hpkit.validation import parse_document
 
@@ -166,14 +227,22 @@ def _search(args: argparse.Namespace, model: Any = None) -> int:
     else:
         seq = args.seq or DEFAULT_SEQ
         shape = resolve_model(args.target, seq)
+    args.precision = args.precision or "bf16"
     hw, gpu_gib = _hardware(args.instance, args.precision, args.network)
+    if base is not None:
+        # The trial jobs run the base's ranks per node (tasks_per_node, or gpus_per_node): so does the search.
+        hw = replace(hw, gpus_per_node=base.ranks_per_node)
     world = args.nodes * hw.gpus_per_node
     if args.global_tokens is not None:
         if args.global_tokens % seq:
             raise SpecError(f"--global-tokens {args.global_tokens}: not a multiple of --seq {seq}")
         global_batch = args.global_tokens // seq
     else:
-        global_batch = args.global_batch or world
+        global_batch = args.global_batch or spec_batch or world
+    if args.trial and args.trial_steps <= _trial_warmup():
+        raise SpecError(
+            f"--trial-steps {args.trial_steps}: give more than {_trial_warmup()} (the first are warm-up)"
+        )
     result = search(shape, hw, args.nodes, global_batch, args.precision, args.instance, gpu_gib)
     title = (
         f"{args.target} on {args.nodes} x {hw.name} ({world} GPUs, {gpu_gib:g} GiB each), seq {seq}, "
@@ -198,6 +267,7 @@ def _search(args: argparse.Namespace, model: Any = None) -> int:
         check = _torch_check(shape, fsdp_only[0])
     if args.write:
         _write(Path(args.write), args, model, hw, result, seq)
+    trials = _trials(args, model, seq, hw, result, base, spec_mode) if args.trial else None
     if args.json:
         meta = {
             "model": args.target,
@@ -209,6 +279,8 @@ def _search(args: argparse.Namespace, model: Any = None) -> int:
         document = report.search_json(meta, result, args.top)
         if check is not None:
             document["torch_check"] = check
+        if trials is not None:
+            document["trials"] = [t.to_json() for t in trials]
         print(json.dumps(document, indent=2))
     else:
         print(report.search_text(title, result, args.top))
@@ -216,7 +288,63 @@ def _search(args: argparse.Namespace, model: Any = None) -> int:
             print("\n" + _torch_line(check))
         if args.write:
             print(f"\nwrote {args.write}")
+        if trials is not None:
+            from hpkit.plan.trial import table
+
+            print(f"\ntrials, re-ranked by measured tokens/s per GPU ({args.trial_steps} steps each):")
+            print(table(trials))
+    if trials is not None and not any(t.measured for t in trials):
+        return 1  # no trial measured anything: the table says why
     return 0
+
+
+def _trial_warmup() -> int:
+    from hpkit.plan.trial import WARMUP_STEPS
+
+    return WARMUP_STEPS
+
+
+def _trials(
+    args: argparse.Namespace, model: Any, seq: int, hw: Any, result: Any, base: Any, spec_mode: bool
+) -> list[Any]:
+    """--trial: the top K as short jobs under the base's job fields, submitted, waited for and measured."""
+    from hpkit.plan import trial
+    from hpkit.plan.recipe import model_block
+    from hpkit.slurm import get_backend
+
+    if model is None:
+        model = model_block(args.target, seq)
+    elif not spec_mode:
+        model = dict(model, seq_len=seq)
+    if base is None:
+        print(
+            "hpkit plan: note: --trial without --spec-base: the trial jobs take "
+            + ", ".join(trial.DEFAULTED)
+            + ": give --spec-base job.yaml to set them",
+            file=sys.stderr,
+        )
+        dumped = None
+        prefix = "plan-" + "".join(ch if ch.isalnum() else "-" for ch in Path(args.target).name.lower())
+    else:
+        dumped = base.model_dump(mode="json")
+        prefix = base.name
+        if not base.time_limit:
+            print(
+                f"hpkit plan: note: {args.spec_base or args.target} names no time_limit: the trial jobs "
+                f"take {trial.DEFAULT_TIME_LIMIT}",
+                file=sys.stderr,
+            )
+    job = trial.job_fields(dumped, hw, args.nodes)
+    base_train = dumped["train"] if dumped else None
+    trials = trial.choose(result, args.trial, prefix)
+    specs = [trial.trial_spec(t, model, hw, args.nodes, job, base_train, args.trial_steps) for t in trials]
+    # Where the trials' specs go: beside their snapshots and logs, in the jobs' output_dir (as prepare puts it).
+    workdir = Path(job["workdir"]) if job.get("workdir") else Path.cwd()
+    folder = workdir.resolve() / job.get("output_dir", "logs")
+    done = trial.run_trials(
+        trials, specs, folder, get_backend(), args.nodes * hw.gpus_per_node, poll_s=args.poll
+    )
+    return trial.rerank(done)
 
 
 def _judge_spec(args: argparse.Namespace, path: Path) -> int:
