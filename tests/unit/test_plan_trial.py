@@ -101,6 +101,8 @@ def test_a_trial_is_the_written_spec_under_the_base_job_fields(
         {"NCCL_DEBUG": "WARN"},
     )
     assert (spec["name"], spec["nodes"], spec["tasks_per_node"]) == ("tiny-trial2", 2, 1)
+    # The base names no instance_type: neither does its trial (the search's --instance is for the prediction).
+    assert "instance_type" not in spec and spec["gpus_per_node"] == 0
     train = spec["train"]
     assert train["steps"] == 6 and train["log_every"] == 1 and train["lr"] == 0.01
     assert train["local_batch_size"] == t.candidate.layout.local_batch_size

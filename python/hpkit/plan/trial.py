@@ -138,11 +138,12 @@ def trial_spec(
     """The spec `--write` writes for the trial's layout (recipe.layout_spec), with the base's job fields over
     it and the base's train fields under the layout's, for `steps` steps logged one by one."""
     spec = layout_spec(trial.name, model, hw, nodes, trial.candidate.layout, steps)
-    spec |= {k: v for k, v in job.items() if v is not None}
+    spec |= job
     spec["name"], spec["nodes"] = trial.name, nodes
     train = {k: v for k, v in (base_train or {}).items() if k not in ("steps", "warmup_steps")}
     spec["train"] = {**train, **spec["train"], **_TRIAL_TRAIN}
-    return spec
+    # A base that names no instance_type (or partition, ...) leaves it out, as its own job does.
+    return {k: v for k, v in spec.items() if v is not None}
 
 
 def measure(log: MetricsLog, world: int, warmup: int = WARMUP_STEPS) -> Measured | None:
