@@ -88,7 +88,7 @@ def test_a_trial_is_the_written_spec_under_the_base_job_fields(
     monkeypatch.chdir(tmp_path)  # prepare writes into output_dir, from here
     base = JobSpec.model_validate(base_spec()).model_dump(mode="json")
     t = trial.choose(result, 2, "tiny")[1]
-    job = trial.job_fields(base, HW, 2)
+    job = trial.job_fields(base, HW)
     spec = trial.trial_spec(t, base["model"], HW, 2, job, base["train"], steps=6)
     written = layout_spec(t.name, base["model"], HW, 2, t.candidate.layout, 6)
     # The layout and model are --write's; the job-level fields are the base's.
@@ -125,7 +125,7 @@ def test_without_a_base_the_trial_takes_named_defaults(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     t = trial.choose(result, 1, "plan-debug")[0]
-    spec = trial.trial_spec(t, dict(TINY), HW, 2, trial.job_fields(None, HW, 2))
+    spec = trial.trial_spec(t, dict(TINY), HW, 2, trial.job_fields(None, HW))
     assert spec["time_limit"] == trial.DEFAULT_TIME_LIMIT and spec["output_dir"] == trial.DEFAULT_OUTPUT_DIR
     assert spec["gpus_per_node"] == 1 and spec["instance_type"] == "p5.48xlarge"
     assert spec["train"]["steps"] == trial.TRIAL_STEPS
@@ -207,7 +207,7 @@ def test_a_refused_spec_is_a_row_and_nothing_is_submitted(result: SearchResult, 
     base = base_spec(container={"runtime": "oci", "image": str(tmp_path / "no-bundle")}, launcher="torchrun")
     base = JobSpec.model_validate(base).model_dump(mode="json")
     trials = trial.choose(result, 2, "tiny")
-    job = trial.job_fields(base, HW, 2)
+    job = trial.job_fields(base, HW)
     specs = [trial.trial_spec(t, base["model"], HW, 2, job, base["train"]) for t in trials]
     # No job reaches Slurm, so the backend is never asked (None would raise if it were).
     done = trial.run_trials(trials, specs, tmp_path, None, world=2)  # type: ignore[arg-type]

@@ -334,7 +334,7 @@ def _trials(
                 f"take {trial.DEFAULT_TIME_LIMIT}",
                 file=sys.stderr,
             )
-    job = trial.job_fields(dumped, hw, args.nodes)
+    job = trial.job_fields(dumped, hw)
     base_train = dumped["train"] if dumped else None
     trials = trial.choose(result, args.trial, prefix)
     specs = [trial.trial_spec(t, model, hw, args.nodes, job, base_train, args.trial_steps) for t in trials]

@@ -100,7 +100,7 @@ def choose(result: SearchResult, k: int, prefix: str) -> list[Trial]:
     return [Trial(i + 1, c, f"{prefix}-trial{i + 1}") for i, c in enumerate(result.ranked[:k])]
 
 
-def job_fields(base: dict[str, Any] | None, hw: Hardware, nodes: int) -> dict[str, Any]:
+def job_fields(base: dict[str, Any] | None, hw: Hardware) -> dict[str, Any]:
     """A trial's job-level fields: the base spec's (validated: its defaults spelled out) where there is one,
     else the defaults DEFAULTED names. Never the base's name or node count: the search's."""
     if base is None:
