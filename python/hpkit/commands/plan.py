@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from hpkit.arg_types import positive_int
+from hpkit.arg_types import positive_float, positive_int
 from hpkit.errors import HpkitError, SpecError
 
 DEFAULT_SEQ = 8192
@@ -84,9 +84,16 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--trial-steps",
         type=positive_int,
         default=8,
+        metavar="N",
         help="steps each trial runs (default 8); the first 2 are warm-up, the median of the rest is measured",
     )
-    trial.add_argument("--poll", type=float, default=2.0, help="seconds between Slurm polls (default 2)")
+    trial.add_argument(
+        "--poll",
+        type=positive_float,
+        default=2.0,
+        metavar="S",
+        help="seconds between Slurm polls (default 2)",
+    )
     return p
 
 
