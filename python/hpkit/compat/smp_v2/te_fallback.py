@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import importlib.machinery
 import importlib.util
 import sys
 import types
@@ -51,6 +52,12 @@ def install() -> None:
     root.common, common.recipe, root.pytorch = common, recipe, pytorch
     for module in (root, common, recipe, pytorch):
         sys.modules[module.__name__] = module
+    for module in (root, common, recipe, pytorch):
+        # A module in sys.modules without a spec makes importlib.util.find_spec raise ValueError, which is
+        # how other libraries probe for Transformer Engine (peft, imported by transformers.set_seed's module).
+        module.__spec__ = importlib.machinery.ModuleSpec(
+            module.__name__, None, is_package=hasattr(module, "__path__")
+        )
     root._hpkit_stand_in = True
 
 
