@@ -218,6 +218,9 @@ class MoE(nn.Module):
         # Forwards to leave out of the counters: a pipeline stage's first forward is torch's metadata
         # inference (hpkit.runtime.trainer sets this), which the job never trains on.
         self.skip_forwards = 0
+        # What the auxiliary loss's gradient is scaled by: a pipeline schedule that sums its microbatches'
+        # gradients sets 1/microbatches (hpkit.runtime.trainer).
+        self.aux_grad_scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bs, seq, dim = x.shape
@@ -249,7 +252,7 @@ class MoE(nn.Module):
                 self.aux_sum += aux.detach()
                 self.aux_calls += 1
         if self.training and torch.is_grad_enabled() and self.aux_weight:
-            out = AuxLossGrad.apply(out, aux * self.aux_weight)
+            out = AuxLossGrad.apply(out, aux * (self.aux_weight * self.aux_grad_scale))
         return out.view(bs, seq, dim)
 
     def take_stats(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

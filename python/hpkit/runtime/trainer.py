@@ -167,6 +167,9 @@ class Trainer:
             # before the first real microbatch: keep it out of the MoE load figures.
             for _, moe in self.moe_blocks:
                 moe.skip_forwards = 1
+                # The schedule sums its microbatches' gradients (scale_grads off, runtime.loss): each
+                # microbatch's auxiliary loss is its 1/microbatches share of the batch's, as one forward's is.
+                moe.aux_grad_scale = 1.0 / self.cfg.parallelism.microbatches
         self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
         # One optimizer per part: DCP's optimizer state dict maps parameters to names through one module.
         self.optimizers = [self._build_optimizer(part) for part in self.model_parts]
