@@ -18,6 +18,7 @@ from _torchrun import REPO, torch_env
 
 sys.path.insert(0, str(REPO / "bench"))
 from _hang_trials import beats as read_beats  # the heartbeat reader the hang drills use
+from hpkit.runtime.hang_board import clear_reports
 
 MIN_S = 5.0
 
@@ -48,6 +49,9 @@ def test_a_stopped_rank_is_named_with_every_ranks_stacks(tmp_path):
         text=True,
     )
     out = tmp_path / "out"
+    # A rerun of the suite has this same folder, and the rank it stopped and killed then left its node-local
+    # report: without this, the poll below could read that dead run's pid before this run's rank 1 writes.
+    clear_reports(out / "hangs")
     try:
         # The event: rank 1 has finished three steps (its heartbeat says so); then it is stopped.
         deadline = time.monotonic() + 180
