@@ -100,7 +100,7 @@ def test_all_nodes_check_answers_for_every_node(wide: dict[str, str], tmp_path: 
     assert every["exclude"] == [] and every["facts_differ"] == {}, every["exclude"]
 
 
-@pytest.mark.skipif(not WIDE, reason="32 torch processes: the wide version only (HPKIT_SCALE_TESTS=1)")
+@pytest.mark.scale_wide  # 32 torch processes: collected only with HPKIT_SCALE_TESTS=1 (tests/conftest.py)
 def test_all_nodes_bandwidth_names_the_slowed_node_and_no_other(wide: dict[str, str], tmp_path: Path) -> None:
     devcluster.slow(wide, SLOW, rate="10mbit")
     try:
