@@ -18,6 +18,20 @@ SCRIPT = REPO / "scripts" / "check-prereqs.sh"
 HEAVY_MODULES = ("torch", "numpy", "pydantic", "jinja2", "rich", "yaml")
 
 
+# The rows of the login profile, as both ways of running it (hpkit check, the system-Python script) print them.
+LOGIN_CHECKS = {
+    "python",
+    "imds",
+    "slurm",
+    "topology",
+    "pyxis",
+    "container-runs",
+    "enroot",
+    "shared-fs",
+    "disk",
+}
+
+
 def _closed_port() -> str:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
@@ -59,17 +73,7 @@ def test_login_profile_end_to_end_imports_nothing_heavy(env: dict[str, str]) -> 
     done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert done.returncode in (0, 1), done.stderr
     verdicts = _verdicts(done.stdout)
-    assert set(verdicts) == {
-        "python",
-        "imds",
-        "slurm",
-        "topology",
-        "pyxis",
-        "container-runs",
-        "enroot",
-        "shared-fs",
-        "disk",
-    }
+    assert set(verdicts) == LOGIN_CHECKS
     # This Python passes; the endpoint is a closed port, which a login node only warns about.
     assert verdicts["python"] == "PASS" and verdicts["imds"] == "WARN", verdicts
     assert done.returncode == (1 if "FAIL" in verdicts.values() else 0)
@@ -145,17 +149,7 @@ def test_script_runs_on_the_system_python_with_no_venv(tmp_path: Path) -> None:
     )
     assert done.returncode in (0, 1), done.stderr
     rows = {row["name"]: row for row in json.loads(done.stdout)["checks"]}
-    assert set(rows) == {
-        "python",
-        "imds",
-        "slurm",
-        "topology",
-        "pyxis",
-        "container-runs",
-        "enroot",
-        "shared-fs",
-        "disk",
-    }
+    assert set(rows) == LOGIN_CHECKS
     assert rows["python"]["detail"].endswith(f" at {system}"), rows["python"]
     assert done.returncode == (1 if any(r["status"] == "FAIL" for r in rows.values()) else 0)
 
