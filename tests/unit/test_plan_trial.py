@@ -1,6 +1,6 @@
 """`hpkit plan --trial`'s pure parts: which layouts, each trial's spec, reading a metrics file, the verdict on a
 failed job, the re-ranking and the table; and its bad input as one line. The jobs themselves:
-tests/integration/test_plan_trial.py."""
+tests/integration/test_plan_trial_jobs.py."""
 
 from __future__ import annotations
 

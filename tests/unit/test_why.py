@@ -427,6 +427,20 @@ def test_out_of_memory_names_the_record_node_and_rank():
     assert_cited(v, OOM)
 
 
+def test_out_of_memory_summary_is_the_steps_record_when_the_batch_line_comes_first():
+    # slurmstepd writes the batch step's line and the step's line in either order (CI saw the batch's first).
+    batch_first = (
+        "slurmstepd-node1: error: Exceeded job memory limit\n"
+        "0: slurmstepd-node1: error: StepId=5804.0 exceeded memory limit (274030592 > 209715200), being killed\n"
+        "srun: error: node1: task 0: Killed\n"
+    )
+    v = decide(facts(batch_first, [record("FAILED", exit_code="137:0")], torchrun=False))
+    assert v.kind == why.OUT_OF_MEMORY and v.node == "node1" and v.rank == 0
+    assert v.summary == (
+        "out of memory on node1 (rank 0): StepId=5804.0 exceeded memory limit (274030592 > 209715200), being killed"
+    )
+
+
 @pytest.mark.parametrize(
     "line",
     [

@@ -29,6 +29,7 @@ The rule, first match wins:
 from __future__ import annotations
 
 import pwd
+import re
 import signal as signals
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,6 +63,7 @@ HANG_RESTARTED = "hang_restarted"  # the supervisor's restart event after a hang
 HANG_VERDICT = "hang_verdict"  # the watchdog's <output_dir>/hangs/<job>-<restart>-...-step<N>/verdict.json
 NODE_LOST = "node_lost"
 OOM_RECORD = "oom_record"
+_STEP_OVER_LIMIT = re.compile(r"StepId=\S+ exceeded memory limit")
 TIME_LIMIT_RECORD = "time_limit_record"
 PREEMPT_RECORD = "preempt_record"
 CANCEL_RECORD = "cancel_record"  # "*** JOB N ON node CANCELLED AT T ***" (no reason: someone cancelled it)
@@ -361,7 +363,9 @@ def _out_of_memory(found: _Found, record: SlurmRecord | None, torchrun: bool | N
     oom = found.of(OOM_RECORD)
     if not oom and not (record and record.state == "OUT_OF_MEMORY"):
         return None
-    first = oom[0] if oom else None
+    # The step's own record names the step and its usage against the limit; the batch step's "Exceeded job memory
+    # limit" only follows from it, and the two reach the output in either order.
+    first = next((f for f in oom if _STEP_OVER_LIMIT.search(f.detail)), oom[0]) if oom else None
     node = next((f.node for f in oom if f.node), None)
     killed = [
         t for t in found.of(TASK_FAILED) if t.signal == signals.SIGKILL and (node is None or t.node == node)
