@@ -7,6 +7,9 @@ Faults, and where their timestamp comes from:
 - `sigstop`: SIGSTOP to one rank's process (the drill's clock, just before the signal);
 - `sleep`: the rank sleeps in Python before a step (HPKIT_FAULT hang, its own log line's clock);
 - `skip`: the rank leaves out the step's loss all-reduce and goes on (HPKIT_FAULT skip, its log line's clock);
+- `sigstop-in-save`: SIGSTOP to one rank inside a checkpoint save (HPKIT_FAULT slow_save holds every rank in
+  the save of step FAULT_STEP for SAVE_HOLD_S; the signal once every rank's fault line is written): its peers
+  wait for it in the save, still saying "save" (the drill's clock);
 - `frozen-node`: SIGSTOP to every process of one node, its torchrun agent included (the drill's clock).
   Node 0 (nodeA) holds rank 0 and torchrun's store, which carries the watchdog's reports: its freezing is
   found by the store's silence (reason "store"). Node 1 (nodeB) holds the judge: its freezing is found by the
@@ -32,7 +35,9 @@ from hpkit.runtime.hang_board import clear_reports, reports_of
 NODES = ("nodeA", "nodeB")
 PER_NODE = 2
 FAULT_STEP = 6
-FAULTS = ("sigstop", "sleep", "skip", "frozen-node")
+FAULTS = ("sigstop", "sleep", "skip", "frozen-node", "sigstop-in-save")
+# How long slow_save holds each rank in the save of FAULT_STEP: far longer than the detection takes.
+SAVE_HOLD_S = 60
 
 
 @dataclass
@@ -177,10 +182,24 @@ def run_trial(
         env["HPKIT_FAULT"] = f"hang:rank={trial.target},step={FAULT_STEP}"
     elif trial.fault == "skip":
         env["HPKIT_FAULT"] = f"skip:rank={trial.target},step={FAULT_STEP}"
-    agents = launch(out, min_s, env, node_env=node_env)
+    elif trial.fault == "sigstop-in-save":
+        env["HPKIT_FAULT"] = f"slow_save:seconds={SAVE_HOLD_S},step={FAULT_STEP}"
+    in_save = trial.fault == "sigstop-in-save"
+    agents = launch(out, min_s, env, checkpoint_every=FAULT_STEP if in_save else None, node_env=node_env)
     deadline = time.time() + timeout_s
     try:
-        if trial.fault in ("sleep", "skip"):
+        if in_save:
+            # The event: every rank wrote its slow_save line, so every rank is inside the save of FAULT_STEP.
+            while time.time() < deadline:
+                lines = fault_log.read_text().splitlines() if fault_log.exists() else []
+                if len({json.loads(line)["rank"] for line in lines}) == 2 * PER_NODE:
+                    break
+                time.sleep(0.05)
+            else:
+                raise TimeoutError("the ranks never reached the save")
+            trial.injected_at = time.time()
+            os.kill(beats(out)[trial.target]["pid"], signal.SIGSTOP)
+        elif trial.fault in ("sleep", "skip"):
             while time.time() < deadline and not (fault_log.exists() and fault_log.read_text().strip()):
                 time.sleep(0.05)
             trial.injected_at = json.loads(fault_log.read_text().splitlines()[0])["at"]

@@ -9,9 +9,11 @@ ranks, wall and monotonic both), as on a cluster whose NTP has drifted:
 - nodeA frozen (its torchrun agent and both ranks SIGSTOPped): it holds rank 0 and torchrun's store, through
   which the nodes report, so nodeB finds the store silent and names nodeA;
 - nodeB frozen: it holds the judge; the standby on nodeA takes over and names nodeB;
-- a rank stopped on the skewed node after 15 s of clean training (no hang called in those 15 s): named.
+- a rank stopped on the skewed node after 15 s of clean training (no hang called in those 15 s): named;
+- a rank stopped inside a checkpoint save (every rank held there by HPKIT_FAULT slow_save): its peers wait for
+  it still saying "save", which holds the clock for a save, not for a rank that stopped: named.
 
-All four drills run side by side. How fast each is named is the bench's to measure (bench_hang_detection.py).
+All five drills run side by side. How fast each is named is the bench's to measure (bench_hang_detection.py).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from _hang_trials import Trial, run_trial, skewed
+from _hang_trials import SAVE_HOLD_S, Trial, run_trial, skewed
 
 pytestmark = pytest.mark.dist
 
@@ -41,6 +43,7 @@ def drills(tmp_path_factory) -> dict[str, Trial]:
         "store-node": (Trial("frozen-node", 0), 0.0),
         "judge-node": (Trial("frozen-node", 1), 0.0),
         "skewed-rank": (Trial("sigstop", 3), CLEAN_S),
+        "in-save": (Trial("sigstop-in-save", 2), 0.0),
     }
     with ThreadPoolExecutor(len(wanted)) as pool:
         futures = {
@@ -105,3 +108,17 @@ def test_a_node_whose_clock_runs_30_s_ahead_raises_no_hang_and_its_stopped_rank_
     # Nothing of the watchdog's was written under the output folder before the hang: only the hang's own files.
     hangs = Path(verdict["stacks"]).parent
     assert sorted(p.name for p in hangs.iterdir()) == sorted([".writers", Path(verdict["stacks"]).name])
+
+
+def test_a_rank_stopped_inside_a_save_is_named_while_the_others_wait_in_it(drills):
+    trial = drills["in-save"]
+    verdict = trial.verdict
+    assert verdict is not None, trial.log[-5000:]
+    assert verdict["reason"] == "stopped" and verdict["culprits"] == [2], verdict
+    assert "rank 2 on nodeB" in verdict["line"] and "heartbeat stopped" in verdict["line"], verdict
+    # Named inside the save of step 6 (every rank held there SAVE_HOLD_S; the stopped rank's last frame is the
+    # held save's), not by the collective timeout, and nothing of that save committed.
+    assert "in before_save" in verdict["top_frames"]["2"], verdict
+    assert trial.detection_s < SAVE_HOLD_S, trial.detection_s
+    ckpt = Path(verdict["stacks"]).parents[1] / "ckpt"
+    assert not (ckpt / "step-00000006").exists(), sorted(p.name for p in ckpt.iterdir())

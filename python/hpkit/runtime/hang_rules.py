@@ -7,6 +7,7 @@ ever compared with another host's, so nodes whose clocks disagree by minutes are
 - stalled: no rank has finished a step for `max(min_s, factor x median step time)`; a live rank in a checkpoint
   save or in the start-up load (first step included) holds the clock, since those are long by design; no
   verdict while some rank's report is between fresh and stale (`LATE_S`..`STALE_S` old: it may be freezing);
+  a rank silent for the whole limit is judged whatever the phase (the others wait for it in the save);
 - culprit, compared per process group as the flight recorder's analyser does:
   - stopped: a rank whose reports stopped (a stopped process, a frozen or cut-off node) is named first, and a
     node all of whose ranks stopped is named as a node;
@@ -131,14 +132,17 @@ def decide(
     """A verdict when the job is stalled, else None."""
     if len(views) < world:
         return None  # not every rank has reported yet: nothing to compare
-    # Only the live ranks' phases count: a rank that stopped inside a save would otherwise hold the clock
-    # for ever (it is the culprit, not a reason to wait).
-    live = [v for v in views if v.live]
-    if any(v.phase == "save" for v in live):
-        return None  # a checkpoint save is long by design (and ends in a collective the others wait in)
-    if any(v.phase == "start" and v.since_step_s < start_s for v in live):
-        return None  # the start-up load and first step: allowed start_s
     limit = threshold_s([v.median_step_s for v in views if v.median_step_s], min_s, factor)
+    # Only the live ranks' phases count: a rank that stopped inside a save would otherwise hold the clock
+    # for ever (it is the culprit, not a reason to wait). And none counts once a rank has been silent for the
+    # whole limit: its live peers wait for it in the save's (or the first step's) collectives, still saying
+    # "save", and would hold the clock until the collective timeout ended the job with no one named.
+    live = [v for v in views if v.live]
+    if not any(v.age_s >= limit for v in views):
+        if any(v.phase == "save" for v in live):
+            return None  # a checkpoint save is long by design (and ends in a collective the others wait in)
+        if any(v.phase == "start" and v.since_step_s < start_s for v in live):
+            return None  # the start-up load and first step: allowed start_s
     stalled = min(v.since_step_s for v in views)
     if stalled < limit:
         return None
