@@ -177,6 +177,7 @@ def drill(
     d = Drill(submit(body, work, env), step_nodes, submitted)
     metrics = work / f"{name}.jsonl"
     deadline = time.monotonic() + timeout_s
+    state_due = 0.0
     try:
         while time.monotonic() < deadline:
             if d.first_step is None:
@@ -211,9 +212,13 @@ def drill(
                     if d.verdict:
                         d.verdict_path = str(found[0])
                         d.verdict_written = found[0].stat().st_mtime
-            d.state = job_state(d.job, env)
-            if d.state and d.state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
-                break
+            # Slurm is asked once a second, the reports ten times: under load an scontrol call takes seconds, and a
+            # poll that waits for it can miss the whole stretch of steps in which the ranks are to be stopped.
+            if time.monotonic() >= state_due:
+                state_due = time.monotonic() + 1.0
+                d.state = job_state(d.job, env)
+                if d.state and d.state not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING"):
+                    break
             time.sleep(0.1)
     finally:
         if d.stopped_pid is not None:

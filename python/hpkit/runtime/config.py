@@ -362,8 +362,8 @@ class StragglerSpec(StrictModel):
         ge=0,
         description=(
             "also time each node's links every window: the first rank of each node sends this many bytes to the "
-            "next node's around a ring (on the CPU group: TCP, not the GPUs' fabric); a node whose links are "
-            "all slow is named. 0: off. Needs three nodes"
+            "next node's around a ring, three times, the fastest counted (on the CPU group: TCP, not the GPUs' "
+            "fabric); a node whose links are all slow is named. 0: off. Needs three nodes"
         ),
     )
 
