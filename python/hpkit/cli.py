@@ -7,6 +7,7 @@ and works without torch.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 # command -> (module, one-line help). Each module exposes main(argv, prog) -> exit code.
@@ -45,6 +46,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 USAGE_EXIT = 2
+SIGPIPE_EXIT = 128 + 13  # what a shell reports for a program killed by SIGPIPE
 
 
 def _usage() -> str:
@@ -73,7 +75,14 @@ def main(argv: list[str] | None = None) -> int:
         return USAGE_EXIT
     module = importlib.import_module(COMMANDS[name][0])
     try:
-        return int(module.main([name, *rest], prog=f"hpkit {name}") or 0)
+        code = int(module.main([name, *rest], prog=f"hpkit {name}") or 0)
+        sys.stdout.flush()  # here, not at exit: a reader that went away is then caught below
+        return code
+    except BrokenPipeError:
+        # `hpkit ... | head`: the reader has what it wanted. Exit as a program killed by SIGPIPE would, silently;
+        # stdout goes to /dev/null so that the interpreter's own flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_EXIT
     except HpkitError as exc:
         print(f"hpkit {name}: error: {exc}", file=sys.stderr)
         return 1

@@ -175,3 +175,14 @@ def test_check_with_torch_refuses_what_the_tracker_cannot_follow_in_one_line(
         capsys, str(REPO / "slurm/jobs/demo.yaml"), "--instance", "p4d.24xlarge", "--check-with-torch"
     )
     assert rc == 1 and err.count("\n") == 1 and "--check-with-torch follows FSDP-only layouts" in err
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly_as_sigpipe_would() -> None:
+    # `hpkit plan ... | head -3`: stdout's reader closes first. A traceback there is noise; exit 141 is what a
+    # shell reports for a program SIGPIPE ended.
+    code = (
+        "import os, sys; r, w = os.pipe(); os.close(r); os.dup2(w, 1); from hpkit.cli import main; "
+        "sys.exit(main(['plan', '8B', '--instance', 'p5.48xlarge', '--nodes', '2']))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 141 and done.stderr == "", done.stderr[-2000:]
