@@ -2,8 +2,8 @@
 
 The planner's unit of choice, and the bridge to a job spec: `Layout.from_run_config` reads the spec's
 parallelism and train blocks (degrees resolved for the world, as hpkit.runtime.parallel_dims does) and
-`to_parallelism` / `train_fields` write them back. The derived properties restate the runtime's rules
-(ParallelDims: when FSDP, DDP, HSDP are used) torch-free.
+`to_parallelism` / `train_fields` write them back. Which of FSDP, HSDP and DDP a layout gets is asked of the
+runtime's ParallelDims (torch-free to import), never restated here.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pydantic import ValidationError
 
 from hpkit.errors import SpecError
 from hpkit.runtime.config import MULTI_STAGE_SCHEDULES, ParallelismSpec, resolve_mixed_precision
+from hpkit.runtime.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from hpkit.runtime.config import RunConfig
@@ -48,17 +49,23 @@ class Layout:
         return self.dp_replicate * self.dp_shard * self.ep * self.tp * self.pp
 
     @property
+    def dims(self) -> ParallelDims:
+        """The runtime's own reading of these degrees: which of FSDP, HSDP and DDP it applies is its rule, not
+        a copy of it here."""
+        return ParallelDims(self.dp_replicate, self.dp_shard, self.tp, self.pp, self.world, self.ep)
+
+    @property
     def dp(self) -> int:
-        """Ranks that read different data: data-parallel and expert-parallel ones (ParallelDims.dp)."""
-        return self.dp_replicate * self.dp_shard * self.ep
+        """Ranks that read different data: data-parallel and expert-parallel ones."""
+        return self.dims.dp
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp_shard * self.ep > 1 or (self.dp_replicate > 1 and (self.tp > 1 or self.pp > 1))
+        return self.dims.fsdp_enabled
 
     @property
     def ddp_enabled(self) -> bool:
-        return self.dp_replicate > 1 and not self.fsdp_enabled
+        return self.dims.ddp_enabled
 
     @property
     def fsdp_shards(self) -> int:
