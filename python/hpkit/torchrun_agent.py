@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
     store = _serve(host, port) if is_host else None
     # The hang watchdog's nodes report through this store too: it lives outside the training processes.
     export(os.environ, host, port, os.environ.get(RDZV_NODE_ENV, ""))
-    _run(args)  # raises on failure: the step ends then, and nobody needs the store any more
+    if not _run_reporting(args):  # the step ends then, and nobody needs the store any more
+        raise SystemExit(1)
     if store is not None:
         _wait_for_agents(store, counter, agents - 1)
     elif agents > 1:
@@ -93,6 +94,20 @@ def _run(args: Any) -> None:
     from torch.distributed.run import run
 
     record(run)(args)
+
+
+def _run_reporting(args: Any) -> bool:
+    """`_run`; False when a worker failed, after printing torchrun's table of the failed ranks (its "Root Cause"
+    block, which `hpkit why` reads) without this agent's own Python traceback, which only says a child failed
+    and sat above every job log's real error."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    try:
+        _run(args)
+    except ChildFailedError as exc:
+        print(f"hpkit-torchrun: ChildFailedError: {exc}", file=sys.stderr, flush=True)
+        return False
+    return True
 
 
 def _endpoint(endpoint: str) -> tuple[str, int]:

@@ -40,3 +40,27 @@ def test_rdzv_conf_carries_the_decision(conf, is_host, expected):
 
 def test_each_rendezvous_counts_its_own_agents():
     assert done_key("5010") != done_key("5011")
+
+
+def test_a_failed_worker_ends_the_agent_with_torchruns_table_and_no_traceback(monkeypatch, capsys):
+    # In a job (HPKIT_RDZV_NODE set), a worker's failure prints torchrun's "Root Cause" table, which `hpkit why`
+    # reads, and exits 1 as torchrun does, without the agent's own traceback above the job's real error.
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from hpkit import torchrun_agent
+    from hpkit.jobs.why_scan import scan_output
+
+    def failing(_args):
+        raise ChildFailedError("train.py", {0: ProcessFailure(0, 4242, 3, "<N/A>")})
+
+    monkeypatch.setattr(torchrun_agent, "_run", failing)
+    monkeypatch.setenv("HPKIT_RDZV_NODE", "node1")
+    monkeypatch.setenv("SLURMD_NODENAME", "node2")
+    argv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint"]
+    with pytest.raises(SystemExit) as ended:
+        torchrun_agent.main([*argv, "127.0.0.1:29999", "--rdzv-id", "7", "train.py"])
+    assert ended.value.code == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Root Cause (first observed failure)" in err, err
+    (root,) = [f for f in scan_output(err.splitlines(True), "job.out") if f.kind == "launcher_root"]
+    assert (root.rank, root.exit_code) == (0, 3), root
