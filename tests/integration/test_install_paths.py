@@ -5,6 +5,13 @@ extra declares. Here the wheel is built once (sdist first, then the wheel from i
 and each path gets a venv of its own without the system site-packages and without PYTHONPATH, so only what
 the wheel and its declared dependencies bring is importable. torch comes from the local CPU wheel through
 pip's own configuration (find-links), as in `make setup`; downloads go through pip's cache.
+
+Where the time went (2 shared cores): seeding pip into each venv (ensurepip, 30-50 s a venv under load), three
+torch installs and a torch launch only to make a checkpoint. So the venvs are made without pip and the test's
+own pip installs into each (`pip --python`: same resolver, same wheelhouse, nothing of pip's left in the venv);
+the [train] venv's own one-process run is the checkpoint the others verify, plot and export; and [train,hf] is
+[train]'s venv with [hf] added after every [train] check has run in it (the same packages a fresh
+`pip install 'hpkit[train,hf]'` brings, from the same wheelhouse).
 """
 
 from __future__ import annotations
@@ -99,11 +106,7 @@ class Venv:
         )
 
     def ok(self, *argv: str, timeout: float = 300) -> str:
-        done = self.run(*argv, timeout=timeout)
-        assert done.returncode == 0, (
-            f"{argv}: exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-        )
-        return done.stdout
+        return _ok(self.run(*argv, timeout=timeout))
 
     def importable(self, module: str) -> bool:
         return self.run("python", "-c", f"import {module}").returncode == 0
@@ -112,7 +115,8 @@ class Venv:
 def _venv(tmp: Path, wheel: Path, house: Path, extra: str | None) -> Venv:
     started = time.monotonic()
     root = tmp / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, timeout=120)
+    # --without-pip: nothing here runs pip from inside the venv, and ensurepip was the slowest step of a light venv.
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True, timeout=120)
     env = {
         k: v
         for k, v in os.environ.items()
@@ -128,12 +132,23 @@ def _venv(tmp: Path, wheel: Path, house: Path, extra: str | None) -> Venv:
         AWS_EC2_METADATA_SERVICE_ENDPOINT=_closed_port(),
     )
     venv = Venv(root, env, tmp)
+    _install(venv, wheel, house, extra)
+    where = venv.ok("python", "-c", "import hpkit; print(hpkit.__file__)").strip()
+    assert Path(where).is_relative_to(root), f"hpkit came from {where}, not the venv"
+    print(f"venv {extra or 'core'}: installed in {time.monotonic() - started:.1f} s")
+    return venv
+
+
+def _install(venv: Venv, wheel: Path, house: Path, extra: str | None) -> None:
+    """pip resolves the extra's declared requirements against the wheelhouse alone and installs into the venv."""
     requirement = f"{wheel}[{extra}]" if extra else str(wheel)
     # --no-compile: byte-compiling all of torch up front costs more than the few modules a run imports.
     venv.ok(
-        "python",
+        sys.executable,
         "-m",
         "pip",
+        "--python",
+        str(venv.root / "bin" / "python"),
         "install",
         "--quiet",
         "--no-compile",
@@ -143,27 +158,55 @@ def _venv(tmp: Path, wheel: Path, house: Path, extra: str | None) -> Venv:
         requirement,
         timeout=600,
     )
-    where = venv.ok("python", "-c", "import hpkit; print(hpkit.__file__)").strip()
-    assert Path(where).is_relative_to(root), f"hpkit came from {where}, not the venv"
-    print(f"venv {extra or 'core'}: installed in {time.monotonic() - started:.1f} s")
-    return venv
+
+
+@dataclass
+class TrainVenv:
+    """The [train] venv and what ran in it while [train] alone was installed."""
+
+    venv: Venv
+    docker_importable: bool
+    one: subprocess.CompletedProcess
+    two: subprocess.CompletedProcess
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    """A checkpoint and a metrics file from a 2-step run of this checkout (the test's own Python has torch):
-    what the venvs below verify, plot and export without training themselves."""
-    tmp = tmp_path_factory.mktemp("trained")
-    done = subprocess.run(
-        [sys.executable, "-m", "hpkit", "train", "--config", str(_train_config(tmp, "fixture"))],
-        env={**os.environ, "PYTHONPATH": str(REPO / "python"), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+def train_venv(wheel: Path, wheelhouse: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainVenv:
+    """Both runs happen here, before the hf test can add [hf] to this venv, whichever test asks first; the
+    train test asserts on them. The one-process run is also the checkpoint and metrics of `trained`."""
+    tmp = tmp_path_factory.mktemp("train")
+    venv = _venv(tmp, wheel, wheelhouse, "train")
+    docker = venv.importable("docker")
+    one = venv.run("hpkit", "train", "--config", str(_train_config(tmp, "one")))
+    two = venv.run(
+        "torchrun",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "hpkit",
+        "train",
+        "--config",
+        str(_train_config(tmp, "two")),
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    (metrics,) = (tmp / "out").glob("*.metrics.jsonl")
-    return tmp / "ckpt-fixture", metrics
+    return TrainVenv(venv, docker, one, two)
+
+
+def _ok(done: subprocess.CompletedProcess) -> str:
+    assert done.returncode == 0, (
+        f"{done.args}: exit {done.returncode}\n{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
+    )
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def trained(train_venv: TrainVenv) -> tuple[Path, Path]:
+    """A checkpoint and a metrics file from the [train] venv's 2-step run on one process: what the venvs below
+    verify, plot and export without training themselves."""
+    _ok(train_venv.one)
+    tmp = train_venv.venv.cwd
+    (metrics,) = (tmp / "out").glob("install-one-*.metrics.jsonl")
+    return tmp / "ckpt-one", metrics
 
 
 def test_core_checks_and_renders_from_the_wheel(
@@ -222,26 +265,13 @@ def _train_config(tmp: Path, tag: str) -> Path:
     return path
 
 
-def test_train_extra_trains_on_one_process_and_under_torchrun(
-    wheel: Path, wheelhouse: Path, tmp_path: Path
-) -> None:
-    venv = _venv(tmp_path, wheel, wheelhouse, "train")
-    assert not venv.importable("docker")
+def test_train_extra_trains_on_one_process_and_under_torchrun(train_venv: TrainVenv) -> None:
+    assert not train_venv.docker_importable
 
-    one = venv.ok("hpkit", "train", "--config", str(_train_config(tmp_path, "one")))
+    one = _ok(train_venv.one)
     assert "hpkit train: done steps=2 " in one and " world=1 " in one, one
 
-    two = venv.ok(
-        "torchrun",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "hpkit",
-        "train",
-        "--config",
-        str(_train_config(tmp_path, "two")),
-    )
+    two = _ok(train_venv.two)
     assert "hpkit train: done steps=2 " in two and " world=2 " in two, two
 
 
@@ -260,10 +290,11 @@ def test_plot_extra_plots_a_training_run(
 
 
 def test_train_hf_extras_export_and_start_from_the_export(
-    wheel: Path, wheelhouse: Path, tmp_path: Path, trained: tuple[Path, Path]
+    wheel: Path, wheelhouse: Path, tmp_path: Path, trained: tuple[Path, Path], train_venv: TrainVenv
 ) -> None:
     """README's fine-tuning path: `hpkit ckpt export --hf`, then `model.init_from` of what it wrote."""
-    venv = _venv(tmp_path, wheel, wheelhouse, "train,hf")
+    venv = train_venv.venv  # its [train] runs are done (the fixture): from here on it is a [train,hf] venv
+    _install(venv, wheel, wheelhouse, "train,hf")
     checkpoints, _ = trained
     exported = tmp_path / "hf"
     venv.ok("hpkit", "ckpt", "export", "--hf", str(checkpoints), str(exported))
