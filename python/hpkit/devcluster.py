@@ -38,6 +38,7 @@ def client_env(
     base: Mapping[str, str] | None = None,
     slurmd_timeout: int | None = None,
     min_job_age: int | None = None,
+    bf_interval: int | None = None,
     memory_kill: bool = False,
     slurm: str = "22.05",
     net: str = "loopback",
@@ -45,8 +46,9 @@ def client_env(
     """The environment for slurm/dev's scripts and the cluster's clients (sbatch, squeue, its jobs).
 
     `base` (default: this process's environment) is copied, not changed. `slurmd_timeout`: seconds
-    before a silent node is declared DOWN; `min_job_age`: seconds the controller keeps an ended job
-    (slurm/dev's defaults where None); `memory_kill`: schedule memory and kill a step over its job's --mem
+    before a silent node is declared DOWN; `min_job_age`: seconds the controller keeps an ended job;
+    `bf_interval`: seconds between backfill passes, the one that starts a requeued job (slurm/dev's defaults
+    where None); `memory_kill`: schedule memory and kill a step over its job's --mem
     (slurm/dev/up.sh's MEMORY_KILL); `slurm`: "22.05" (the host's packages) or "24.11" (from a Debian
     trixie root, through the wrappers that up.sh writes in `<state_dir>/bin`, first on this PATH); `net`:
     "loopback" (every NodeAddr 127.0.0.1) or "netns" (a network namespace and an address per node).
@@ -74,6 +76,8 @@ def client_env(
         env["SLURMD_TIMEOUT"] = str(slurmd_timeout)
     if min_job_age is not None:
         env["MIN_JOB_AGE"] = str(min_job_age)
+    if bf_interval is not None:
+        env["BF_INTERVAL"] = str(bf_interval)
     if memory_kill:
         env["MEMORY_KILL"] = "1"
     return env

@@ -35,6 +35,10 @@ COLLECTIVE_TIMEOUT_S = 20
 # answer; then it requeues the job. Twice that, and room for a loaded machine.
 DETECTION_MARGIN_S = 2 * SLURMD_TIMEOUT_S + 20
 STEPS, INTERVAL = 60, 10
+# A requeued job may start AuthInfo's cred_expire (20 s, slurm/dev) after its requeue, and it is the backfill
+# scheduler's next pass that starts it: Slurm's default 30 s between passes added up to 30 s of idle waiting
+# to a requeue here (19 s measured). A pass a second leaves Slurm's own requeue delay (the feature) in place.
+BF_INTERVAL_S = 1
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +49,7 @@ def three_nodes(tmp_path_factory):
         *slot("node-loss"),
         nodes=3,
         slurmd_timeout=SLURMD_TIMEOUT_S,
+        bf_interval=BF_INTERVAL_S,
     )
     saved = os.environ.get("SLURM_CONF")
     with devcluster.running(env):
