@@ -353,7 +353,15 @@ def export_oci(client: Any, ref: str, bundle: Path) -> ExportResult:
     partial = bundle / f".{oci.ROOTFS}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir()
-    container = client.containers.create(image.id, command=["true"])
+    # The client's timeout is connect()'s ping timeout (10 s); creating a container from a GB-sized image and the first
+    # bytes of its export can take longer on a loaded host (measured: ReadTimeout on 2 busy cores), as a build can.
+    saved_timeout = client.api.timeout
+    client.api.timeout = BUILD_READ_TIMEOUT_S
+    try:
+        container = client.containers.create(image.id, command=["true"])
+    except BaseException:
+        client.api.timeout = saved_timeout
+        raise
     try:
         untar = subprocess.Popen(
             ["tar", "-x", "--numeric-owner", "-p", "-f", "-", "-C", str(partial)], stdin=subprocess.PIPE
@@ -373,6 +381,7 @@ def export_oci(client: Any, ref: str, bundle: Path) -> ExportResult:
         ) from None
     finally:
         container.remove(force=True)
+        client.api.timeout = saved_timeout
     config = image.attrs.get("Config") or {}
     runtime = oci.runtime_config(
         env=list(config.get("Env") or []),

@@ -147,6 +147,8 @@ class _FakeContainer:
     removed = False
 
     def export(self):
+        # A GB-sized image's export can wait longer than connect()'s 10 s ping timeout before its first bytes.
+        assert _FakeClient.api.timeout == image.BUILD_READ_TIMEOUT_S
         data = io.BytesIO()
         with tarfile.open(fileobj=data, mode="w") as tar:
             for name in ("usr/", "usr/bin/", "etc/"):
@@ -166,6 +168,9 @@ class _FakeContainer:
 
 
 class _FakeClient:
+    class api:
+        timeout = 10  # connect()'s
+
     class images:
         @staticmethod
         def get(ref):
@@ -182,6 +187,7 @@ def test_export_writes_rootfs_and_the_images_process(tmp_path: Path) -> None:
     bundle = tmp_path / "b"
     result = image.export_oci(_FakeClient(), "hpkit:cpu", bundle)
     assert result.bundle == bundle and _FakeContainer.removed
+    assert _FakeClient.api.timeout == 10  # restored
     assert (bundle / "rootfs/etc/os-release").read_text() == "PRETTY_NAME=test\n"
     config = json.loads((bundle / "config.json").read_text())
     assert config["process"]["args"] == ["/usr/local/bin/hpkit-entrypoint", "bash"]
