@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hpkit.torchrun_agent import done_key, hosts_store, with_is_host
@@ -49,11 +51,16 @@ def test_a_failed_worker_ends_the_agent_with_torchruns_table_and_no_traceback(mo
 
     from hpkit import torchrun_agent
     from hpkit.jobs.why_scan import scan_output
+    from hpkit.watch_store import STORE_ENV, STORE_NODE_ENV
 
     def failing(_args):
         raise ChildFailedError("train.py", {0: ProcessFailure(0, 4242, 3, "<N/A>")})
 
     monkeypatch.setattr(torchrun_agent, "_run", failing)
+    # main() names the watch store in this process's environment for its workers: undone after the test, or every
+    # later test of this worker (the hang drills) reports to a store that is not there.
+    for name in (STORE_ENV, STORE_NODE_ENV):
+        monkeypatch.setenv(name, "")  # records the variable's absence, which undo restores
     monkeypatch.setenv("HPKIT_RDZV_NODE", "node1")
     monkeypatch.setenv("SLURMD_NODENAME", "node2")
     argv = ["--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint"]
@@ -64,3 +71,4 @@ def test_a_failed_worker_ends_the_agent_with_torchruns_table_and_no_traceback(mo
     assert "Traceback" not in err and "Root Cause (first observed failure)" in err, err
     (root,) = [f for f in scan_output(err.splitlines(True), "job.out") if f.kind == "launcher_root"]
     assert (root.rank, root.exit_code) == (0, 3), root
+    assert os.environ[STORE_ENV] == "127.0.0.1:29999"  # named during the test; monkeypatch removes it after
