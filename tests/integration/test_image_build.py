@@ -1,8 +1,7 @@
 """Real image builds through the Docker Engine API served by podman, then real runs of the CPU image.
 
 The test starts its own podman service, makes the base image with mmdebstrap and builds docker/Dockerfile.cpu
-with `hpkit image build --cpu` (tests/integration/_image_engine.py: once per run, in storage shared with the OCI job
-tests, which may have built it first), and runs
+with `hpkit image build --cpu` (tests/integration/_image_engine.py, shared with the OCI job tests), and runs
 it with and without /var/log bind-mounted. It skips, saying why, only where podman cannot run at all (not installed, not root).
 """
 

@@ -1,8 +1,8 @@
 """Jobs inside the CPU image under Slurm, for real: Slurm's OCI containers (runc) on local clusters.
 
-The CPU image is built from this checkout and exported with `hpkit image export --oci` once per run, by this
-module or test_image_build.py, whichever asks first (tests/integration/_image_engine.py); every job is submitted
-with `hpkit submit` to a private 2-node cluster whose oci.conf runs runc (slurm/dev/up.sh). A 2-node x 2-rank FSDP x TP job runs inside the image and outside it with the same losses;
+The CPU image is built from this checkout (tests/integration/_image_engine.py) and exported with `hpkit image
+export --oci`; every job is submitted with `hpkit submit` to a private 2-node cluster whose oci.conf runs runc
+(slurm/dev/up.sh). A 2-node x 2-rank FSDP x TP job runs inside the image and outside it with the same losses;
 each rank shows that it ran in the image, with the host's /var/log mounted; the image's start-up check runs
 once per node; checkpoints cross between the two ways in both directions. Slurm 24.11 runs the same job with
 launcher: srun, a container per rank (22.05 refuses it at submit). A job whose container srun ignores (a cluster
@@ -29,6 +29,7 @@ from training_layouts import BASE
 
 from _clusters import slot
 from hpkit import devcluster
+from hpkit.commands import image as image_command
 
 pytestmark = [pytest.mark.image, pytest.mark.cluster]
 
@@ -38,10 +39,10 @@ IMAGE_ONLY = "/usr/local/bin/hpkit-entrypoint"  # the image's start-up check: th
 
 
 @pytest.fixture(scope="module")
-def bundle(cpu_bundle: Path) -> Path:
-    """The CPU image built from this checkout, exported with `hpkit image export --oci`: once per run, shared with
-    test_image_build.py (tests/integration/_image_engine.py)."""
-    return cpu_bundle
+def bundle(cpu_image: str, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("oci-image") / "hpkit-cpu"
+    assert image_command.main(["image", "export", "--oci", str(out), cpu_image]) == 0
+    return out
 
 
 def _cluster(tmp_path_factory, name: str, offset: int, **options) -> dict[str, str]:
