@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -329,6 +330,17 @@ class ExportResult:
     seconds: float
 
 
+@contextmanager
+def _api_timeout(client: Any, seconds: float) -> Iterator[None]:
+    """The client's read timeout set to `seconds` for the calls inside, then put back."""
+    saved = client.api.timeout
+    client.api.timeout = seconds
+    try:
+        yield
+    finally:
+        client.api.timeout = saved
+
+
 def export_oci(client: Any, ref: str, bundle: Path) -> ExportResult:
     """Write image `ref` as an OCI bundle: bundle/rootfs (its file system) and bundle/config.json (runc's).
 
@@ -355,33 +367,27 @@ def export_oci(client: Any, ref: str, bundle: Path) -> ExportResult:
     partial.mkdir()
     # The client's timeout is connect()'s ping timeout (10 s); creating a container from a GB-sized image and the first
     # bytes of its export can take longer on a loaded host (measured: ReadTimeout on 2 busy cores), as a build can.
-    saved_timeout = client.api.timeout
-    client.api.timeout = BUILD_READ_TIMEOUT_S
-    try:
+    with _api_timeout(client, BUILD_READ_TIMEOUT_S):
         container = client.containers.create(image.id, command=["true"])
-    except BaseException:
-        client.api.timeout = saved_timeout
-        raise
-    try:
-        untar = subprocess.Popen(
-            ["tar", "-x", "--numeric-owner", "-p", "-f", "-", "-C", str(partial)], stdin=subprocess.PIPE
-        )
-        assert untar.stdin is not None
         try:
-            for chunk in container.export():
-                untar.stdin.write(chunk)
+            untar = subprocess.Popen(
+                ["tar", "-x", "--numeric-owner", "-p", "-f", "-", "-C", str(partial)], stdin=subprocess.PIPE
+            )
+            assert untar.stdin is not None
+            try:
+                for chunk in container.export():
+                    untar.stdin.write(chunk)
+            finally:
+                untar.stdin.close()
+                status = untar.wait()
+            if status != 0:
+                raise ImageError(f"unpacking {ref}'s file system into {partial} failed (tar exit {status})")
+        except docker.errors.APIError as exc:
+            raise ImageError(
+                f"the engine could not export {ref}: {_one_line(str(exc.explanation or exc))}"
+            ) from None
         finally:
-            untar.stdin.close()
-            status = untar.wait()
-        if status != 0:
-            raise ImageError(f"unpacking {ref}'s file system into {partial} failed (tar exit {status})")
-    except docker.errors.APIError as exc:
-        raise ImageError(
-            f"the engine could not export {ref}: {_one_line(str(exc.explanation or exc))}"
-        ) from None
-    finally:
-        container.remove(force=True)
-        client.api.timeout = saved_timeout
+            container.remove(force=True)
     config = image.attrs.get("Config") or {}
     runtime = oci.runtime_config(
         env=list(config.get("Env") or []),
