@@ -2,14 +2,14 @@
 
 For each node count N: slurm/dev brings up an N-node cluster (NET=netns: an address per node, or loopback), and
 `hpkit submit` runs a tiny `hpkit train` job on it with one rank per node through hpkit-torchrun and the hang
-watchdog on. Once every rank's report shows step 3, the last rank is SIGSTOPped; the watchdog names it and the
+watchdog on. Before step 4 the last rank stops itself (HPKIT_FAULT stop: SIGSTOP); the watchdog names it and the
 job ends (no restart left). Timed, per N:
 
 - up: slurm/dev/up.sh until every node is idle; down: down.sh;
 - submit -> first step: from just before `hpkit submit` to the first step record in the metrics file;
 - rendezvous: from the supervisor's step_started event to the run's start record (every rank has imported
   torch, joined torchrun's rendezvous and the process group, and built the model);
-- detection: from the SIGSTOP to the watchdog's verdict.json (its mtime).
+- detection: from the SIGSTOP (the fault log's time) to the watchdog's verdict.json (its mtime).
 
 A count whose job does not fit in memory gets the cluster timings only (--job-nodes-max). One rank per node
 costs two torch processes (hpkit-torchrun's agent and the rank), about 0.5 GB together, and the host's two
@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "python"))
 
 from hpkit import devcluster  # noqa: E402
 from hpkit import job_events as ev  # noqa: E402
-from hpkit.runtime.hang_board import clear_reports, reports_of  # noqa: E402
+from hpkit.runtime.hang_board import clear_reports  # noqa: E402
 
 TINY_MODEL = {
     "name": "debug",
@@ -165,11 +165,19 @@ def drill(
     stop_at_step: int = 3,
     timeout_s: float = 600,
 ) -> Drill:
-    """Submit the job, SIGSTOP its last rank once every rank's report shows `stop_at_step` in a step (not a
-    save), then wait for the job to end. Returns its timeline."""
+    """Submit the job whose last rank stops itself (SIGSTOP) once it has finished step `stop_at_step`, then
+    wait for the job to end. Returns its timeline."""
     work.mkdir(parents=True, exist_ok=True)
     name = f"scale{step_nodes}"
     body = spec(name, work, step_nodes, spares, steps, interval)
+    # The last rank (not on the store's node, rank 0's) stops itself before the step after `stop_at_step`: on the
+    # event, whatever the load (a poll of the ranks' reports once missed a whole 40-step run on a busy machine).
+    fault_log = work / "faults.jsonl"
+    fault_log.unlink(missing_ok=True)
+    body["env"] = {
+        "HPKIT_FAULT": f"stop:rank={step_nodes - 1},step={stop_at_step + 1}",
+        "HPKIT_FAULT_LOG": str(fault_log),
+    }
     hangs = work / "logs" / "hangs"
     # A rerun with the same folder and job ids finds the last run's node-local reports: not this run's ranks.
     clear_reports(hangs)
@@ -188,19 +196,13 @@ def drill(
                         d.first_step = record["time"]
                         break
             if d.stopped is None:
-                reports = reports_of(hangs)
-                # In its step, not a save: a checkpoint save is long by design and holds the watchdog's clock.
-                ready = len(reports) == step_nodes and all(
-                    r.get("step", 0) >= stop_at_step and r.get("phase") == "step" for r in reports.values()
-                )
-                if ready:
-                    victim = reports[step_nodes - 1]  # the last rank: not on the store's node (rank 0's)
-                    os.kill(int(victim["pid"]), signal.SIGSTOP)
-                    d.stopped = time.time()
+                fired = _metrics(fault_log)  # JSON lines too
+                if fired:
+                    d.stopped = fired[0]["at"]
                     d.stopped_rank, d.stopped_node, d.stopped_pid = (
-                        step_nodes - 1,
-                        victim["node"],
-                        victim["pid"],
+                        fired[0]["rank"],
+                        fired[0]["node"],
+                        fired[0]["pid"],
                     )
             if d.stopped is not None and d.verdict_path is None:
                 found = sorted(hangs.glob(f"{d.job}-*/verdict.json"))

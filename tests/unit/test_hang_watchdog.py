@@ -4,6 +4,10 @@ node summaries through a store, one judge, standbys, the store's silence)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 
@@ -70,6 +74,16 @@ def test_saves_the_start_and_missing_ranks_hold_the_clock():
     assert decide(starting, min_s=10, factor=10, world=4, start_s=60) is None
     assert decide(starting, min_s=10, factor=10, world=4, start_s=20) is not None
     assert decide([beat(r) for r in range(3)], min_s=10, factor=10, world=4) is None
+
+
+def test_a_rank_that_stopped_is_named_before_every_rank_has_reported():
+    # Rank 3's first report has not come (its node's first summary listed only rank 2); rank 1 stopped. Nothing is
+    # compared until every rank reported, but a stopped rank needs no comparison: waiting would let the others
+    # sit in their collective until its timeout.
+    beats = [beat(r) for r in range(3)]
+    beats[1] = beat(1, beat_at=NOW - 20)
+    verdict = decide(beats, min_s=10, factor=10, world=4)
+    assert verdict is not None and (verdict.culprits, verdict.reason) == ([1], "stopped")
 
 
 def test_attempts_differ_across_restarts_and_agree_across_ranks():
@@ -233,6 +247,38 @@ def test_faults_parse_the_skip_kind_and_log_when_they_fire(tmp_path, monkeypatch
     assert (record["kind"], record["rank"], record["step"]) == ("skip", 1, 3) and record["at"] > 0
     with pytest.raises(ValueError, match="skip"):
         faults.Fault.parse("freeze:rank=1")
+
+
+def test_the_stop_fault_stops_the_whole_process_before_its_step_and_logs_where(tmp_path):
+    # A stopped process, not a sleeping one: the parent sees it stopped (every thread, the watchdog's too), and
+    # the log names the pid and node that a drill continues and asserts on.
+    log = tmp_path / "faults.jsonl"
+    env = {
+        **os.environ,
+        "HPKIT_FAULT": "stop:rank=1,step=3",
+        "HPKIT_FAULT_LOG": str(log),
+        "HPKIT_STEP_ATTEMPT": "0",
+        "SLURM_RESTART_COUNT": "0",
+        "SLURMD_NODENAME": "node7",
+    }
+    code = (
+        "from hpkit.runtime import faults\n"
+        "f = faults.from_env()\n"
+        "f.before_step(0, 3); f.before_step(1, 2)\n"
+        "print('reached', flush=True)\n"
+        "f.before_step(1, 3)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "reached\n"  # other ranks and steps pass
+        _, status = os.waitpid(child.pid, os.WUNTRACED)
+        assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSTOP
+        record = json.loads(log.read_text())
+        assert (record["kind"], record["rank"], record["step"]) == ("stop", 1, 3)
+        assert (record["pid"], record["node"]) == (child.pid, "node7")
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_only_live_ranks_hold_the_clock_a_rank_stopped_inside_a_save_is_named():
@@ -404,6 +450,49 @@ def test_an_unreachable_store_leaves_the_uplink_silent():
     up._thread.join(5)
     clock.now = 12
     assert up.silent_s() == 12 and up.verdict is None
+
+
+def test_a_process_that_was_stopped_restarts_its_count_of_the_stores_silence():
+    from hpkit.runtime.hang_channel import Judge, Uplink
+
+    clock = Clock()
+    up = Uplink(lambda: CountingStore(), 0, 2, Judge(2, 4, 10, 10, 600, clock), lambda v: {}, clock)
+    up.last_ok = 3.0
+    clock.now = 140  # stopped from 3 to 140: the silence was this process's own
+    assert up.silent_s() == 137
+    up.restart_silence()
+    assert up.silent_s() == 0
+    clock.now = 150
+    assert up.silent_s() == 10
+
+
+def test_a_node_leaders_first_summary_is_in_the_store_when_start_returns(tmp_path, monkeypatch):
+    # The first step waits for it: a node whose ranks all stopped before their first summary reached the store
+    # was never judged (the judge waits for every node's first summary), so the job hung to the collective timeout.
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    from hpkit.runtime.hang_board import BOARD_ENV
+    from hpkit.runtime.hang_watchdog import HangWatchdog
+
+    monkeypatch.setenv(BOARD_ENV, str(tmp_path / "board"))
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    env = {
+        BOARD_ENV: str(tmp_path / "board"),
+        "HPKIT_WATCH_STORE": f"127.0.0.1:{server.port}",
+        "GROUP_RANK": "1",
+        "GROUP_WORLD_SIZE": "2",
+        "SLURMD_NODENAME": "nodeB",
+        "SLURM_JOB_ID": "77",
+    }
+    watchdog = HangWatchdog(tmp_path / "hangs", rank=1, world=2, min_s=10, factor=10, env=env).start()
+    try:
+        key = f"hpkit-watch/{attempt_id(env)}/n/1"
+        assert server.check([key]), "start() returned before the node's first summary reached the store"
+        assert '"node":"nodeB"' in server.get(key).decode()
+    finally:
+        watchdog.stop()
 
 
 def test_node_boards_are_node_local_and_ages_are_counted_on_the_readers_clock(tmp_path):

@@ -8,9 +8,11 @@ and torchft's injectors do). Off unless the variable is set.
     HPKIT_FAULT="exit:rank=2,step=5,code=3"    rank 2 exits with 3 before step 5
     HPKIT_FAULT="skip:rank=1,step=12"          rank 1 skips the first blocking all-reduce of step 12 (a rank
                                                that leaves out a collective: the others wait in it, it goes on)
+    HPKIT_FAULT="stop:rank=1,step=12"          rank 1 sends itself SIGSTOP before step 12: every thread of it
+                                               stops, its watchdog's too (a stopped process, or a frozen host)
 
-`HPKIT_FAULT_LOG=FILE` appends one JSON line per fault fired (`{"kind", "rank", "step", "at"}`, `at` in Unix
-seconds, taken just before the fault acts; a slow save writes one per rank and save): the drills measure
+`HPKIT_FAULT_LOG=FILE` appends one JSON line per fault fired (`{"kind", "rank", "step", "at", "pid", "node"}`,
+`at` in Unix seconds, taken just before the fault acts; a slow save writes one per rank and save): the drills measure
 detection from these raw timestamps.
 
 A fault fires on the first attempt of a job only (HPKIT_STEP_ATTEMPT and SLURM_RESTART_COUNT 0), so that the
@@ -21,6 +23,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -28,7 +32,7 @@ from typing import Any
 
 ENV = "HPKIT_FAULT"
 LOG_ENV = "HPKIT_FAULT_LOG"
-KINDS = ("hang", "slow_save", "exit", "skip")
+KINDS = ("hang", "slow_save", "exit", "skip", "stop")
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,7 @@ class Fault:
         return self.every_attempt or first
 
     def before_step(self, rank: int, step: int) -> None:
-        if self.kind not in ("hang", "exit", "skip") or self.step != step or not self._armed(rank):
+        if self.kind not in ("hang", "exit", "skip", "stop") or self.step != step or not self._armed(rank):
             return
         print(
             f"hpkit: fault injected ({ENV}): {self.kind} on rank {rank} before step {step}",
@@ -78,6 +82,10 @@ class Fault:
         _log(self.kind, rank, step)
         if self.kind == "exit":
             os._exit(self.code)
+        if self.kind == "stop":
+            # Whoever continues it (a node leader dumping its stacks, the drill's clean-up) finds it here,
+            # and it then hangs like a rank stuck in Python: its step must not go on.
+            os.kill(os.getpid(), signal.SIGSTOP)
         while True:  # a rank stuck in Python: it never reaches the step's collectives
             time.sleep(3600)
 
@@ -93,7 +101,16 @@ def _log(kind: str, rank: int, step: int) -> None:
     path = os.environ.get(LOG_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"kind": kind, "rank": rank, "step": step, "at": time.time()}) + "\n")
+            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+            record = {
+                "kind": kind,
+                "rank": rank,
+                "step": step,
+                "at": time.time(),
+                "pid": os.getpid(),
+                "node": node,
+            }
+            f.write(json.dumps(record) + "\n")
 
 
 def _skip_next_all_reduce(fired: Any) -> None:

@@ -217,6 +217,15 @@ class Uplink:
     def silent_s(self) -> float:
         return self._clock() - (self.last_ok if self.last_ok is not None else self._started)
 
+    def restart_silence(self) -> None:
+        """Count the store's silence from now (this process itself was stopped meanwhile)."""
+        self._started = self._clock()
+        if self.last_ok is not None:
+            self.last_ok = self._started
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def _run(self) -> None:
         try:
             store = self._connect()

@@ -8,6 +8,7 @@ ever compared with another host's, so nodes whose clocks disagree by minutes are
   save or in the start-up load (first step included) holds the clock, since those are long by design; no
   verdict while some rank's report is between fresh and stale (`LATE_S`..`STALE_S` old: it may be freezing);
   a rank silent for the whole limit is judged whatever the phase (the others wait for it in the save);
+  ranks are compared once every rank has reported, but a rank that reported and stopped is named before that;
 - culprit, compared per process group as the flight recorder's analyser does:
   - stopped: a rank whose reports stopped (a stopped process, a frozen or cut-off node) is named first, and a
     node all of whose ranks stopped is named as a node;
@@ -130,9 +131,12 @@ def decide(
     views: list[RankView], min_s: float, factor: float, world: int, start_s: float = 600.0
 ) -> Verdict | None:
     """A verdict when the job is stalled, else None."""
-    if len(views) < world:
-        return None  # not every rank has reported yet: nothing to compare
     limit = threshold_s([v.median_step_s for v in views if v.median_step_s], min_s, factor)
+    # Not every rank has reported yet (a node's first summary may precede its last ranks' first reports): nothing
+    # to compare, but a rank that reported and then stopped is named all the same.
+    complete = len(views) >= world
+    if not complete and all(v.live for v in views):
+        return None
     # Only the live ranks' phases count: a rank that stopped inside a save would otherwise hold the clock
     # for ever (it is the culprit, not a reason to wait). And none counts once a rank has been silent for the
     # whole limit: its live peers wait for it in the save's (or the first step's) collectives, still saying
@@ -153,6 +157,8 @@ def decide(
     stopped = sorted(v.rank for v in views if not v.live)
     if stopped:
         return Verdict(step, stalled, limit, stopped, "stopped", nodes, {})
+    if not complete:
+        return None
     culprits, reason, group = blame(views)
     return Verdict(step, stalled, limit, culprits, reason, nodes, {}, group)
 

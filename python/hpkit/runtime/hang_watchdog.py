@@ -7,6 +7,7 @@ Its steady-state cost grows with no shared resource as the job grows:
   once it has gone a while without a step, the newest one's op and age, from torch's flight recorder);
 - each node's leader (its lowest live rank) sends one summary of its ranks a second to the watch store,
   the c10d store the job already runs outside the training processes (`hang_channel`, `hpkit.watch_store`);
+  its first before the first step, so that a node that stops at once is still judged;
 - one node's leader judges every node's summary with the rule in `hang_rules`; two standbys take over from
   a judge that stops; the judge's verdict comes back to every leader in the reply to its next summary;
 - nothing is written under the output folder (the shared filesystem) until a hang is called;
@@ -300,9 +301,24 @@ class HangWatchdog:
         # faulthandler answers in C into this node-local file (opened now, while this rank is healthy).
         self._dump_file = open(self.board.node_dir / f"stacks-rank{self.rank}.txt", "w", encoding="utf-8")  # noqa: SIM115
         faulthandler.register(signal.SIGUSR2, file=self._dump_file, all_threads=True, chain=False)
+        self._first_beat()
         self._thread = threading.Thread(target=self._run, name="hpkit-hang-watchdog", daemon=True)
         self._thread.start()
         return self
+
+    def _first_beat(self) -> None:
+        """Report now, and if this rank leads its node, wait (up to STORE_TIMEOUT_S) until the node's first summary
+        is in the store, before the first step. A node whose ranks stopped before their first summary reached the
+        store was never judged: the judge waits for every node's first summary (multi_get blocks on a missing key),
+        and its standbys for the judge's; a 24-step run on a busy host stopped within the first second so."""
+        try:
+            self._round()
+        except Exception as exc:  # never take the rank down for the watchdog's own trouble
+            print(f"hpkit: hang watchdog: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+            return
+        uplink = self._uplink
+        if uplink is not None:
+            pause(lambda: uplink.last_ok is not None or not uplink.alive(), STORE_TIMEOUT_S)
 
     def stop(self) -> None:
         self._stop.set()
@@ -319,7 +335,15 @@ class HangWatchdog:
 
     # The thread ----------------------------------------------------------------------------------------
     def _run(self) -> None:
+        last = time.monotonic()
         while not pause(self._stop.is_set, BEAT_S):
+            now = time.monotonic()
+            if now - last > STALE_S and self._uplink is not None:
+                # This process was stopped (SIGSTOP, a frozen host) and runs again: the store's silence it measured
+                # was its own. Judged on it, it would blame the store's node (seen when slurmstepd continued a
+                # stopped rank to end its step).
+                self._uplink.restart_silence()
+            last = now
             try:
                 record, writer = self._round()
             except Exception as exc:  # never take the rank down for the watchdog's own trouble
