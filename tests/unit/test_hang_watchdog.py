@@ -81,9 +81,11 @@ def test_a_rank_that_stopped_is_named_before_every_rank_has_reported():
     # compared until every rank reported, but a stopped rank needs no comparison: waiting would let the others
     # sit in their collective until its timeout.
     beats = [beat(r) for r in range(3)]
-    beats[1] = beat(1, beat_at=NOW - 20)
+    beats[1] = beat(1, beat_at=NOW - 20, step=0, phase="start")  # its one report came before step 1
     verdict = decide(beats, min_s=10, factor=10, world=4)
     assert verdict is not None and (verdict.culprits, verdict.reason) == ([1], "stopped")
+    # The step named is the one the live ranks are held in, not the stopped rank's stale one.
+    assert verdict.step == 5 and "held up step 6" in verdict.line()
 
 
 def test_attempts_differ_across_restarts_and_agree_across_ranks():

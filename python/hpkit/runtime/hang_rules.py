@@ -152,7 +152,9 @@ def decide(
         return None
     if any(LATE_S <= v.age_s < STALE_S for v in views):
         return None  # a rank may be freezing right now: judge once its report is fresh again or stale
-    step = min(v.step for v in views)
+    # The step the live ranks are held in: a stopped rank's last report may be many steps old (its node's first
+    # summary, sent before step 1, for a rank that stopped within a second).
+    step = min(v.step for v in (live or views))
     nodes = {v.rank: v.node for v in views}
     stopped = sorted(v.rank for v in views if not v.live)
     if stopped:
