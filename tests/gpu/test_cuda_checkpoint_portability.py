@@ -1,4 +1,9 @@
-"""A checkpoint saved on CUDA resumes on the CPU, and one saved on the CPU resumes on CUDA, continuing the same run."""
+"""A checkpoint saved on CUDA resumes on the CPU, and one saved on the CPU resumes on CUDA, continuing the same run.
+
+The reference is the uninterrupted run on the device that saved: one seed gives other initial weights on CUDA than
+on the CPU (each draws from its own device's generator; on an H100 the first losses differed by 3 %), so only the
+steps after the resume cross devices, and those must match within fp32's kernel-order differences.
+"""
 
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ def _with_checkpoints(path) -> dict:
 
 @pytest.mark.parametrize(("first", "second"), [("cuda", "cpu"), ("cpu", "cuda")])
 def test_checkpoint_moves_between_devices(first, second, tmp_path):
-    whole = train(BASE, tmp_path / "whole", cpu=True)
+    whole = train(BASE, tmp_path / "whole", cpu=first == "cpu")
     config = _with_checkpoints(tmp_path / "ckpt")
     head = train(config, tmp_path / "head", cpu=first == "cpu", steps=3)
     tail = train(config, tmp_path / "tail", cpu=second == "cpu")

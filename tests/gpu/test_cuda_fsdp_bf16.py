@@ -57,7 +57,11 @@ SCRIPT = textwrap.dedent(
 
 def test_fsdp_bf16_keeps_fp32_master_weights_and_reduce_dtype(tmp_path):
     out = tmp_path / "dtypes.json"
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python"))
+    # This checkout first, then whatever the caller had on the path (where the dependencies may live).
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in (str(REPO / "python"), os.environ.get("PYTHONPATH")) if p),
+    )
     done = subprocess.run(
         [sys.executable, "-c", SCRIPT, str(out)], env=env, capture_output=True, text=True, timeout=300
     )

@@ -363,3 +363,81 @@ def test_the_save_phase_nests_and_gives_the_step_back_after_the_outermost():
     with pytest.raises(OSError), watchdog_phase("save"):
         raise OSError("disk full")
     assert watchdog.phases == ["save", "step", "save", "step"]
+
+
+_MOVER = r"""
+import json, sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hpkit.runtime.checkpoint import Checkpointer
+from hpkit.runtime.config import CheckpointSpec
+
+
+class Train:
+    # As the trainer's: the CUDA generator's state exists only where CUDA does.
+    optional_state_keys = ("rng_cuda",)
+
+    def __init__(self, cuda, extra=False):
+        self.cuda, self.extra, self.step, self.loaded = cuda, extra, 0, None
+
+    def state_dict(self):
+        state = {"step": torch.tensor(self.step)}
+        if self.cuda:
+            state["rng_cuda"] = torch.arange(16, dtype=torch.uint8)
+        if self.extra:
+            state["extra"] = torch.zeros(2)  # not optional: a checkpoint without it must not load
+        return state
+
+    def load_state_dict(self, state):
+        self.loaded, self.step = sorted(state), int(state["step"])
+
+
+tmp = Path(sys.argv[1])
+dist.init_process_group("gloo", init_method=f"file://{tmp / 'store'}", rank=0, world_size=1)
+out = {}
+for saved_on, resumed_on in (("cpu", "cuda"), ("cuda", "cpu")):
+    root = tmp / f"{saved_on}-{resumed_on}"
+    weights = torch.full((8,), 3.0)
+    ck = Checkpointer(CheckpointSpec(dir=str(root), interval=1, keep=1), root, rank=0, log=lambda line: None)
+    saver = Train(saved_on == "cuda")
+    saver.step = 3
+    ck.save(3, {"w": weights, "train": saver})
+    ck.close()
+    resumer, into = Train(resumed_on == "cuda"), torch.zeros(8)
+    path, dirty = Checkpointer(CheckpointSpec(dir=str(root)), root, rank=0, log=lambda line: None).restore(
+        {"w": into, "train": resumer}
+    )
+    out[f"{saved_on}->{resumed_on}"] = [path is not None, resumer.loaded, resumer.step, float(into.sum())]
+strict = Train(True, extra=True)
+path, _ = Checkpointer(CheckpointSpec(dir=str(tmp / "cpu-cuda")), tmp / "cpu-cuda", rank=0, log=lambda line: None).restore(
+    {"w": torch.zeros(8), "train": strict}
+)
+out["strict"] = path is not None
+print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+
+def test_a_checkpoint_moves_between_cpu_and_cuda_whose_rng_state_only_one_side_has(tmp_path, repo):
+    # Seen on an H100: a checkpoint saved on the CPU was skipped on CUDA ("Missing key in checkpoint state_dict:
+    # train.rng_cuda") and the run started again from step 0. A key the Stateful names as optional loads without
+    # it; any other missing key still refuses the checkpoint.
+    import json
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-c", _MOVER, str(tmp_path)],
+        env={"PYTHONPATH": str(repo / "python"), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["cpu->cuda"] == [True, ["step"], 3, 24.0], out
+    assert out["cuda->cpu"] == [True, ["step"], 3, 24.0], out
+    assert out["strict"] is False, "a missing key that is not optional must refuse the checkpoint"

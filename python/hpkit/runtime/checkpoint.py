@@ -274,7 +274,8 @@ class Checkpointer:
             problem = self._agree(self._local_problem(state, path))
             if problem is None:
                 try:
-                    dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=self.group)
+                    loadable = without_absent_optional_keys(state, dcp.FileSystemReader(path).read_metadata())
+                    dcp.load(loadable, storage_reader=dcp.FileSystemReader(path), process_group=self.group)
                     local = None
                 except CheckpointException as exc:  # raised on every rank alike
                     local = _first_failure(exc)
@@ -500,9 +501,37 @@ class Checkpointer:
                 self._stager = None
 
 
+class _Without:
+    """A Stateful that loads without some of its keys."""
+
+    def __init__(self, inner: Stateful, absent: set[str]) -> None:
+        self.inner, self.absent = inner, absent
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.inner.state_dict().items() if k not in self.absent}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def without_absent_optional_keys(state: dict[str, Any], metadata: Any) -> dict[str, Any]:
+    """`state` for loading a checkpoint whose metadata lacks some keys that a Stateful names as optional
+    (`optional_state_keys`): a checkpoint saved on a CPU has no CUDA RNG state, and DCP refuses a load whose
+    state asks for a key the checkpoint does not hold ("Missing key in checkpoint state_dict")."""
+    saved = set(metadata.state_dict_metadata)
+    out = dict(state)
+    for name, value in state.items():
+        optional = getattr(value, "optional_state_keys", ())
+        absent = {k for k in optional if f"{name}.{k}" not in saved}
+        if absent and isinstance(value, Stateful):
+            out[name] = _Without(value, absent)
+    return out
+
+
 def files_to_read(state: dict[str, Any], path: Path) -> set[str]:
     """The files of checkpoint `path` that loading `state` on this rank reads: DCP's own local plan."""
     metadata = dcp.FileSystemReader(path).read_metadata()
+    state = without_absent_optional_keys(state, metadata)
     plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
     planner = DefaultLoadPlanner()
     planner.set_up_planner(plain, metadata, False)

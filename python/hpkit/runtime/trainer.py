@@ -342,6 +342,9 @@ class Trainer:
     # ----------------------------------------------------------------------------------------------
     # Checkpoint state (DCP Stateful)
 
+    # A checkpoint saved on a CPU holds no CUDA RNG state: resumed on a GPU, that generator keeps its seed.
+    optional_state_keys = ("rng_cuda",)
+
     def state_dict(self) -> dict[str, Any]:
         # Every rank seeds alike and draws in lockstep, so one copy of the RNG state suffices.
         state = {
