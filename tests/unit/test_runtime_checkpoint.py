@@ -366,7 +366,7 @@ def test_the_save_phase_nests_and_gives_the_step_back_after_the_outermost():
 
 
 _MOVER = r"""
-import json, sys
+import io, json, sys
 from pathlib import Path
 
 import torch
@@ -404,16 +404,17 @@ for saved_on, resumed_on in (("cpu", "cuda"), ("cuda", "cpu")):
     ck = Checkpointer(CheckpointSpec(dir=str(root), interval=1, keep=1), root, rank=0, log=lambda line: None)
     saver = Train(saved_on == "cuda")
     saver.step = 3
-    ck.save(3, {"w": weights, "train": saver})
+    ck.save(3, {"w": weights, "train": saver, "blob": io.BytesIO(b"user content")})
     ck.close()
     resumer, into = Train(resumed_on == "cuda"), torch.zeros(8)
-    path, dirty = Checkpointer(CheckpointSpec(dir=str(root)), root, rank=0, log=lambda line: None).restore(
-        {"w": into, "train": resumer}
-    )
-    out[f"{saved_on}->{resumed_on}"] = [path is not None, resumer.loaded, resumer.step, float(into.sum())]
+    # DCP hands loaded objects back through the dict it is given: they must reach this one.
+    state = {"w": into, "train": resumer, "blob": io.BytesIO()}
+    path, dirty = Checkpointer(CheckpointSpec(dir=str(root)), root, rank=0, log=lambda line: None).restore(state)
+    blob = state["blob"].getvalue().decode()
+    out[f"{saved_on}->{resumed_on}"] = [path is not None, resumer.loaded, resumer.step, float(into.sum()), blob]
 strict = Train(True, extra=True)
 path, _ = Checkpointer(CheckpointSpec(dir=str(tmp / "cpu-cuda")), tmp / "cpu-cuda", rank=0, log=lambda line: None).restore(
-    {"w": torch.zeros(8), "train": strict}
+    {"w": torch.zeros(8), "train": strict, "blob": io.BytesIO()}
 )
 out["strict"] = path is not None
 print(json.dumps(out))
@@ -438,6 +439,6 @@ def test_a_checkpoint_moves_between_cpu_and_cuda_whose_rng_state_only_one_side_h
     )
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout.splitlines()[-1])
-    assert out["cpu->cuda"] == [True, ["step"], 3, 24.0], out
-    assert out["cuda->cpu"] == [True, ["step"], 3, 24.0], out
+    assert out["cpu->cuda"] == [True, ["step"], 3, 24.0, "user content"], out
+    assert out["cuda->cpu"] == [True, ["step"], 3, 24.0, "user content"], out
     assert out["strict"] is False, "a missing key that is not optional must refuse the checkpoint"

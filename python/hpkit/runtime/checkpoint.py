@@ -276,6 +276,8 @@ class Checkpointer:
                 try:
                     loadable = without_absent_optional_keys(state, dcp.FileSystemReader(path).read_metadata())
                     dcp.load(loadable, storage_reader=dcp.FileSystemReader(path), process_group=self.group)
+                    # DCP puts loaded objects (BytesIO, plain values) into the dict it was given, not in place.
+                    state.update({k: v for k, v in loadable.items() if not isinstance(v, _Without)})
                     local = None
                 except CheckpointException as exc:  # raised on every rank alike
                     local = _first_failure(exc)
@@ -525,7 +527,7 @@ def without_absent_optional_keys(state: dict[str, Any], metadata: Any) -> dict[s
         absent = {k for k in optional if f"{name}.{k}" not in saved}
         if absent and isinstance(value, Stateful):
             out[name] = _Without(value, absent)
-    return out
+    return out if any(isinstance(v, _Without) for v in out.values()) else state
 
 
 def files_to_read(state: dict[str, Any], path: Path) -> set[str]:
