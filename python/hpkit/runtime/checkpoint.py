@@ -271,13 +271,14 @@ class Checkpointer:
             if refused is not None:
                 raise CheckpointError(refused.rsplit(" (seen by ", 1)[0])
         for path in candidates:
-            problem = self._agree(self._local_problem(state, path))
+            local, loadable = self._local_problem(state, path)
+            problem = self._agree(local)
             if problem is None:
                 try:
-                    loadable = without_absent_optional_keys(state, dcp.FileSystemReader(path).read_metadata())
                     dcp.load(loadable, storage_reader=dcp.FileSystemReader(path), process_group=self.group)
-                    # DCP puts loaded objects (BytesIO, plain values) into the dict it was given, not in place.
-                    state.update({k: v for k, v in loadable.items() if not isinstance(v, _Without)})
+                    if loadable is not state:
+                        # DCP puts loaded objects (BytesIO, plain values) into the dict it was given.
+                        state.update({k: v for k, v in loadable.items() if not isinstance(v, _Without)})
                     local = None
                 except CheckpointException as exc:  # raised on every rank alike
                     local = _first_failure(exc)
@@ -321,18 +322,22 @@ class Checkpointer:
         who = "every rank" if len(bad) == self.world_size else f"rank {shown} of {self.world_size}"
         return f"{verdicts[bad[0]]} (seen by {who})"
 
-    def _local_problem(self, state: dict[str, Any], path: Path) -> str | None:
-        """Why this rank cannot load `path` (one phrase naming the file and what differed), or None."""
+    def _local_problem(self, state: dict[str, Any], path: Path) -> tuple[str | None, dict[str, Any]]:
+        """Why this rank cannot load `path` (one phrase naming the file and what differed), or None; and the
+        state to load it into (`without_absent_optional_keys`), from the one read of its metadata here."""
+        loadable = state
         try:
             record = read_record(path)
             problems = verify_files(path, record, [".metadata"])
             if not problems:
-                problems = verify_files(path, record, files_to_read(state, path))
+                metadata = dcp.FileSystemReader(path).read_metadata()
+                loadable = without_absent_optional_keys(state, metadata)
+                problems = verify_files(path, record, files_to_read(loadable, metadata))
         except RecordError as exc:
-            return str(exc)
+            return str(exc), loadable
         except Exception as exc:  # the checkpoint does not fit this model (missing keys, shapes)
-            return f"cannot plan the load: {type(exc).__name__}: {exc}"
-        return "; ".join(problems) if problems else None
+            return f"cannot plan the load: {type(exc).__name__}: {exc}", loadable
+        return ("; ".join(problems) if problems else None), loadable
 
     def _on_rank0(self, action: Callable[[], None], what: str) -> None:
         """Run a filesystem change on rank 0; if it fails, every rank raises (none is left waiting)."""
@@ -521,19 +526,16 @@ def without_absent_optional_keys(state: dict[str, Any], metadata: Any) -> dict[s
     (`optional_state_keys`): a checkpoint saved on a CPU has no CUDA RNG state, and DCP refuses a load whose
     state asks for a key the checkpoint does not hold ("Missing key in checkpoint state_dict")."""
     saved = set(metadata.state_dict_metadata)
-    out = dict(state)
+    wrapped = {}
     for name, value in state.items():
-        optional = getattr(value, "optional_state_keys", ())
-        absent = {k for k in optional if f"{name}.{k}" not in saved}
+        absent = {k for k in getattr(value, "optional_state_keys", ()) if f"{name}.{k}" not in saved}
         if absent and isinstance(value, Stateful):
-            out[name] = _Without(value, absent)
-    return out if any(isinstance(v, _Without) for v in out.values()) else state
+            wrapped[name] = _Without(value, absent)
+    return {**state, **wrapped} if wrapped else state
 
 
-def files_to_read(state: dict[str, Any], path: Path) -> set[str]:
-    """The files of checkpoint `path` that loading `state` on this rank reads: DCP's own local plan."""
-    metadata = dcp.FileSystemReader(path).read_metadata()
-    state = without_absent_optional_keys(state, metadata)
+def files_to_read(state: dict[str, Any], metadata: Any) -> set[str]:
+    """The files of a checkpoint (its `metadata`) that loading `state` on this rank reads: DCP's own local plan."""
     plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
     planner = DefaultLoadPlanner()
     planner.set_up_planner(plain, metadata, False)
