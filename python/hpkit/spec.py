@@ -68,6 +68,16 @@ class JobSpec(SlurmJob, RunConfig):
             raise ValueError(f"parallelism: {problem}")
         return self
 
+    @model_validator(mode="after")
+    def _memory_copies_fit(self) -> JobSpec:
+        memory = self.checkpoint.memory
+        if memory is not None and memory.replicas >= self.nodes:
+            raise ValueError(
+                f"checkpoint.memory.replicas: {memory.replicas} copies on other nodes need at least "
+                f"{memory.replicas + 1} nodes (nodes: {self.nodes}); add nodes or remove checkpoint.memory"
+            )
+        return self
+
     @property
     def signal_grace_s(self) -> int:
         """Seconds between the warning signal and the kill: from `signal` when given (Slurm's default

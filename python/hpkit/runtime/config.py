@@ -441,7 +441,25 @@ class TrainSpec(StrictModel):
         return normal
 
 
+class MemoryCheckpointSpec(StrictModel):
+    """In-memory checkpoints (hpkit.runtime.memory_checkpoint): each rank's state staged to host RAM every `every`
+    steps, with a copy on a partner node, so that a restart after a lost node or rank reads nothing from
+    `checkpoint.dir` and redoes at most `every` steps."""
+
+    every: int = Field(default=1, ge=1, description="stage every this many steps (1: every step)")
+    replicas: int = Field(
+        default=1,
+        ge=1,
+        le=1,
+        description="copies of each rank's state on other nodes (1: one partner node, so any one lost node is recovered)",
+    )
+
+
 class CheckpointSpec(StrictModel):
+    memory: MemoryCheckpointSpec | None = Field(
+        default=None,
+        description="in-memory checkpoints in host RAM with partner copies (None: persistent checkpoints only)",
+    )
     dir: str | None = Field(
         default=None, description="where checkpoints go, %j standing for the job id (None: no checkpoints)"
     )
