@@ -454,6 +454,14 @@ class MemoryCheckpointSpec(StrictModel):
         description="copies of each rank's state on other nodes (1: one partner node, so any one lost node is recovered)",
     )
 
+    @property
+    def host_copies(self) -> int:
+        """How many copies of a rank's checkpoint state its node's RAM holds at the peak, per rank: the staging
+        copy, then two generations (the newest complete one is kept while the next is written) of the rank's
+        own state and of the `replicas` partners' states it holds. The planner multiplies this by the state's
+        bytes per rank; the runtime's start-up line shows the same product."""
+        return 1 + 2 * (1 + self.replicas)
+
 
 class CheckpointSpec(StrictModel):
     memory: MemoryCheckpointSpec | None = Field(
