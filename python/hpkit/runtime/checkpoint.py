@@ -56,6 +56,8 @@ from hpkit.runtime.checkpoint_record import (
     FileDigest,
     RecordError,
     read_record,
+    step_dir_name,
+    step_of,
     verify_files,
     write_record,
 )
@@ -106,10 +108,6 @@ class OptimizerState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for part, opt in zip(self.parts, self.optimizers, strict=True):
             set_optimizer_state_dict(part, opt, state, options=_OPTIONS)
-
-
-def step_dir_name(step: int) -> str:
-    return f"step-{step:08d}"
 
 
 def committed(root: Path) -> list[tuple[int, Path]]:
@@ -228,7 +226,7 @@ class Checkpointer:
         self.staging_wait_s = 0.0  # time training spent waiting for it (benchmarks read this)
         # One stager for the whole run: it keeps its host buffers between saves, so only the first
         # save pays for allocating (and on GPUs pinning) them.
-        self._stager = _make_stager() if self.async_save else None
+        self._stager = make_stager() if self.async_save else None
         # torch.save's zip CRC32s cost half of serialising each tensor (measured: 232 vs 120 ms per
         # 360 MB), and torch.load never checks them. Integrity comes from the commit record's CRC-32C
         # instead (hardware CRC, taken as the bytes are written, checked before a load). Process-wide,
@@ -275,10 +273,7 @@ class Checkpointer:
             problem = self._agree(local)
             if problem is None:
                 try:
-                    dcp.load(loadable, storage_reader=dcp.FileSystemReader(path), process_group=self.group)
-                    if loadable is not state:
-                        # DCP puts loaded objects (BytesIO, plain values) into the dict it was given.
-                        state.update({k: v for k, v in loadable.items() if not isinstance(v, _Without)})
+                    load_into(state, loadable, dcp.FileSystemReader(path), self.group)
                     local = None
                 except CheckpointException as exc:  # raised on every rank alike
                     local = _first_failure(exc)
@@ -287,7 +282,7 @@ class Checkpointer:
                 problem = self._agree(local)
                 dirty = dirty or problem is not None
             if problem is None:
-                self.last_saved_step = _step_of(path)
+                self.last_saved_step = step_of(path)
                 return path, False
             if self.is_rank0:
                 self._log(f"hpkit train: warning: skipping checkpoint {path}: {problem}")
@@ -461,7 +456,7 @@ class Checkpointer:
             for part in gathered:
                 files.update(part or {})
             record = CommitRecord(
-                _step_of(final), files, self.world_size, self.layout, time.time(), self.model
+                step_of(final), files, self.world_size, self.layout, time.time(), self.model
             )
             write_record(tmp, record)
             if final.exists():
@@ -534,6 +529,14 @@ def without_absent_optional_keys(state: dict[str, Any], metadata: Any) -> dict[s
     return {**state, **wrapped} if wrapped else state
 
 
+def load_into(state: dict[str, Any], loadable: dict[str, Any], reader: Any, group: Any) -> None:
+    """DCP's load of `loadable` (`state`, or `without_absent_optional_keys` of it) with what it loaded back in
+    `state`: DCP puts loaded objects (BytesIO, plain values) into the dict it was given."""
+    dcp.load(loadable, storage_reader=reader, process_group=group)
+    if loadable is not state:
+        state.update({k: v for k, v in loadable.items() if not isinstance(v, _Without)})
+
+
 def files_to_read(state: dict[str, Any], metadata: Any) -> set[str]:
     """The files of a checkpoint (its `metadata`) that loading `state` on this rank reads: DCP's own local plan."""
     plain = {k: v.state_dict() if isinstance(v, Stateful) else v for k, v in state.items()}
@@ -541,11 +544,6 @@ def files_to_read(state: dict[str, Any], metadata: Any) -> set[str]:
     planner.set_up_planner(plain, metadata, False)
     plan = planner.create_local_plan()
     return {metadata.storage_data[item.storage_index].relative_path for item in plan.items}
-
-
-def _step_of(path: Path) -> int:
-    m = _STEP_DIR.match(path.name.removesuffix(".tmp"))
-    return int(m.group(1)) if m else -1
 
 
 def _first_failure(exc: BaseException) -> str:
@@ -562,7 +560,7 @@ def _planner() -> Any:
     return DefaultSavePlanner(enable_plan_caching=True)
 
 
-def _make_stager() -> Any:
+def make_stager() -> Any:
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
     on_gpu = torch.cuda.is_available()

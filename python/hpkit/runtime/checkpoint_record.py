@@ -27,6 +27,19 @@ from hpkit.runtime.page_cache import StreamingWriteback
 RECORD_NAME = "hpkit-commit.json"
 RECORD_FORMAT = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
+
+
+def step_dir_name(step: int) -> str:
+    """A checkpoint's folder, persistent or in memory (`runtime.memory_layout`): names sort as steps do."""
+    return f"step-{step:08d}"
+
+
+def step_of(path: Path) -> int:
+    """The step a checkpoint folder (or its `.tmp`) holds; -1 for another name."""
+    m = STEP_DIR.match(path.name.removesuffix(".tmp"))
+    return int(m.group(1)) if m else -1
+
+
 _READ_CHUNK = 1 << 20
 # Bytes written (and checksummed) per call to the file: within a core's L2 cache, so that the CRC
 # reads them hot after the copy into the page cache.

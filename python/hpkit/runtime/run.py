@@ -19,12 +19,14 @@ from hpkit.errors import SpecError
 from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
 from hpkit.runtime import faults
 from hpkit.runtime.checkpoint import Checkpointer
-from hpkit.runtime.checkpoint_record import CommitRecord
+from hpkit.runtime.checkpoint_record import CommitRecord, step_dir_name, step_of
 from hpkit.runtime.collectives import decide
 from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed, node_name
 from hpkit.runtime.evaluate import Evaluator
 from hpkit.runtime.hang_watchdog import HangWatchdog, enable_flight_recorder
+from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
+from hpkit.runtime.memory_layout import memory_root, run_key
 from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
 from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths
@@ -62,12 +64,13 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     checkpointer = _checkpointer(
         cfg, launch.rank, trainer, say, metrics, paths.checkpoint_dir, saving=lambda: watchdog_phase("save")
     )
+    memory = _memory_checkpointer(cfg, paths, identity, say)
     say(_banner(cfg, launch, device, trainer))
-    resumed = None
-    if checkpointer is not None and cfg.checkpoint.resume:
-        resumed = trainer.resume(checkpointer)
-        if resumed is not None:
-            say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
+    if memory is not None:
+        say(f"hpkit train: {memory.describe()}")
+    resumed = _resume(cfg, trainer, checkpointer, memory) if cfg.checkpoint.resume else None
+    if resumed is not None:
+        say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
     if trainer.hf is not None and (resumed is None or cfg.model.lora is not None):
         # A checkpoint of this run (above) takes precedence: it holds the weights trained since. A LoRA
         # checkpoint holds only the adapters: the frozen base it was trained on is still init_from's.
@@ -84,6 +87,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
         finally:
             if checkpointer is not None:
                 checkpointer.close()
+            if memory is not None:
+                memory.close(completed=False)
             trainer.close()
             report.close()
     # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
@@ -115,7 +120,7 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
             while trainer.step < cfg.train.steps:
                 if fault is not None:
                     fault.before_step(launch.rank, trainer.step + 1)
-                last = trainer.train_step(checkpointer)
+                last = trainer.train_step(checkpointer, memory)
                 if watchdog is not None:
                     watchdog.step_done(last.step, last.step_time_s)
                 summary.add(last, trainer.tokens_per_step)
@@ -130,6 +135,9 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                 report.step(last, evaluation)
                 if checkpointer is not None:
                     save(last.step, forced=trainer.stop_requested)
+                if memory is not None:
+                    with watchdog_phase("save"):
+                        memory.save(last.step, trainer.checkpoint_state())
                 if trainer.stop_requested:
                     say(f"hpkit train: stopping at step {trainer.step} on signal {trainer.stop_signal}")
                     break
@@ -142,6 +150,12 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                     if last is not None and not trainer.stop_requested:
                         save(last.step, final=True)
                     checkpointer.close()
+        if memory is not None:
+            with watchdog_phase("save"):
+                # A run that reached its last step frees its nodes' memory; one stopped by a signal keeps
+                # it for the restart (a requeue onto the same nodes resumes from it).
+                memory.close(completed=not trainer.stop_requested)
+            memory = None
         metrics.event(
             EndEvent(
                 trainer.step,
@@ -152,6 +166,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     finally:
         if watchdog is not None:
             watchdog.stop()
+        if memory is not None:
+            memory.close(completed=False)
         trainer.close()
         report.close()
     if last is None:
@@ -314,6 +330,42 @@ def _checkpointer(
         saving=saving,
         refusal=trainer.checkpoint_refusal,
     )
+
+
+def _memory_checkpointer(
+    cfg: RunConfig, paths: RunPaths, identity: RunIdentity, say: Callable[[str], None]
+) -> MemoryCheckpointer | None:
+    spec = cfg.checkpoint.memory
+    if spec is None:
+        return None
+    anchor = paths.checkpoint_dir or paths.metrics_file
+    root = memory_root() / run_key(anchor, identity.run_id)
+    return MemoryCheckpointer(spec, root, node_name(), log=say, rack=_rack())
+
+
+def _rack() -> str | None:
+    """The switch above this node in Slurm's topology (SLURM_TOPOLOGY_ADDR: "spine.leaf.node"): partner
+    copies go to another rack where the topology names racks."""
+    address = os.environ.get("SLURM_TOPOLOGY_ADDR", "")
+    return address.rsplit(".", 1)[0] if "." in address else None
+
+
+def _resume(
+    cfg: RunConfig, trainer: Trainer, checkpointer: Checkpointer | None, memory: MemoryCheckpointer | None
+) -> str | None:
+    """From memory when it holds a step newer than checkpoint.dir's newest (it reads nothing from there),
+    else from checkpoint.dir; the name of what was loaded, or None."""
+    dirty = False
+    if memory is not None:
+        latest = checkpointer.latest() if checkpointer is not None else None
+        step = memory.restore(trainer.checkpoint_state(), newer_than=step_of(latest) if latest else None)
+        if step is not None:
+            return f"memory:{step_dir_name(step)}"
+        dirty = memory.dirty  # a load that failed part-way: what it wrote must not stay
+    path = trainer.resume(checkpointer) if checkpointer is not None else None
+    if path is None and dirty:
+        trainer.reset()
+    return str(path) if path is not None else None
 
 
 def _banner(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, trainer: Trainer) -> str:

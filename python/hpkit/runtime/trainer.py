@@ -42,6 +42,7 @@ from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
 from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
 from hpkit.runtime.lora import apply_lora, base_identity, init_lora, lora_record, resume_refusal
 from hpkit.runtime.loss import TokenWeightedLoss
+from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
 from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
 from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model, stage_ids
 from hpkit.runtime.stragglers import StragglerMonitor, Window
@@ -421,7 +422,7 @@ class Trainer:
     def is_logging_step(self, step: int) -> bool:
         return step % self.cfg.train.log_every == 0 or step == self.cfg.train.steps
 
-    def train_step(self, checkpointer: Checkpointer | None = None) -> StepResult:
+    def train_step(self, *savers: Checkpointer | MemoryCheckpointer | None) -> StepResult:
         start = time.perf_counter()
         self.step += 1
         lr = self.lr_at(self.step)
@@ -442,8 +443,9 @@ class Trainer:
             if self.cfg.train.grad_clip is not None:
                 with self._work.device():
                     clip_grads_(self.params, self.cfg.train.grad_clip, norm)
-            if checkpointer is not None:
-                checkpointer.wait_for_staging()  # an async save may still be copying these weights
+            for saver in savers:  # an async save may still be copying these weights
+                if saver is not None:
+                    saver.wait_for_staging()
             with self._work.device():
                 for optimizer in self.optimizers:
                     optimizer.step()

@@ -1,0 +1,312 @@
+"""In-memory checkpoints (`checkpoint.memory`): every `every` steps each rank's state goes to its node's RAM
+(tmpfs, `memory_layout`), and a copy to a partner node, so that a restart after a lost node or rank restores
+from memory, its own node's or a peer's over the job's network, and reads nothing from `checkpoint.dir`.
+
+A save is DCP's async save into the node's folder (the same staging as `checkpoint.async_save`: training waits
+only for the copy of the state before the next optimizer step changes it), then, off the training thread,
+each rank sends its file to the rank that holds its copy and receives the ones it holds, and every node marks
+the step complete once every rank's copy is in place. The newest complete step is kept until the next one is.
+
+A restore runs before the persistent checkpoint's: the ranks gather what their nodes hold, agree on the newest
+step that is whole, send each rank the files its load reads that its node lacks, and load with DCP as a
+persistent resume does. Where no step is whole (a rank's node and its partner both lost) it says which ranks
+and nodes, and the run resumes from `checkpoint.dir` instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from hpkit.runtime.checkpoint import files_to_read, load_into, make_stager, without_absent_optional_keys
+from hpkit.runtime.checkpoint_record import step_dir_name
+from hpkit.runtime.config import MemoryCheckpointSpec
+from hpkit.runtime.memory_layout import (
+    COMPLETE,
+    METADATA,
+    RANKS,
+    RestorePlan,
+    choose_step,
+    holders,
+    partner_nodes,
+    plan_transfers,
+    read_holdings,
+    remove_leftovers,
+    shard_file,
+)
+
+_TAG = 4417  # p2p tag of the copies, apart from anything training sends
+
+
+class _MemoryPlanner(DefaultSavePlanner):
+    """Its own class, so that DCP's plan cache (keyed by the planner's class name) is not shared with the
+    persistent checkpoints', whose saves may run at the same time on another thread."""
+
+
+class MemoryCheckpointer:
+    def __init__(
+        self,
+        spec: MemoryCheckpointSpec,
+        root: Path,
+        node: str,
+        log: Callable[[str], None] = print,
+        rack: str | None = None,
+    ) -> None:
+        self.spec = spec
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.node = node
+        self.root = Path(root)
+        self.node_dir = self.root / node
+        self._log = log
+        # Its own gloo group: the copies and their bookkeeping run on a background thread, beside training's
+        # collectives and the persistent checkpoint's.
+        self.group = dist.new_group(backend="gloo")
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, (node, rack), group=self.group)
+        self.rank_nodes: list[str] = [str(n) for n, _ in gathered]
+        racks = {str(n): str(r) for n, r in gathered if r}
+        nodes = list(dict.fromkeys(self.rank_nodes))
+        self.partners = partner_nodes(nodes, racks, spec.replicas) if len(nodes) > spec.replicas else {}
+        held_by = (
+            holders(self.rank_nodes, self.partners)
+            if self.partners
+            else {r: [] for r in range(self.world_size)}
+        )
+        self.send_to = held_by[self.rank]
+        self.receive_from = sorted(r for r, hs in held_by.items() if self.rank in hs)
+        self.is_node_leader = self.rank_nodes.index(node) == self.rank
+        self._stager = make_stager()
+        self._staging: Any = None
+        self._background: threading.Thread | None = None
+        self._failure: BaseException | None = None
+        self.last_step: int | None = None  # newest step complete on every node
+        self.dirty = False  # a restore's load failed part-way: the state may be partly overwritten
+        self.state_bytes = 0  # this rank's file, as last saved
+        self.copy_s = 0.0  # seconds the background spent on the last step's copies
+        self.staging_wait_s = 0.0
+        if self.is_node_leader:
+            self.node_dir.mkdir(parents=True, exist_ok=True)
+            remove_leftovers(self.root.parent, keep=self.root.name)
+        dist.barrier(group=self.group)
+
+    def describe(self) -> str:
+        if not self.partners:
+            return f"in-memory checkpoints every {self.spec.every} step(s) in {self.root} (one node: no partner copies)"
+        pairs = ", ".join(f"{n}->{'+'.join(ps)}" for n, ps in list(self.partners.items())[:4])
+        more = ", ..." if len(self.partners) > 4 else ""
+        return (
+            f"in-memory checkpoints every {self.spec.every} step(s) in {self.root}: each rank's state also on a "
+            f"partner node ({pairs}{more}); at the peak {self.spec.host_copies} state-sized copies per rank in RAM"
+        )
+
+    # ----------------------------------------------------------------------------------------------
+    # Save
+
+    def due(self, step: int) -> bool:
+        return step % self.spec.every == 0 and step != self.last_step
+
+    def save(self, step: int, state: dict[str, Any]) -> bool:
+        if not self.due(step):
+            return False
+        self.wait()
+        folder = self.node_dir / step_dir_name(step)
+        if self.is_node_leader:
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+        dist.barrier(group=self.group)
+        response = dcp.async_save(
+            state,
+            storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
+            planner=_MemoryPlanner(enable_plan_caching=True),
+            process_group=self.group,
+            async_stager=self._stager,
+        )
+        self._staging = response.staging_completion
+        self._background = threading.Thread(
+            target=self._finish,
+            args=(step, folder, response.upload_completion),
+            name="hpkit-memory-copy",
+            daemon=True,
+        )
+        self._background.start()
+        return True
+
+    def wait_for_staging(self) -> None:
+        """Block until the state is copied; call before the next optimizer step changes it."""
+        if self._staging is not None:
+            staging, self._staging = self._staging, None
+            start = time.perf_counter()
+            staging.result()
+            self.staging_wait_s += time.perf_counter() - start
+
+    def wait(self) -> None:
+        """Finish the step being copied (if any)."""
+        self.wait_for_staging()
+        if self._background is not None:
+            self._background.join()
+            self._background = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            # A copy that failed leaves the previous complete step in place: training goes on, and says so.
+            if self.rank == 0:
+                self._log(
+                    f"hpkit train: warning: in-memory checkpoint not completed: {type(failure).__name__}: {failure}"
+                )
+
+    def _finish(self, step: int, folder: Path, upload: Any) -> None:
+        try:
+            upload.result()
+            start = time.perf_counter()
+            self._share_metadata(folder)
+            own = folder / shard_file(self.rank)
+            self.state_bytes = own.stat().st_size
+            self._exchange(
+                [(h, own) for h in self.send_to], [(s, folder / shard_file(s)) for s in self.receive_from]
+            )
+            # Every copy is in place on every node before any node calls the step complete.
+            dist.barrier(group=self.group)
+            if self.is_node_leader:
+                (folder / RANKS).write_text(json.dumps(self.rank_nodes), encoding="utf-8")
+                (folder / COMPLETE).write_text(str(step), encoding="utf-8")
+                for older in self.node_dir.glob("step-*"):
+                    if older.name < folder.name:
+                        shutil.rmtree(older, ignore_errors=True)
+            self.last_step = step
+            self.copy_s = time.perf_counter() - start
+        except BaseException as exc:
+            self._failure = exc
+
+    def _share_metadata(self, folder: Path) -> None:
+        """Rank 0 wrote the step's metadata on its node; every node keeps one (any node may be the one left)."""
+        blob: list[Any] = [(folder / METADATA).read_bytes() if self.rank == 0 else None]
+        dist.broadcast_object_list(blob, src=0, group=self.group)
+        if self.is_node_leader and self.rank != 0:
+            _write_whole(folder / METADATA, blob[0])
+
+    def _exchange(self, sends: list[tuple[int, Path]], receives: list[tuple[int, Path]]) -> None:
+        """Point-to-point copies of whole files: sizes first, then the bytes, every send and receive posted
+        before any is waited on (no order between pairs can deadlock). Two files between one pair of ranks
+        travel in the order both sides list them (gloo keeps the order of one pair's messages of one tag)."""
+        payloads = [torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8) for _, path in sends]
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in receives]
+        works = [
+            dist.isend(torch.tensor([len(data)], dtype=torch.int64), peer, group=self.group, tag=_TAG)
+            for (peer, _), data in zip(sends, payloads, strict=True)
+        ]
+        works += [
+            dist.irecv(size, peer, group=self.group, tag=_TAG)
+            for (peer, _), size in zip(receives, sizes, strict=True)
+        ]
+        for work in works:
+            work.wait()
+        buffers = [torch.empty(int(size.item()), dtype=torch.uint8) for size in sizes]
+        works = [
+            dist.isend(data, peer, group=self.group, tag=_TAG + 1)
+            for (peer, _), data in zip(sends, payloads, strict=True)
+        ]
+        works += [
+            dist.irecv(buf, peer, group=self.group, tag=_TAG + 1)
+            for (peer, _), buf in zip(receives, buffers, strict=True)
+        ]
+        for work in works:
+            work.wait()
+        for (_, path), buf in zip(receives, buffers, strict=True):
+            _write_whole(path, buf.numpy().tobytes())
+
+    # ----------------------------------------------------------------------------------------------
+    # Restore
+
+    def restore(self, state: dict[str, Any], newer_than: int | None) -> int | None:
+        """Load the newest whole in-memory step into `state` if it is newer than `newer_than` (the persistent
+        checkpoint's step, or None); returns its step, or None (nothing loaded: resume from checkpoint.dir)."""
+        views: list[Any] = [None] * self.world_size
+        dist.all_gather_object(views, (read_holdings(self.node_dir), newer_than), group=self.group)
+        newer_than = views[0][1]  # rank 0's view of checkpoint.dir decides, as the persistent resume's does
+        holdings = {rank: held for rank, (held, _) in enumerate(views)}
+        plan: RestorePlan = choose_step(self.world_size, holdings, self.rank_nodes)
+        if plan.step is None:
+            if self.rank == 0 and plan.lost_step is not None:
+                self._log(f"hpkit train: {plan.line()}; resuming from checkpoint.dir instead")
+            return None
+        if newer_than is not None and plan.step <= newer_than:
+            return None
+        folder = self.node_dir / step_dir_name(plan.step)
+        self._fetch_metadata(folder, plan)
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+        loadable = without_absent_optional_keys(state, metadata)
+        needs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(needs, sorted(files_to_read(loadable, metadata)), group=self.group)
+        node_files: list[Any] = [None] * self.world_size
+        dist.all_gather_object(node_files, set(os.listdir(folder)), group=self.group)
+        by_node = {self.rank_nodes[r]: files for r, files in enumerate(node_files)}
+        transfers = plan_transfers(dict(enumerate(needs)), by_node, self.rank_nodes)
+        self._exchange(
+            [(t.dest, folder / t.file) for t in transfers if t.source == self.rank],
+            [(t.source, folder / t.file) for t in transfers if t.dest == self.rank],
+        )
+        dist.barrier(group=self.group)
+        problem = None
+        try:
+            load_into(state, loadable, dcp.FileSystemReader(folder), self.group)
+        except Exception as exc:
+            problem = f"{type(exc).__name__}: {exc}"
+        verdicts: list[Any] = [None] * self.world_size
+        dist.all_gather_object(verdicts, problem, group=self.group)
+        bad = [v for v in verdicts if v is not None]
+        if bad:
+            self.dirty = True
+            if self.rank == 0:
+                self._log(
+                    f"hpkit train: warning: in-memory step {plan.step} did not load ({bad[0]}); resuming from checkpoint.dir"
+                )
+            return None
+        self.last_step = plan.step
+        if self.rank == 0:
+            fetched = len(transfers)
+            self._log(
+                f"hpkit train: restored step {plan.step} from memory: {fetched} file(s) from partner nodes, "
+                "nothing read from checkpoint.dir"
+            )
+        return plan.step
+
+    def _fetch_metadata(self, folder: Path, plan: RestorePlan) -> None:
+        have = (folder / METADATA).exists()
+        blob: list[Any] = [(folder / METADATA).read_bytes() if self.rank == plan.metadata_from else None]
+        dist.broadcast_object_list(blob, src=plan.metadata_from, group=self.group)
+        folder.mkdir(parents=True, exist_ok=True)
+        if not have and self.is_node_leader:
+            _write_whole(folder / METADATA, blob[0])
+        dist.barrier(group=self.group)
+
+    # ----------------------------------------------------------------------------------------------
+    # End
+
+    def close(self, completed: bool) -> None:
+        """Finish the copy in flight; a run that completed frees its nodes' memory (a stopped one keeps it for
+        the restart)."""
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if completed:
+            dist.barrier(group=self.group)
+            if self.is_node_leader:
+                shutil.rmtree(self.node_dir, ignore_errors=True)
+
+
+def _write_whole(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
