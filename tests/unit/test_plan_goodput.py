@@ -6,7 +6,10 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +19,7 @@ from hpkit.plan import goodput
 from hpkit.plan.goodput import GoodputInputs
 
 DEFAULT = GoodputInputs()
+REPO = Path(__file__).resolve().parents[2]
 
 
 def plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
@@ -158,3 +162,21 @@ def test_zero_nodes_names_the_flag() -> None:
 def test_plan_without_a_target_or_goodput_says_what_is_missing(capsys: pytest.CaptureFixture[str]) -> None:
     rc, out, err = plan(capsys)
     assert rc == 1 and out == "" and err.count("\n") == 1 and "target: missing" in err
+
+
+def test_goodput_imports_no_torch() -> None:
+    # A login node runs it: the model, the flags and MODEL's parameter count stay torch-free.
+    code = (
+        "import sys\nfrom hpkit.cli import main\n"
+        "assert main(['plan', '70B', '--goodput', '--instance', 'p5.48xlarge', '--json']) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env={"PYTHONPATH": str(REPO / "python")},
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr

@@ -17,23 +17,28 @@ from typing import Any
 
 from hpkit.errors import SpecError
 
-# What each flag means, for --help; the defaults and their sources are GoodputInputs'.
+# What each flag means, for --help; {default} is GoodputInputs' own default (stated with its source there).
 HELP = {
-    "fault_rate": "unexpected interruptions per node-hour (default Llama 3's: 419 in 54 days on 2,048 nodes)",
-    "state_bytes": "checkpoint state of the whole job, bytes (default 70B x 12 bytes; MODEL: its parameters x 12)",
-    "fs_read_gbs": "shared file system's aggregate read rate, GB/s (default 98.4: FSx for Lustre, see BENCHMARKS)",
-    "fs_write_gbs": "its aggregate write rate, GB/s (default 98.4)",
-    "node_fs_gbs": "one node's own file system rate, GB/s (default 12.5)",
-    "save_efficiency": "a save's rate as a fraction of the write rate (default 0.91, measured against dd)",
-    "ckpt_write_s": "seconds a persistent checkpoint blocks training (default: state / write rate)",
+    "fault_rate": "unexpected interruptions per node-hour (default {default:.3g}: Llama 3's, 419 in 54 days on "
+    "2,048 nodes)",
+    "state_bytes": "checkpoint state of the whole job, bytes (default {default:.3g}: 70B x 12 bytes; with MODEL, "
+    "its parameters x 12)",
+    "fs_read_gbs": "shared file system's aggregate read rate, GB/s (default {default:g}: FSx for Lustre, "
+    "BENCHMARKS.md)",
+    "fs_write_gbs": "its aggregate write rate, GB/s (default {default:g})",
+    "node_fs_gbs": "one node's own file system rate, GB/s (default {default:g})",
+    "save_efficiency": "a save's rate as a fraction of the write rate (default {default:g}, measured against dd)",
+    "ckpt_write_s": "seconds a persistent checkpoint blocks training (default: state / write rate, a sync save)",
     "restore_s": "seconds to read the state back from the file system (default: state / read rate)",
-    "detection_s": "seconds from a fault to the node named (default 7, measured)",
-    "restart_s": "seconds from the node named to the next step, spare and processes (default 53, measured)",
+    "detection_s": "seconds from a fault to the node named (default {default:g}, measured)",
+    "restart_s": "seconds from the node named to the next step: spare, processes, rendezvous (default "
+    "{default:g}, measured)",
     "memory_restart_s": "the same before an in-memory restore (default: --restart-s)",
-    "step_s": "seconds a training step takes (default 5)",
-    "copy_cost": "blocking cost of one in-memory copy, a fraction of a step (default 0.05)",
-    "link_gbps": "rate a node pulls its lost state from its partner, Gb/s (default 3200: EFA on p5; --instance: its)",
-    "unrecoverable": "fraction of faults no node's RAM survives (default 0)",
+    "step_s": "seconds a training step takes (default {default:g})",
+    "copy_cost": "blocking cost of one in-memory copy, a fraction of a step (default {default:g})",
+    "link_gbps": "rate a node pulls its lost state from its partner, Gb/s (default {default:g}: EFA on p5; "
+    "with --instance, its own)",
+    "unrecoverable": "fraction of faults no node's RAM survives (default {default:g})",
     "ckpt_interval": "fix the persistent checkpoint interval, steps (default: the best)",
     "memory_every": "fix the in-memory copy interval, steps (default: the best)",
 }
@@ -63,7 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             dest=f"goodput_{f.name}",
             type=_whole if whole else _number,
             metavar="N" if whole else "X",
-            help=HELP[f.name],
+            help=HELP[f.name].format(default=f.default).replace("%", "%%"),
         )
 
 
