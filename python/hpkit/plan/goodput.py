@@ -195,13 +195,16 @@ class Outcome:
     interval_steps: int  # persistent checkpoint interval (checkpoint.interval)
     interval_s: float
     young_daly_s: float
+    checkpoint_s: float  # a persistent checkpoint's blocking cost at this scale
+    restore_s: float  # restoring after a fault: from the file system, or (in-memory) from the partner
     every_steps: int | None = None  # in-memory copy interval (checkpoint.memory.every)
     every_s: float | None = None
     every_young_daly_s: float | None = None
     fallback_probability: float | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {k: (round(v, 6) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+        # Six significant digits: a fallback probability of 1e-5 keeps its own.
+        return {k: (float(f"{v:.6g}") if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
 def persistent(inputs: GoodputInputs, nodes: int) -> Outcome:
@@ -219,6 +222,8 @@ def persistent(inputs: GoodputInputs, nodes: int) -> Outcome:
         interval_steps=k,
         interval_s=k * inputs.step_s,
         young_daly_s=young_daly_s(inputs.checkpoint_s(nodes), mtbf),
+        checkpoint_s=inputs.checkpoint_s(nodes),
+        restore_s=inputs.fs_restore_s(nodes),
     )
 
 
@@ -251,6 +256,8 @@ def in_memory(inputs: GoodputInputs, nodes: int, rounds: int = 4) -> Outcome:
         interval_steps=interval,
         interval_s=interval * step,
         young_daly_s=interval_yd,
+        checkpoint_s=inputs.checkpoint_s(nodes),
+        restore_s=inputs.peer_restore_s(nodes),
         every_steps=every,
         every_s=every * step,
         every_young_daly_s=every_yd,
