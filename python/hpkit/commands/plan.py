@@ -3,6 +3,7 @@
     hpkit plan MODEL --instance TYPE --nodes N [--seq S] [--global-batch B | --global-tokens T] ...
     hpkit plan job.yaml [--instance TYPE] [--json]
     hpkit plan MODEL|job.yaml ... --trial K [--spec-base job.yaml]   # run the top K as short jobs
+    hpkit plan [MODEL] --goodput [--nodes N] [--fault-rate R] ...     # goodput under faults (plan_goodput)
 
 
 Torch-free (a login node runs it): the memory model (hpkit.plan.memory), the speed model (hpkit.plan.speed)
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from hpkit.arg_types import positive_float, positive_int
+from hpkit.commands import plan_goodput
 from hpkit.errors import HpkitError, SpecError
 
 DEFAULT_SEQ = 8192
@@ -36,6 +38,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "target",
+        nargs="?",
         help="a shape name (8B, 70B, debug-moe, ...), a Hugging Face model folder (config.json: Llama, "
         "Mixtral), or a job spec (.yaml/.json) to judge",
     )
@@ -94,6 +97,7 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         metavar="S",
         help="seconds between Slurm polls (default 2)",
     )
+    plan_goodput.add_arguments(p)
     return p
 
 
@@ -165,6 +169,12 @@ def _torch_line(check: dict[str, Any]) -> str:
 def main(argv: list[str], prog: str = "hpkit plan") -> int:
     args = _parser(prog).parse_args(argv[1:])
     args.command_line = shlex.join(["hpkit", "plan", *argv[1:]])
+    if args.goodput:
+        return plan_goodput.main(args)
+    if not args.target:
+        raise SpecError(
+            "target: missing: name a model (8B, 70B, a config.json folder) or a job spec, or give --goodput"
+        )
     target = Path(args.target)
     if target.suffix in (".yaml", ".yml", ".json") and not target.is_dir():
         from hpkit.validation import read_document
