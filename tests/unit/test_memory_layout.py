@@ -98,7 +98,11 @@ def test_the_newest_whole_step_is_chosen_and_its_metadata_found():
 def test_a_step_whose_copies_are_all_lost_names_the_ranks_and_nodes():
     rank_nodes = ["c", "c", "d", "d"]  # a and b both lost
     plan = choose_step(4, {r: [] for r in range(4)}, rank_nodes)
-    assert plan.step is None and plan.lost_step is None and plan.line() == ""
+    assert plan.step is None and plan.lost_step is None
+    assert plan.line(rank_nodes) == (
+        "no in-memory checkpoint is left on the live nodes (c, d): the states of every rank were held only on "
+        "nodes that are lost"
+    )
     holdings = {0: [_holding(15, {0, 1})], 1: [_holding(15, {0, 1})], 2: [], 3: []}
     plan = choose_step(4, holdings, rank_nodes)
     assert plan.step is None and (plan.lost_step, plan.lost, plan.lost_nodes) == (15, [2, 3], ["b"])

@@ -237,8 +237,9 @@ class MemoryCheckpointer:
         holdings = {rank: held for rank, (held, _) in enumerate(views)}
         plan: RestorePlan = choose_step(self.world_size, holdings, self.rank_nodes)
         if plan.step is None:
-            if self.rank == 0 and plan.lost_step is not None:
-                self._log(f"hpkit train: {plan.line()}; resuming from checkpoint.dir instead")
+            if self.rank == 0 and (plan.lost_step is not None or newer_than is not None):
+                # Nothing held at all after training began: every node that held a copy is gone.
+                self._log(f"hpkit train: {plan.line(self.rank_nodes)}; resuming from checkpoint.dir instead")
             return None
         if newer_than is not None and plan.step <= newer_than:
             return None

@@ -174,9 +174,15 @@ class RestorePlan:
     lost_step: int | None = None
     lost_nodes: list[str] = field(default_factory=list)  # where those ranks' copies were
 
-    def line(self) -> str:
-        if self.step is not None or self.lost_step is None:
+    def line(self, live_nodes: Sequence[str] = ()) -> str:
+        if self.step is not None:
             return ""
+        if self.lost_step is None:
+            live = ", ".join(dict.fromkeys(live_nodes))
+            return (
+                f"no in-memory checkpoint is left on the live nodes ({live}): the states of every rank were "
+                "held only on nodes that are lost"
+            )
         shards = ",".join(map(str, self.lost)) if len(self.lost) <= 16 else f"{len(self.lost)} ranks'"
         return (
             f"in-memory checkpoint step {self.lost_step} is incomplete: the state of rank(s) {shards} was held "
