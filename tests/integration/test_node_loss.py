@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -344,3 +345,100 @@ def test_node_failures_past_the_restart_budget_end_the_job(three_nodes, tmp_path
     assert not [e for e in events_of(events, "end") if e["outcome"] in ("budget_spent", "program_failed")], (
         log
     )
+
+
+# In-memory checkpoints (checkpoint.memory): the run is held after step MEMORY_STEP (a rank hangs before the next
+# one), so the newest in-memory step is known; the persistent checkpoint of step INTERVAL is older.
+MEMORY_STEP = 15
+
+
+def memory_spec(name: str, tmp_path: Path) -> tuple[dict, dict[str, str]]:
+    spec = training_spec(name, tmp_path, STEPS, interval=INTERVAL)
+    spec["checkpoint"]["memory"] = {"every": 1}
+    spec["resilience"].update(max_restarts=2, spare_nodes=1, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
+    # Rank 1 sleeps before step MEMORY_STEP + 1 on the first attempt only: every rank has finished
+    # MEMORY_STEP and its in-memory copy, and no later step starts until the node is lost.
+    extra = {"HPKIT_FAULT": f"hang:rank=1,step={MEMORY_STEP + 1}", "HPKIT_MEMORY_ROOT": str(tmp_path / "shm")}
+    return spec, extra
+
+
+def memory_step_complete(root: Path, step: int, nodes: list[str]) -> bool:
+    """Every node of the step holds `step` whole (its `complete` mark, written after every copy is in place)."""
+    return all(any(root.glob(f"hpkit-mem-*/*/{node}/step-{step:08d}/complete")) for node in nodes)
+
+
+def lose_node_held_after_memory_step(env, tmp_path: Path, name: str, wipe_partner: bool):
+    """Run `name` with in-memory checkpoints until it is held after MEMORY_STEP and kill rank 0's node, having
+    moved checkpoint.dir away (a restore from it would find nothing) or, with `wipe_partner`, taken the partner
+    node's memory (both copies of rank 0's state gone). Returns the job's log, losses, last step before the
+    kill and the two step nodes."""
+    backend = CliBackend()
+    tmp_path.mkdir(exist_ok=True)
+    spec, extra = memory_spec(name, tmp_path)
+    job = submit(spec, tmp_path, {**env, **extra})
+    ckpt, metrics = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.jsonl"
+    placed = wait_for(
+        lambda: events_of(job_events(tmp_path / "logs", job), "run_started"), 240, "the run to start"
+    )
+    (rank0_node, other_node), _ = placed[0]["step_nodes"], placed[0]["spares"]
+    wait_for(
+        lambda: memory_step_complete(tmp_path / "shm", MEMORY_STEP, [rank0_node, other_node]),
+        300,
+        f"step {MEMORY_STEP} in memory on both nodes",
+        poll=0.1,
+    )
+    assert (ckpt / "latest").exists() and not (ckpt / f"step-{MEMORY_STEP + 1:08d}").exists()
+    stopped_at = max(losses(metrics))
+    if not wipe_partner:  # the restore must come from memory: checkpoint.dir holds nothing to read
+        ckpt.rename(ckpt.with_name(ckpt.name + ".away"))
+    else:
+        for folder in (tmp_path / "shm").glob(f"hpkit-mem-*/*/{other_node}"):
+            shutil.rmtree(folder)
+    victims = kill_node(env, job, rank0_node)
+    assert victims, f"no processes of job {job} on {rank0_node}"
+    try:
+        info = wait_for(lambda: (i := backend.info(job)).state.finished and i, 300, "the job to end")
+    finally:
+        subprocess.run(["slurmd", "-N", rank0_node, "-f", env["SLURM_CONF"]], env=env, check=False)
+    log = job_log(info)
+    print("\n".join(line for line in log.splitlines() if line.startswith(("hpkit", "srun"))))
+    assert info.state == JobState.COMPLETED, log
+    events = job_events(tmp_path / "logs", job)
+    assert [(e["node"]) for e in events_of(events, "spare_swap")] == [rank0_node], events
+    return log, losses(metrics), stopped_at, (rank0_node, other_node)
+
+
+def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir(
+    three_nodes, reference_losses, tmp_path
+):
+    """checkpoint.memory: rank 0's node is lost after step 15 with checkpoint.dir moved away: the spare's rank
+    takes its state from the partner node's memory, the run resumes at step 15 (the persistent checkpoint is
+    step 10, and gone), redoes no step, and every loss equals the uninterrupted run's."""
+    log, got, stopped_at, _ = lose_node_held_after_memory_step(
+        three_nodes, tmp_path, "memory", wipe_partner=False
+    )
+    assert f"resumed from memory:step-{MEMORY_STEP:08d} at step {MEMORY_STEP}" in log, log
+    assert re.search(
+        rf"restored step {MEMORY_STEP} from memory: [1-9]\d* file\(s\) from partner nodes", log
+    ), log
+    assert stopped_at == MEMORY_STEP  # nothing trained since the copy: no step is redone
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in reference_losses.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), f"step {step}"
+
+
+def test_a_node_lost_with_its_partners_memory_falls_back_to_the_checkpoint_dir(
+    three_nodes, reference_losses, tmp_path
+):
+    """Both copies of rank 0's state gone (its node lost, its partner's memory lost): the run says which ranks'
+    states were lost, and resumes from the newest persistent checkpoint (step 10) to the reference losses."""
+    log, got, _, _ = lose_node_held_after_memory_step(three_nodes, tmp_path, "fallback", wipe_partner=True)
+    # Two nodes held every copy: with both gone, no rank's state is left (a larger world names the ranks
+    # lost and their nodes: tests/unit/test_memory_layout.py).
+    assert re.search(
+        r"no in-memory checkpoint is left on the live nodes \([^)]*\): the states of every rank", log
+    ), log
+    assert re.search(rf"resumed from \S+{INTERVAL:08d} at step {INTERVAL}", log), log
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in reference_losses.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), f"step {step}"
