@@ -15,6 +15,8 @@ and nodes, and the run resumes from `checkpoint.dir` instead.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -30,7 +32,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hpkit.runtime.checkpoint import files_to_read, load_into, make_stager, without_absent_optional_keys
-from hpkit.runtime.checkpoint_record import step_dir_name
+from hpkit.runtime.checkpoint_record import step_dir_name, step_of
 from hpkit.runtime.config import MemoryCheckpointSpec
 from hpkit.runtime.memory_layout import (
     COMPLETE,
@@ -96,6 +98,8 @@ class MemoryCheckpointer:
         self.state_bytes = 0  # this rank's file, as last saved
         self.copy_s = 0.0  # seconds the background spent on the last step's copies
         self.staging_wait_s = 0.0
+        self._metadata_digest: str | None = None  # of the metadata every node last received
+        self._metadata_file: Path | None = None  # this node's copy of it
         if self.is_node_leader:
             self.node_dir.mkdir(parents=True, exist_ok=True)
             remove_leftovers(self.root.parent, keep=self.root.name)
@@ -122,10 +126,8 @@ class MemoryCheckpointer:
             return False
         self.wait()
         folder = self.node_dir / step_dir_name(step)
-        if self.is_node_leader:
-            shutil.rmtree(folder, ignore_errors=True)
-            folder.mkdir(parents=True)
-        dist.barrier(group=self.group)
+        # No barrier: a folder of this step left by an earlier attempt went in forget_after().
+        folder.mkdir(parents=True, exist_ok=True)
         response = dcp.async_save(
             state,
             storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
@@ -189,11 +191,28 @@ class MemoryCheckpointer:
             self._failure = exc
 
     def _share_metadata(self, folder: Path) -> None:
-        """Rank 0 wrote the step's metadata on its node; every node keeps one (any node may be the one left)."""
-        blob: list[Any] = [(folder / METADATA).read_bytes() if self.rank == 0 else None]
+        """Rank 0 wrote the step's metadata on its node; every node keeps one (any node may be the one left). With
+        DCP's cached plans it rarely changes between steps: then only its digest travels, and each node copies its
+        previous step's, so a step's cost does not grow with the metadata (which grows with the world)."""
+        data = (folder / METADATA).read_bytes() if self.rank == 0 else None
+        digest = hashlib.sha1(data).hexdigest() if data is not None else None
+        unchanged = digest == self._metadata_digest
+        blob: list[Any] = [(digest, None if unchanged else data)]
         dist.broadcast_object_list(blob, src=0, group=self.group)
-        if self.is_node_leader and self.rank != 0:
-            _write_whole(folder / METADATA, blob[0])
+        digest, data = blob[0]
+        writes = self.is_node_leader and self.rank != 0
+        if writes and data is None and self._metadata_digest == digest and self._metadata_file is not None:
+            with contextlib.suppress(OSError):
+                data = self._metadata_file.read_bytes()
+        need = torch.tensor([int(writes and data is None)])
+        dist.all_reduce(need, op=dist.ReduceOp.MAX, group=self.group)
+        if need.item():  # some node lost its previous copy: the bytes once more, to all
+            blob = [(folder / METADATA).read_bytes() if self.rank == 0 else None]
+            dist.broadcast_object_list(blob, src=0, group=self.group)
+            data = blob[0]
+        if writes:
+            _write_whole(folder / METADATA, data)
+        self._metadata_digest, self._metadata_file = digest, folder / METADATA
 
     def _exchange(self, sends: list[tuple[int, Path]], receives: list[tuple[int, Path]]) -> None:
         """Point-to-point copies of whole files: sizes first, then the bytes, every send and receive posted
@@ -289,6 +308,16 @@ class MemoryCheckpointer:
         folder.mkdir(parents=True, exist_ok=True)
         if not have and self.is_node_leader:
             _write_whole(folder / METADATA, blob[0])
+        dist.barrier(group=self.group)
+
+    def forget_after(self, step: int) -> None:
+        """Once the run knows the step it resumes from: remove what an earlier attempt left that this attempt's
+        saves would write into (an incomplete step, a step after `step`), so that a save needs no barrier and no
+        folder marked complete ever mixes two attempts' files."""
+        if self.is_node_leader:
+            for folder in self.node_dir.glob("step-*"):
+                if step_of(folder) > step or not (folder / COMPLETE).exists():
+                    shutil.rmtree(folder, ignore_errors=True)
         dist.barrier(group=self.group)
 
     # ----------------------------------------------------------------------------------------------

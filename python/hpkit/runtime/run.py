@@ -69,6 +69,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     if memory is not None:
         say(f"hpkit train: {memory.describe()}")
     resumed = _resume(cfg, trainer, checkpointer, memory) if cfg.checkpoint.resume else None
+    if memory is not None:
+        memory.forget_after(trainer.step)
     if resumed is not None:
         say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
     if trainer.hf is not None and (resumed is None or cfg.model.lora is not None):
