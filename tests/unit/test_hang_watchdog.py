@@ -45,6 +45,16 @@ def test_the_limit_is_the_larger_of_min_s_and_factor_times_the_median_step():
     assert verdict is not None and verdict.threshold_s == 25
 
 
+def test_the_limit_follows_the_median_rank_not_one_slow_ranks_median():
+    # One rank's steps take 20 s (a straggler, or a rank whose median came from a slow start) among 0.5 s
+    # ranks. The median of the medians keeps the limit at 10 x 0.5 s = 5 s; their mean (5.375 s) would move it
+    # to 53.75 s, and a job stalled for 10 s would not be called hung for most of a minute more.
+    beats = [beat(r, step_end=NOW - 10, median_step_s=0.5) for r in range(4)]
+    beats[3] = beat(3, step_end=NOW - 10, median_step_s=20.0)
+    verdict = decide(beats, min_s=2, factor=10, world=4)
+    assert verdict is not None and verdict.threshold_s == 5
+
+
 def test_a_stopped_rank_is_named_first_even_inside_a_collective():
     beats = [beat(r) for r in range(4)]
     beats[2] = beat(2, beat_at=NOW - 20, collectives=41)  # frozen after entering one more collective
