@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hpkit.runtime.env import groups_inherit_timeout
+
 COLLECTIVE_TIMEOUT_S = 60
 
 
@@ -41,13 +43,11 @@ def _rank_main(rank: int, fn: Callable[..., None], world: int, store: str, args:
     torch.set_num_threads(1)
     # Loopback: the test host's name may not resolve to an address the ranks can reach each other on.
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
     dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout
     )
+    groups_inherit_timeout(timeout)  # DeviceMesh's groups too, as hpkit train's own start-up does
     try:
         fn(rank, world, *args)
     finally:
