@@ -287,8 +287,21 @@ def test_check_names_the_socket_ifname_variable_to_set_in_one_line(cluster):
     assert right["status"] == "PASS" and "eth0 reaches the rendezvous" in right["detail"], right
 
 
-def _network_spec(name: str, workdir: Path) -> dict:
-    """One spec for the slow-link and the cut-link runs: 3 step nodes x 1 rank and a spare (the batch host)."""
+# The hang watchdog's limits. The slow-link run is the reference, and a slow link is not a hang: its limit is
+# the product's default, far above any step of this job however loaded the machine (with min_s 3, at load ~10
+# on 2 cores, a step over the slowed link outlasted the limit: false hangs spent the restart budget, and the
+# cut-link test, which compares with its losses, failed with it). The cut-link run must name the cut node in
+# time for the spare to take its place within SPARE_BOUND_S: named after the limit (and the node's reports
+# going stale, hang_rules.STALE_S = 5 s), in place some 5 s later (the step's grace, the probe); 12 s leaves a
+# loaded step four times the 3 s that was called a hang, and ~10 s of the bound. Factor 2 (the least allowed)
+# keeps the limit at min_s unless the median step passes 6 s.
+SLOW_HANG = {"min_s": 60, "start_s": 120}
+CUT_HANG = {"min_s": 12, "factor": 2, "start_s": 120}
+
+
+def _network_spec(name: str, workdir: Path, hang: dict) -> dict:
+    """One spec for the slow-link and the cut-link runs: 3 step nodes x 1 rank and a spare (the batch host);
+    only the hang watchdog's limits differ (SLOW_HANG, CUT_HANG), and they change no loss."""
     spec = training_spec(name, workdir, STEPS, interval=INTERVAL)
     spec["nodes"] = 3
     spec["parallelism"] = {"dp_shard": 3}
@@ -299,9 +312,7 @@ def _network_spec(name: str, workdir: Path) -> dict:
         "windows": 2,
         "link_probe_bytes": LINK_PROBE_BYTES,
     }
-    spec["resilience"].update(
-        max_restarts=2, spare_nodes=1, collective_timeout_s=120, hang={"min_s": 3, "start_s": 120}
-    )
+    spec["resilience"].update(max_restarts=2, spare_nodes=1, collective_timeout_s=120, hang=hang)
     return spec
 
 
@@ -342,7 +353,7 @@ def slow_link(cluster, tmp_path_factory) -> dict:
             text=True,
             timeout=300,
         )
-        job = submit(_network_spec("slow", work), work, cluster)
+        job = submit(_network_spec("slow", work, SLOW_HANG), work, cluster)
         info = _run_to_end(job)
     finally:
         devcluster.unslow(cluster, SLOW)
@@ -382,7 +393,7 @@ def test_a_cut_node_is_named_and_a_spare_takes_its_place_within_30_s_with_the_re
 ):
     reference = losses(slow_link["work"] / "slow.jsonl")
     assert sorted(reference) == list(range(1, STEPS + 1)), sorted(reference)
-    job = submit(_network_spec("cut", tmp_path), tmp_path, cluster)
+    job = submit(_network_spec("cut", tmp_path, CUT_HANG), tmp_path, cluster)
     metrics = tmp_path / "cut.jsonl"
     # The event: every rank has finished step CUT_AT (rank 0 logs a step once its loss is all-reduced). The
     # metrics file is read ten times a second and Slurm asked every two: under load a Slurm call takes seconds,

@@ -1,10 +1,12 @@
 """The loss contract (hpkit.runtime.loss): counted sums, and a token-weighted mean that equals today's
-mean when nothing is masked."""
+mean when nothing is masked, over data-parallel ranks too (two real gloo processes)."""
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from _gloo import run_ranks
 
 from hpkit.runtime.loss import IGNORE_INDEX, TokenWeightedLoss, masked_loss_sum
 
@@ -53,3 +55,39 @@ def test_a_step_with_nothing_counted_has_zero_loss():
     loss = TokenWeightedLoss(dp=2, masked=True)
     loss.begin_step(labels)
     assert float(loss(logits, labels)) == 0.0
+
+
+def _rank_batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Data-parallel rank `rank`'s batch: rank 0 counts 3 tokens, rank 1 counts 9 (of 14 each)."""
+    logits, labels = _batch(10 + rank)
+    labels = labels[:2]
+    labels.view(-1)[3 if rank == 0 else 9 :] = IGNORE_INDEX
+    return logits[:2], labels
+
+
+def _loss_over_ranks(rank: int, world: int) -> None:
+    # Two data-parallel ranks (dp 2): each divides its own sum by the global count / dp = (3 + 9) / 2, so that
+    # the average of their losses (what DDP and FSDP average the gradients of) is the mean over all 12 tokens.
+    # A rank that divided by its own count would weigh rank 0's 3 tokens as much as rank 1's 9.
+    logits, labels = _rank_batch(rank)
+    loss = TokenWeightedLoss(dp=2, masked=True)
+    loss.begin_step(labels)
+    assert float(loss.divisor) == 6.0, (rank, loss.divisor)
+    mine = loss(logits, labels)
+    total = mine.detach().clone()
+    dist.all_reduce(total)
+    both = [_rank_batch(r) for r in range(world)]
+    every_logit = torch.cat([lg for lg, _ in both]).flatten(0, 1)
+    every_label = torch.cat([lb for _, lb in both]).flatten()
+    torch.testing.assert_close(
+        total / 2, F.cross_entropy(every_logit, every_label, ignore_index=IGNORE_INDEX)
+    )
+    # One data-parallel rank over two tensor-parallel ranks (dp 1): both hold the same labels, and each divides
+    # by their count once (not by twice it, which the sum over the world is).
+    loss = TokenWeightedLoss(dp=1, masked=True)
+    loss.begin_step(both[1][1])
+    assert float(loss.divisor) == 9.0, (rank, loss.divisor)
+
+
+def test_the_divisor_is_the_global_count_over_data_parallel_ranks(tmp_path):
+    run_ranks(_loss_over_ranks, 2, tmp_path)

@@ -1,7 +1,8 @@
 """Validation's pure parts: the token-weighted mean, which batch each data-parallel rank runs, the held-out
 set's batches (the padding of a short last batch and an empty batch count nothing), the config's one-line
-errors, and where a result goes (metrics record, step line, TensorBoard-free JSONL, Prometheus, plot).
-Real layouts: tests/integration/test_validation.py."""
+errors, and where a result goes (metrics record, step line, TensorBoard-free JSONL, Prometheus, plot); and
+the evaluator itself over two FSDP ranks in real gloo processes, one of them with an empty last batch.
+Every layout: tests/integration/test_validation.py."""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ import math
 
 import numpy as np
 import pytest
+import torch
+import torch.nn.functional as F
+from _gloo import run_ranks
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpkit import plot
@@ -18,7 +22,8 @@ from hpkit.errors import SpecError
 from hpkit.metrics_file import read_metrics
 from hpkit.metrics_records import EvalEvent, parse_record
 from hpkit.runtime.config import EvalSpec, PrometheusSpec, RunConfig
-from hpkit.runtime.evaluate import EvalSet, rank_rounds, token_weighted_mean
+from hpkit.runtime.env import DeviceInfo
+from hpkit.runtime.evaluate import EvalSet, Evaluator, rank_rounds, token_weighted_mean
 from hpkit.runtime.loss import IGNORE_INDEX
 from hpkit.runtime.metrics import MetricsLogger, StepStats
 from hpkit.runtime.prometheus import PrometheusExporter
@@ -74,6 +79,43 @@ def test_held_out_batches_pad_the_last_and_an_empty_batch_counts_nothing(tmp_pat
     assert inputs.shape == (2, SEQ) and (labels == IGNORE_INDEX).all()
     limited = EvalSet(EvalSpec(every=1, steps=2, data=spec.data), SEQ, 0, 64, local_batch=2)
     assert limited.n_batches(2) == 4 and limited.n_batches(8) == 7
+
+
+def _validate_over_two_fsdp_ranks(rank: int, world: int, held_out: str) -> None:
+    from hpkit.runtime.trainer import Trainer
+
+    model = {"name": "debug", "dim": 32, "n_layers": 2, "n_heads": 4, "ffn_dim": 48, "vocab_size": 64}
+    cfg = parse_document(
+        RunConfig,
+        {
+            "model": {**model, "seq_len": SEQ},
+            "parallelism": {"dp_shard": world},
+            "train": {"steps": 1, "local_batch_size": 2, "mixed_precision": "fp32", "tensorboard": False},
+            "eval": {"every": 1, "data": {"kind": "tokens", "path": held_out}},
+            "resilience": {"hang": {"enabled": False}},
+        },
+    )
+    trainer = Trainer(cfg, DeviceInfo("cpu", None, "gloo", "cpu"))
+    forwards: list[int] = []
+    trainer.module.register_forward_pre_hook(lambda module, args: forwards.append(args[0].shape[0]))
+    result = Evaluator(trainer, cfg.eval).run()
+    # 13 windows in batches of 2: rank 0 runs batches 0, 2, 4, 6 and rank 1 batches 1, 3, 5 and an empty one.
+    # A rank that skipped its empty batch would leave rank 0 alone in FSDP's all-gathers of its last forward
+    # (gloo's timeout then fails this test instead of a hang).
+    assert forwards == [2, 2, 2, 2], (rank, forwards)
+    assert (result.tokens, result.batches) == (13 * SEQ, 7), result
+    # The same number as one cross-entropy over every window of the file, on every rank.
+    rows = torch.from_numpy(np.fromfile(held_out, dtype=np.uint16).astype(np.int64))
+    windows = torch.stack([rows[w * SEQ : w * SEQ + SEQ + 1] for w in range(13)])
+    with torch.no_grad():
+        logits = trainer.module(windows[:, :-1])
+    expected = F.cross_entropy(logits.flatten(0, 1).double(), windows[:, 1:].flatten())
+    assert result.loss == pytest.approx(float(expected), rel=1e-5), (rank, result.loss, float(expected))
+    trainer.close()
+
+
+def test_a_rank_with_an_empty_last_batch_runs_it_and_every_rank_gets_the_whole_sets_loss(tmp_path):
+    run_ranks(_validate_over_two_fsdp_ranks, 2, tmp_path, str(_token_file(tmp_path, 13)))
 
 
 def test_an_unreadable_held_out_set_names_eval_data(tmp_path):

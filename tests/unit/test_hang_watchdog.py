@@ -3,11 +3,14 @@ node summaries through a store, one judge, standbys, the store's silence)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 import pytest
 
@@ -15,6 +18,7 @@ from hpkit.runtime.hang_rules import RankView, decide
 from hpkit.runtime.hang_watchdog import attempt_id, top_frame
 
 NOW = 1000.0
+T = TypeVar("T")
 
 
 def beat(rank: int, step_end: float = NOW - 30, beat_at: float = NOW - 0.5, **kw) -> RankView:
@@ -43,6 +47,16 @@ def test_the_limit_is_the_larger_of_min_s_and_factor_times_the_median_step():
     assert decide(beats, min_s=10, factor=10, world=4) is None  # 30 s < 10 x 5 s
     verdict = decide(beats, min_s=10, factor=5, world=4)
     assert verdict is not None and verdict.threshold_s == 25
+
+
+def test_the_limit_follows_the_median_rank_not_one_slow_ranks_median():
+    # One rank's steps take 20 s (a straggler, or a rank whose median came from a slow start) among 0.5 s
+    # ranks. The median of the medians keeps the limit at 10 x 0.5 s = 5 s; their mean (5.375 s) would move it
+    # to 53.75 s, and a job stalled for 10 s would not be called hung for most of a minute more.
+    beats = [beat(r, step_end=NOW - 10, median_step_s=0.5) for r in range(4)]
+    beats[3] = beat(3, step_end=NOW - 10, median_step_s=20.0)
+    verdict = decide(beats, min_s=2, factor=10, world=4)
+    assert verdict is not None and verdict.threshold_s == 5
 
 
 def test_a_stopped_rank_is_named_first_even_inside_a_collective():
@@ -251,6 +265,23 @@ def test_faults_parse_the_skip_kind_and_log_when_they_fire(tmp_path, monkeypatch
         faults.Fault.parse("freeze:rank=1")
 
 
+# A bound on a regression (a child that never prints, or never stops), not a timing check: a hang fails the
+# test with what it waited for, instead of hanging the suite. Generous: a child imports Python and hpkit on a
+# machine that may be loaded.
+GUARD_S = 120.0
+
+
+def within(call: Callable[[], T], what: str) -> T:
+    """call()'s result, or the test fails once GUARD_S have passed without one."""
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        return pool.submit(call).result(timeout=GUARD_S)
+    except concurrent.futures.TimeoutError:
+        pytest.fail(f"{what} did not come within {GUARD_S:.0f} s")
+    finally:
+        pool.shutdown(wait=False)  # a call still blocked returns once the test's cleanup kills the child
+
+
 def test_the_stop_fault_stops_the_whole_process_before_its_step_and_logs_where(tmp_path):
     # A stopped process, not a sleeping one: the parent sees it stopped (every thread, the watchdog's too), and
     # the log names the pid and node that a drill continues and asserts on.
@@ -272,15 +303,15 @@ def test_the_stop_fault_stops_the_whole_process_before_its_step_and_logs_where(t
     )
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
     try:
-        assert child.stdout.readline() == "reached\n"  # other ranks and steps pass
-        _, status = os.waitpid(child.pid, os.WUNTRACED)
+        assert within(child.stdout.readline, "the child's first line") == "reached\n"  # others pass
+        _, status = within(lambda: os.waitpid(child.pid, os.WUNTRACED), "the child's stop")
         assert os.WIFSTOPPED(status) and os.WSTOPSIG(status) == signal.SIGSTOP
         record = json.loads(log.read_text())
         assert (record["kind"], record["rank"], record["step"]) == ("stop", 1, 3)
         assert (record["pid"], record["node"]) == (child.pid, "node7")
     finally:
-        child.kill()
-        child.wait()
+        child.kill()  # SIGKILL ends a stopped process too
+        child.wait(timeout=GUARD_S)
 
 
 def test_only_live_ranks_hold_the_clock_a_rank_stopped_inside_a_save_is_named():

@@ -1,6 +1,6 @@
 """LoRA (hpkit.runtime.lora) in one process: the spec's checks, what apply_lora does to a model, PEFT's
-initialisation, the adapter's arithmetic, and what refuses a resume. The layouts are
-tests/integration/test_lora.py's."""
+initialisation, the adapter's arithmetic, and what refuses a resume; and the adapters' placements under
+tensor parallel, in two real gloo processes. The layouts are tests/integration/test_lora.py's."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from _gloo import run_ranks
 
 from hpkit.errors import SpecError
 from hpkit.models.llama import build_model, config_for, named_parameters_unwrapped
@@ -81,6 +82,31 @@ def test_init_is_peft_s_and_the_same_for_every_layout() -> None:
     assert not torch.equal(model.layers["1"].attention.wq.lora_A.weight, wq.lora_A.weight)
 
 
+def assert_adapted(
+    got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor, a: torch.Tensor, scaling: float
+) -> None:
+    """`got` is x (W + scaling B A)^T up to fp32 rounding, element by element.
+
+    The adapter computes W x + scaling B (A x); the reference merges W + scaling B A first. Each is a sum of
+    at most n = in + rank + 2 rounded terms per element (the dot over the input, the one over the rank, the
+    scaling and the sum), so each lies within gamma_n |x| (|W| + scaling |B| |A|)^T of the exact value, with
+    gamma_n = n u / (1 - n u) and u fp32's unit roundoff (Higham, Accuracy and Stability, 3.1): the two within
+    twice that of each other. A fixed tolerance sat at the edge of what the rounding does (1.02e-5 against
+    1e-5, one element of 320); this bound follows from it, and is still far below what a wrong scaling or a
+    missing B A changes (checked here)."""
+    n = w.shape[1] + a.shape[0] + 2
+    u = torch.finfo(torch.float32).eps / 2
+    gamma = n * u / (1 - n * u)
+    magnitude = x.abs() @ (w.abs() + scaling * b.abs() @ a.abs()).T
+    bound = 2 * gamma * magnitude
+    want = F.linear(x, w + scaling * b @ a)
+    assert got.shape == want.shape
+    excess = (got - want).abs() - bound
+    assert (excess <= 0).all(), f"off by more than fp32 rounding allows at {int((excess > 0).sum())} elements"
+    adapter_part = (scaling * F.linear(F.linear(x, a), b)).abs()
+    assert (bound < 0.01 * adapter_part.mean()).all(), "the bound must leave a wrong adapter path visible"
+
+
 def test_the_adapted_projection_is_base_plus_scaled_b_a() -> None:
     model = _model()
     apply_lora(model, LoraSpec(rank=4, alpha=12), adapter_for("llama"), "fp32", fsdp=False)
@@ -89,8 +115,7 @@ def test_the_adapted_projection_is_base_plus_scaled_b_a() -> None:
         wo.lora_B.weight.normal_()
         wo.lora_A.weight.normal_()
     x = torch.randn(2, 5, 32)
-    merged = wo.weight + 3.0 * wo.lora_B.weight @ wo.lora_A.weight
-    torch.testing.assert_close(wo(x), F.linear(x, merged), atol=1e-5, rtol=1e-5)
+    assert_adapted(wo(x), x, wo.weight, wo.lora_B.weight, wo.lora_A.weight, 3.0)
     (wo(x).sum()).backward()
     assert wo.weight.grad is None and wo.lora_A.weight.grad is not None
 
@@ -149,3 +174,52 @@ def test_a_resume_is_refused_on_another_base_or_another_kind_of_checkpoint() -> 
     ):
         refusal = resume_refusal(theirs, ours, "checkpoint c")
         assert refusal is not None and words in refusal and "\n" not in refusal
+
+
+def _adapters_under_tensor_parallel(rank: int, world: int) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from hpkit.runtime.tensor_parallel import apply_tp
+
+    adapter = adapter_for("llama")
+    model = build_model(config_for("debug", 16, **TINY), "meta")
+    mesh = init_device_mesh("cpu", (world,))
+    # As the trainer does: tensor parallel, then the adapters, then the weights.
+    apply_tp(model, mesh, None, loss_parallel=False, sequence_parallel=False, adapter=adapter)
+    spec = LoraSpec(rank=4, alpha=12)
+    apply_lora(model, spec, adapter, "fp32", fsdp=False)
+    model.to_empty(device="cpu")
+    adapter.init_weights(model, 0)
+    init_lora(model, 0)
+    attention = model.layers["0"].attention
+    colwise, rowwise = attention.wq, attention.wo
+    assert colwise.weight.placements == (Shard(0),) and rowwise.weight.placements == (Shard(1),)
+    # Column-parallel W (its output dim split): B split like it, A whole, so that B A x is split like W x.
+    assert colwise.lora_A.weight.placements == (Replicate(),), colwise.lora_A.weight.placements
+    assert colwise.lora_B.weight.placements == (Shard(0),), colwise.lora_B.weight.placements
+    assert colwise.lora_B.weight.to_local().shape == (32 // world, 4)
+    # Row-parallel W (its input dim split): A split like it, B whole: B A x is a partial sum reduced with W x's.
+    assert rowwise.lora_A.weight.placements == (Shard(1),), rowwise.lora_A.weight.placements
+    assert rowwise.lora_B.weight.placements == (Replicate(),), rowwise.lora_B.weight.placements
+    assert rowwise.lora_A.weight.to_local().shape == (4, 32 // world)
+    # The numbers: each projection's output is this rank's part of x W^T + scaling x (B A)^T, with B != 0.
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for linear in (colwise, rowwise):
+            for layer in (linear.lora_A, linear.lora_B):
+                full = torch.randn(layer.weight.shape, generator=gen)
+                layer.weight.copy_(distribute_tensor(full, mesh, layer.weight.placements))
+        x = torch.randn(2, 5, 32, generator=gen)
+        for linear in (colwise, rowwise):
+            w, b, a = (t.full_tensor() for t in (linear.weight, linear.lora_B.weight, linear.lora_A.weight))
+            if linear is colwise:  # x whole in, this rank's columns of the output out
+                got = linear(x)
+                w, b = w.chunk(world)[rank], b.chunk(world)[rank]
+            else:  # this rank's part of x in (as the column-parallel projection before it gives), all of it out
+                got = linear(x.chunk(world, dim=-1)[rank])
+            assert_adapted(got, x, w, b, a, spec.scaling)
+
+
+def test_under_tensor_parallel_each_adapter_matrix_is_split_as_its_base_weight_needs(tmp_path) -> None:
+    run_ranks(_adapters_under_tensor_parallel, 2, tmp_path)

@@ -136,6 +136,27 @@ def test_judging_a_spec_names_its_verdict(capsys: pytest.CaptureFixture[str], tm
     assert rc == 1 and "verdict: does not fit: needs" in out
 
 
+def test_judging_a_pipeline_whose_local_batch_the_microbatches_do_not_divide_gives_the_runtimes_refusal(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # The search never builds such a layout (its local batches are multiples of pp and its microbatches are
+    # chosen to divide them), so only a spec written by hand reaches this rule: it must not be judged to fit.
+    from hpkit.errors import SpecError
+    from hpkit.runtime.pipeline import check_microbatches
+
+    demo = (REPO / "slurm/jobs/demo.yaml").read_text()
+    piped = demo.replace("  tp: 2\n", "  pp: 2\n  microbatches: 2\n").replace(
+        "local_batch_size: 4", "local_batch_size: 3"
+    )
+    assert piped.count("pp: 2") == 1 and "local_batch_size: 3" in piped
+    path = tmp_path / "pp.yaml"
+    path.write_text(piped)
+    with pytest.raises(SpecError) as refusal:
+        check_microbatches(3, 2)
+    rc, out, _ = plan(capsys, str(path), "--instance", "p4d.24xlarge")
+    assert rc == 1 and f"verdict: does not fit: {refusal.value}" in out, out
+
+
 def test_plan_imports_no_torch() -> None:
     code = (
         "import sys\nfrom hpkit.cli import main\n"

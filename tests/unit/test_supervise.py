@@ -249,6 +249,21 @@ def test_a_lost_node_is_swapped_for_a_spare_and_the_step_restarts_on_it(tmp_path
     assert "scontrol requeue 77" not in cluster.calls
 
 
+def test_spares_are_taken_in_order_and_the_batch_host_is_the_last(tmp_path):
+    # node4 runs this supervisor: while another spare is left, a bad node's place goes to that one, so that
+    # losing a training node never takes the batch host (and the supervisor) into the steps.
+    cluster = FakeCluster(
+        [StepScript(exit=75, on_start=hang_at(tmp_path, culprit="node1")), StepScript(exit=0)],
+        nodes=["node1", "node2", "node3", "node4"],
+    )
+    out = supervise(tmp_path, cluster, batch_host="node4", spare_nodes=2)
+    assert out.exit == 0
+    assert of(out, ev.RUN_STARTED)[0]["spares"] == ["node3", "node4"]
+    swap = of(out, ev.SPARE_SWAP)
+    assert [(e["node"], e["spare"], e["spares_left"]) for e in swap] == [("node1", "node3", ["node4"])]
+    assert "--nodelist=node3,node2" in cluster.started[1][0]
+
+
 def test_replace_bad_nodes_asks_hyperpod_to_replace_the_swapped_node(tmp_path):
     cluster = FakeCluster(
         [StepScript(exit=75, on_start=hang_at(tmp_path, culprit="node2")), StepScript(exit=0)],

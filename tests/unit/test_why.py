@@ -283,6 +283,53 @@ def test_a_hang_verdict_beats_the_exit_75_that_torchrun_reports_first():
     assert_cited(v, HANG)
 
 
+# The causes the rule weighs before the program's own failure, in its order (hpkit.jobs.why's docstring), each
+# as its lines read in a job's output; the hang and the node failure come with their files (verdict, events).
+CAUSES = [
+    why.HANG,
+    why.NODE_FAILURE,
+    why.OUT_OF_MEMORY,
+    why.TIME_LIMIT,
+    why.PREEMPTED,
+]
+CAUSE_LINES = {
+    why.HANG: HANG.split("\n", 1)[1],
+    why.NODE_FAILURE: "",  # its event (NODE_LOST_EVENTS)
+    why.OUT_OF_MEMORY: (
+        "slurmstepd: error: Detected 1 oom-kill event(s) in StepId=19822.0. Some of your processes may have "
+        "been killed by the cgroup out-of-memory handler.\nsrun: error: node1: task 0: Killed\n"
+    ),
+    why.TIME_LIMIT: "slurmstepd: error: *** JOB 19822 ON node1 CANCELLED AT 2026-11-25T11:00:00 DUE TO TIME LIMIT ***\n",
+    why.PREEMPTED: "slurmstepd: error: *** JOB 19822 ON node1 CANCELLED AT 2026-11-25T11:00:00 DUE TO PREEMPTION ***\n",
+}
+
+
+@pytest.mark.parametrize("first", range(len(CAUSES) - 1))
+def test_when_causes_mix_the_earlier_in_the_rules_order_wins_whatever_the_file_order(first):
+    """A job that hung, lost a node, ran out of memory and was preempted: the hang is the verdict; without the
+    hang, the node failure (the OOM killer's SIGKILL and the survivors' errors follow from it); and so on. Each
+    later cause's lines come earlier in the output, so the file's order cannot give the rule's."""
+    present = CAUSES[first:]
+    header = HANG.split("\n", 1)[0] + "\n"
+    text = header + "".join(CAUSE_LINES[c] for c in reversed(present))
+    extra = (
+        [scan_hang_verdict(HANG_VERDICT_JSON, f"{HANG_DIR}/verdict.json", restart=0)]
+        if why.HANG in present
+        else []
+    )
+    events = NODE_LOST_EVENTS if why.NODE_FAILURE in present else ()
+    for cause in present:  # each alone gives its own verdict: the mix is what is tested
+        alone = facts(
+            header + CAUSE_LINES[cause],
+            extra=extra if cause == why.HANG else [],
+            torchrun=True,
+            events=NODE_LOST_EVENTS if cause == why.NODE_FAILURE else (),
+        )
+        assert decide(alone).kind == cause
+    v = decide(facts(text, [record("FAILED", exit_code="1:0")], extra=extra, torchrun=True, events=events))
+    assert v.kind == CAUSES[first], v.summary
+
+
 def test_a_store_verdict_names_the_stores_node():
     record = {
         "step": 6,
