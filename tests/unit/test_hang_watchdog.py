@@ -571,3 +571,23 @@ def test_the_judge_decides_from_node_aggregates_and_unpacks_only_the_nodes_that_
     verdict, looked = judge_round(since=30.0, behind_rank=4)
     assert verdict is not None and (verdict.culprits, verdict.reason) == ([4], "behind")
     assert looked == list(range(nodes))
+
+
+def test_a_validation_holds_the_clock_for_its_own_length_then_the_rank_stuck_in_it_is_named():
+    # A validation ran in phase "save", which holds the clock for ever: a live rank stuck in it was named only
+    # at the collective timeout. Phase "eval" is allowed as long as its batches' worth of steps: 20 batches,
+    # steps of 0.5 s, factor 10: 100 s. Rank 3 has not entered the all-reduce the others wait in.
+    def validating(for_s: float, **kw) -> list[RankView]:
+        beats = [
+            beat(r, phase="eval", eval_rounds=20, step_end=NOW - for_s, collectives=41, **kw) for r in WORLD
+        ]
+        beats[3] = beat(3, phase="eval", eval_rounds=20, step_end=NOW - for_s, collectives=40, **kw)
+        return beats
+
+    assert decide(validating(60), min_s=10, factor=10, world=4) is None  # past a step's limit, within its own
+    verdict = decide(validating(101), min_s=10, factor=10, world=4)
+    assert verdict is not None and (verdict.culprits, verdict.reason) == ([3], "behind")
+    assert verdict.threshold_s == 10  # the verdict's limit is still the step's
+    # Before any step time is known (a validation before the third step), it is allowed start_s.
+    assert decide(validating(101, median_step_s=None), min_s=10, factor=10, world=4, start_s=600) is None
+    assert decide(validating(601, median_step_s=None), min_s=10, factor=10, world=4, start_s=600) is not None

@@ -51,7 +51,7 @@ def judge_line(nodes: int) -> list[int]:
 
 
 # A rank's entry in a node summary, compact: the judge reads thousands a second.
-# [rank, pid, step, since_step_s, phase, age_s, median_step_s, collectives, groups]
+# [rank, pid, step, since_step_s, phase, age_s, median_step_s, collectives, groups, eval_rounds]
 def summarize(
     node: str, index: int, seq: int, reports: dict[int, dict[str, Any]], ages: dict[int, float]
 ) -> str:
@@ -70,6 +70,7 @@ def summarize(
                 rep.get("median_step_s"),
                 rep.get("collectives", 0),
                 _aged_groups(rep.get("groups") or {}, age),
+                rep.get("eval_rounds", 0),
             ]
         )
     # A header line the judge reads every second, the node's aggregate, which it reads once the job may be
@@ -87,6 +88,7 @@ def summarize(
         "oldest_age_s": max((entry[5] for entry in ranks), default=0.0),
         "least_step": min((entry[2] for entry in ranks), default=0),
         "phases": phases,
+        "eval_rounds": max((entry[9] for entry in ranks), default=0),
     }
     return "\n".join(json.dumps(part, separators=(",", ":")) for part in (header, aggregate, ranks))
 
@@ -117,6 +119,7 @@ def node_aggregate(header: dict[str, Any], text: str, summary_age: float) -> Nod
         newest_step_s=float(header["newest_step_s"]) + summary_age,
         least_step=int(agg["least_step"]),
         phases={phase: float(since) + summary_age for phase, since in agg["phases"].items()},
+        eval_rounds=int(agg["eval_rounds"]),
     )
 
 
@@ -129,7 +132,7 @@ def _aged_groups(groups: dict[str, list[Any]], age: float) -> dict[str, list[Any
 def views(summary: dict[str, Any], summary_age: float) -> list[RankView]:
     """The ranks of one node summary as the judge sees them, `summary_age` after the leader sent it."""
     out = []
-    for rank, pid, step, since, phase, age, median, collectives, groups in summary["ranks"]:
+    for rank, pid, step, since, phase, age, median, collectives, groups, eval_rounds in summary["ranks"]:
         out.append(
             RankView(
                 rank=int(rank),
@@ -143,6 +146,7 @@ def views(summary: dict[str, Any], summary_age: float) -> list[RankView]:
                 collectives=int(collectives),
                 groups=groups or {},
                 groups_age_s=summary_age,
+                eval_rounds=int(eval_rounds),
             )
         )
     return out

@@ -5,7 +5,8 @@ travelled (the rank's own clock, then its node leader's, then the judge's): no w
 ever compared with another host's, so nodes whose clocks disagree by minutes are judged the same.
 
 - stalled: no rank has finished a step for `max(min_s, factor x median step time)`; a live rank in a checkpoint
-  save or in the start-up load (first step included) holds the clock, since those are long by design; no
+  save or in the start-up load (first step included) holds the clock, since those are long by design; a live
+  rank in a validation holds it for as long as the validation's own length allows (`eval_limit_s`); no
   verdict while some rank's report is between fresh and stale (`LATE_S`..`STALE_S` old: it may be freezing);
   a rank silent for the whole limit is judged whatever the phase (the others wait for it in the save);
   ranks are compared once every rank has reported, but a rank that reported and stopped is named before that;
@@ -47,7 +48,7 @@ class RankView:
     pid: int
     step: int  # steps finished
     since_step_s: float  # since its last step ended (or its watchdog started)
-    phase: str  # "start", "step", "save"
+    phase: str  # "start", "step", "save", "eval"
     age_s: float  # since its report was last seen changing
     median_step_s: float | None = None
     collectives: int = 0
@@ -56,6 +57,7 @@ class RankView:
     # Seconds to add to each op's age: how old the report is (kept apart so that a judge reading thousands of
     # ranks does not rebuild every rank's groups)
     groups_age_s: float = 0.0
+    eval_rounds: int = 0  # the batches this rank runs in a validation (0: no validation)
 
     @property
     def live(self) -> bool:
@@ -128,6 +130,14 @@ def threshold_s(medians: list[float], min_s: float, factor: float) -> float:
     return max(min_s, factor * statistics.median(medians)) if medians else min_s
 
 
+def eval_limit_s(medians: list[float], min_s: float, factor: float, start_s: float, rounds: int) -> float:
+    """How long a validation of `rounds` batches may take: as long as that many steps are allowed (each batch is
+    one forward, less than a step's forward and backward), or start_s before any step time is known."""
+    if not medians:
+        return start_s
+    return max(min_s, factor * statistics.median(medians) * max(1, rounds))
+
+
 @dataclass
 class NodeAggregate:
     """One node's ranks in a few figures, enough to decide whether the job is stalled and which nodes to look
@@ -141,6 +151,7 @@ class NodeAggregate:
     newest_step_s: float  # since_step_s of the rank that finished a step last
     least_step: int  # the fewest steps a rank finished
     phases: dict[str, float] = field(default_factory=dict)  # phase -> the least since_step_s of its ranks
+    eval_rounds: int = 0  # the most batches a rank of it runs in a validation
 
     def fresh(self) -> bool:
         """Every rank's report is fresh: none is late or stopped, so its views add nothing but their count."""
@@ -160,6 +171,7 @@ def aggregate(views: list[RankView]) -> NodeAggregate:
         newest_step_s=min((v.since_step_s for v in views), default=float("inf")),
         least_step=min((v.step for v in views), default=0),
         phases=phases,
+        eval_rounds=max((v.eval_rounds for v in views), default=0),
     )
 
 
@@ -185,7 +197,8 @@ def decide_nodes(
     """`decide` from the nodes' aggregates, calling `unpack(i)` for node i's views only where they matter: the
     nodes that may hold a late or stopped rank once the job looks stalled, and every node when the live ranks'
     collectives are compared. The verdict is the one `decide` gives on every view."""
-    limit = threshold_s([m for n in nodes for m in n.medians], min_s, factor)
+    medians = [m for n in nodes for m in n.medians]
+    limit = threshold_s(medians, min_s, factor)
     # Not every rank has reported yet (a node's first summary may precede its last ranks' first reports): nothing
     # to compare, but a rank that reported and then stopped is named all the same.
     complete = sum(len(n.ranks) for n in nodes) >= world
@@ -211,6 +224,11 @@ def decide_nodes(
             v.phase == "start" and v.since_step_s < start_s for v in live
         ):
             return None  # the start-up load and first step: allowed start_s
+        allowed = eval_limit_s(medians, min_s, factor, start_s, max(n.eval_rounds for n in nodes))
+        if any(n.phases.get("eval", allowed) < allowed for n in fresh) or any(
+            v.phase == "eval" and v.since_step_s < allowed for v in live
+        ):
+            return None  # a validation: allowed its own length, then judged (a rank stuck in it is named)
     # The step the live ranks are held in: a stopped rank's last report may be many steps old (its node's first
     # summary, sent before step 1, for a rank that stopped within a second).
     held = [n.least_step for n in fresh] + [v.step for v in live]

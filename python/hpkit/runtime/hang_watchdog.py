@@ -269,6 +269,7 @@ class HangWatchdog:
         self._step = 0
         self._step_end = time.monotonic()
         self._phase = "start"
+        self.eval_rounds = 0  # this rank's batches in a validation: the length a validation is judged by
         self._durations: list[float] = []
         self._median: float | None = None
         self._fresh = Freshness()
@@ -369,6 +370,7 @@ class HangWatchdog:
             "step": self._step,
             "since_step_s": round(time.monotonic() - self._step_end, 3),
             "phase": self._phase,
+            "eval_rounds": self.eval_rounds,
             "median_step_s": self._median,
             "collectives": sum(int(g[0]) for g in groups.values()),
             # The ops and their ages matter only once a rank is suspect: leave them out before.

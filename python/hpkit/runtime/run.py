@@ -99,6 +99,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
     last: StepResult | None = None
     watchdog = watchdog_phase.watchdog = _watchdog(cfg, launch, paths)
+    if watchdog is not None and evaluator is not None:
+        watchdog.eval_rounds = len(evaluator.rounds)
     fault = faults.from_env()
 
     def save(step: int, *, final: bool = False, forced: bool = False) -> None:
@@ -123,9 +125,10 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                     _check_finite(last)
                 evaluation = None
                 if evaluator is not None and evaluator.due(last.step) and not trainer.stop_requested:
-                    # Judged as a save by the hang watchdog: a long held-out set is no hang (its
-                    # collectives still end at the collective timeout if a peer is gone).
-                    with watchdog_phase("save"):
+                    # A phase of its own for the hang watchdog: a long held-out set is no hang, but a rank
+                    # stuck in it is named once the validation outlasts its own length (hang_rules), not
+                    # at the collective timeout as in a save.
+                    with watchdog_phase("eval"):
                         evaluation = evaluator.run()
                 report.step(last, evaluation)
                 if checkpointer is not None:
