@@ -29,6 +29,7 @@ from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
 from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths
 from hpkit.runtime.trainer import StepResult, Trainer
+from hpkit.supervise.ready import announce as announce_ready
 
 if TYPE_CHECKING:
     from hpkit.runtime.prometheus import PrometheusExporter
@@ -114,6 +115,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
 
     try:
         with _stop_on_signals(trainer.request_stop):
+            # The job's supervisor holds a USR1 until every rank's handler is in place (it would kill the rank).
+            announce_ready(os.environ, launch.rank, launch.world_size)
             while trainer.step < cfg.train.steps:
                 if fault is not None:
                     fault.before_step(launch.rank, trainer.step + 1)
