@@ -109,6 +109,21 @@ def test_node_name_is_slurms_else_the_host_name():
     assert node_name({}) == socket.gethostname()
 
 
+def test_in_an_oci_container_without_slurmd_nodename_the_node_is_the_end_of_the_topology_address(tmp_path):
+    # An OCI container's host name is the container's own: the hang watchdog named nodes by it, so its verdict
+    # (and culprit_nodes, which the supervisor swaps for spares) named no node of the job.
+    from hpkit.runtime.hang_watchdog import HangWatchdog
+
+    env = {"SLURM_TOPOLOGY_ADDR": "spine1.leaf3.node7", "SLURM_TOPOLOGY_ADDR_PATTERN": "switch.switch.node"}
+    assert node_name(env) == "node7"
+    dotted = {"SLURM_TOPOLOGY_ADDR": "leaf3.ip-10-1-2-3.ec2", "SLURM_TOPOLOGY_ADDR_PATTERN": "switch.node"}
+    assert node_name(dotted) == "ip-10-1-2-3.ec2"  # the pattern counts the switches; the node keeps its dots
+    assert node_name({"SLURM_TOPOLOGY_ADDR": "node7"}) == "node7"  # no topology plugin: the node alone
+    assert node_name({**env, "SLURMD_NODENAME": "node2"}) == "node2"
+    watchdog = HangWatchdog(tmp_path / "hangs", 0, 1, 10, 10, env={**env, "HPKIT_WATCH_BOARD": str(tmp_path)})
+    assert watchdog.node == "node7"
+
+
 def test_a_taken_master_port_is_one_line_naming_it(tmp_path):
     """Rank 0 cannot serve the rendezvous store on a port something else holds: one line, no traceback."""
     import os

@@ -43,9 +43,18 @@ class LaunchEnv:
 
 def node_name(env: Mapping[str, str] | None = None) -> str:
     """The node this process runs on, as Slurm names it; the host name outside Slurm. (Nodes of one
-    host, as in the development cluster, share a host name but not a Slurm name.)"""
+    host, as in the development cluster, share a host name but not a Slurm name; an OCI container's host name
+    is its own, not its node's.) SLURMD_NODENAME, else the node that ends SLURM_TOPOLOGY_ADDR (the switches
+    above the node, then the node, joined by dots as SLURM_TOPOLOGY_ADDR_PATTERN says)."""
     env = os.environ if env is None else env
-    return env.get("SLURMD_NODENAME") or socket.gethostname()
+    if env.get("SLURMD_NODENAME"):
+        return env["SLURMD_NODENAME"]
+    addr = env.get("SLURM_TOPOLOGY_ADDR", "")
+    if addr:
+        # The pattern ("switch.switch.node") counts the parts: a node name may itself hold dots.
+        pattern = env.get("SLURM_TOPOLOGY_ADDR_PATTERN", "")
+        return addr.split(".", pattern.count("."))[-1] if pattern else addr.rsplit(".", 1)[-1]
+    return socket.gethostname()
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

@@ -24,11 +24,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from hpkit.runtime.env import node_name
 
 ENV = "HPKIT_FAULT"
 LOG_ENV = "HPKIT_FAULT_LOG"
@@ -101,7 +102,7 @@ def _log(kind: str, rank: int, step: int) -> None:
     path = os.environ.get(LOG_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+            node = node_name()
             record = {
                 "kind": kind,
                 "rank": rank,

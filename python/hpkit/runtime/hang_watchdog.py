@@ -34,7 +34,6 @@ import json
 import math
 import os
 import signal
-import socket
 import statistics
 import sys
 import threading
@@ -45,6 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpkit.runtime.env import node_name
 from hpkit.runtime.hang_board import Freshness, NodeBoard, board_dir, board_root, pause, remove_leftovers
 from hpkit.runtime.hang_channel import Judge, Store, Uplink, summarize
 from hpkit.runtime.hang_rules import LATE_S, STALE_S, Verdict, store_verdict, threshold_s
@@ -256,7 +256,7 @@ class HangWatchdog:
         self.attempt = attempt_id(dict(env))
         self.rank, self.world = rank, world
         self.min_s, self.factor, self.start_s = min_s, factor, start_s
-        self.node = env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.node = node_name(env)  # Slurm's name: an OCI container's host name is the container's own
         self.index, self.nodes = node_place(rank, world, env)
         self.address = address_from_env(env) if self.nodes > 1 else None
         self.board = NodeBoard(board_dir(self.folder, self.attempt, dict(env)), self.node, rank)
