@@ -10,6 +10,8 @@ and torchft's injectors do). Off unless the variable is set.
                                                that leaves out a collective: the others wait in it, it goes on)
     HPKIT_FAULT="stop:rank=1,step=12"          rank 1 sends itself SIGSTOP before step 12: every thread of it
                                                stops, its watchdog's too (a stopped process, or a frozen host)
+    HPKIT_FAULT="hang_eval:rank=1,step=4"      rank 1 sleeps in Python as the validation after step 4 begins
+                                               (the others wait in its collectives, in phase "eval")
 
 `HPKIT_FAULT_LOG=FILE` appends one JSON line per fault fired (`{"kind", "rank", "step", "at", "pid", "node"}`,
 `at` in Unix seconds, taken just before the fault acts; a slow save writes one per rank and save): the drills measure
@@ -33,7 +35,7 @@ from hpkit.runtime.env import node_name
 
 ENV = "HPKIT_FAULT"
 LOG_ENV = "HPKIT_FAULT_LOG"
-KINDS = ("hang", "slow_save", "exit", "skip", "stop")
+KINDS = ("hang", "slow_save", "exit", "skip", "stop", "hang_eval")
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,19 @@ class Fault:
             # and it then hangs like a rank stuck in Python: its step must not go on.
             os.kill(os.getpid(), signal.SIGSTOP)
         while True:  # a rank stuck in Python: it never reaches the step's collectives
+            time.sleep(3600)
+
+    def before_eval(self, rank: int, step: int) -> None:
+        """Called as a validation begins, inside its phase: hang_eval is a rank stuck in Python there."""
+        if self.kind != "hang_eval" or self.step != step or not self._armed(rank):
+            return
+        print(
+            f"hpkit: fault injected ({ENV}): {self.kind} on rank {rank} in the validation after step {step}",
+            file=sys.stderr,
+            flush=True,
+        )
+        _log(self.kind, rank, step)
+        while True:
             time.sleep(3600)
 
     def before_save(self, rank: int, step: int) -> None:

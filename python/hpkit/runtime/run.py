@@ -132,6 +132,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                     # stuck in it is named once the validation outlasts its own length (hang_rules), not
                     # at the collective timeout as in a save.
                     with watchdog_phase("eval"):
+                        if fault is not None:
+                            fault.before_eval(launch.rank, last.step)
                         evaluation = evaluator.run()
                 report.step(last, evaluation)
                 if checkpointer is not None:
