@@ -177,10 +177,26 @@ def test_the_job_completion_log():
     (killed,) = scan_jobcomp(lines, "jobcomp", "9003")
     assert (killed.state, killed.exit_code, killed.nodes, killed.name) == ("FAILED", "0:9", "node2", "sig")
     first, second = scan_jobcomp(lines, "jobcomp", "9007")
-    assert (first.state, first.restarts) == ("PENDING", None)  # ended by `scontrol requeue`
+    assert (first.state, first.restarts) == ("REQUEUED", None)  # ended by `scontrol requeue` (logged PENDING)
     assert (second.state, second.restarts) == ("CANCELLED", 1)
     (timed_out,) = scan_jobcomp(lines, "jobcomp", "9004")
     assert (timed_out.state, timed_out.time_limit) == ("TIMEOUT", "1")
+
+
+def test_why_reads_a_run_that_24_11_logged_as_pending_as_requeued():
+    # `scontrol requeue` of job 9007: the completion log's line for the run it ended says JobState=PENDING.
+    # `hpkit why` took it for a job still pending ("not ended: PENDING") once slurmctld had forgotten the job.
+    from hpkit.jobs.why import NOT_ENDED, Facts, decide
+    from hpkit.jobs.why_scan import scan_jobcomp
+
+    lines = [
+        line for line in (FIXTURES / "jobcomp.txt").read_text().splitlines() if "JobState=PENDING" in line
+    ]
+    (requeued,) = scan_jobcomp([lines[0]], "jobcomp", "9007")  # the log as it was before the job's next run
+    verdict = decide(Facts("9007", [requeued], []))
+    assert (verdict.kind, verdict.state) == (NOT_ENDED, "REQUEUED")
+    assert verdict.summary.startswith("requeued: Slurm requeued the job's last run"), verdict.summary
+    assert "JobState=PENDING" in verdict.evidence[0].text  # the record it rests on, as Slurm wrote it
 
 
 # --- OCI containers with launcher: srun, by the cluster's version (`sinfo --version` at submit) -------------------
