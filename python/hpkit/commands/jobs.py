@@ -198,7 +198,7 @@ def _logs(args: argparse.Namespace) -> int:
 
     follower = LogFollower()
     follower.remember(info)
-    if not info.state.finished:
+    if not info.ended:  # a preempted job that Slurm requeues writes more
         # The same polling as `hpkit wait` (one call per poll, backing off, riding out controller
         # restarts); the file is read every half second in between.
         info = wait(backend, args.job_id, on_poll=follower.remember, on_tick=follower.pump_last)
