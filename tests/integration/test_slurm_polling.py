@@ -17,7 +17,8 @@ import yaml
 
 from _clusters import slot
 from hpkit import devcluster
-from hpkit.slurm import CliBackend, JobState
+from hpkit.errors import SlurmError
+from hpkit.slurm import CliBackend, JobState, wait_all
 
 pytestmark = pytest.mark.cluster
 
@@ -297,3 +298,122 @@ def test_logs_follow_streams_the_file_between_rare_polls(slurm_cluster, tmp_path
     names = [n for _, n in calls(log)]
     # No scontrol: the output path comes from squeue's record (its %j pattern expanded by hpkit).
     assert set(names) == {"squeue"} and len(names) <= took + 2, (names, took)
+
+
+def test_status_and_wait_follow_of_a_job_make_one_slurm_call_each_poll(slurm_cluster, tmp_path):
+    """`hpkit status JOB` is one squeue call (the job's files are found from that record, not from scontrol);
+    `hpkit wait JOB --follow` asks nothing but squeue, once per poll."""
+    env = dict(slurm_cluster)
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\nsleep 6\necho done-$SLURM_JOB_ID\n")
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "-o", "out-%j.txt", str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip()
+    extra, log = counting_path(tmp_path)
+    for args in (["status", job], ["status", job, "--json"], ["status"]):
+        log.write_text("")
+        done = subprocess.run(
+            [sys.executable, "-m", "hpkit", *args],
+            env={**env, **extra},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert [n for _, n in calls(log)] == ["squeue"], (args, log.read_text())
+    log.write_text("")
+    started = time.monotonic()
+    follow = subprocess.run(
+        [sys.executable, "-m", "hpkit", "wait", job, "--follow", "--backend", "cli"],
+        env={**env, **extra},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert follow.returncode == 0, follow.stderr
+    assert re.match(rf"job {job} \(job.sh\): COMPLETED", follow.stdout.splitlines()[-1]), follow.stdout
+    names = [n for _, n in calls(log)]
+    assert set(names) == {"squeue"} and len(names) <= took + 2, (names, took)
+
+
+# The RPCs a client's query sends to slurmctld, by sdiag's message type (sdiag's own REQUEST_STATS_INFO and the
+# daemons' messages, node registrations and job completions, are other traffic).
+QUERY_RPCS = (
+    "REQUEST_JOB_INFO",
+    "REQUEST_JOB_INFO_SINGLE",
+    "REQUEST_JOB_USER_INFO",
+    "REQUEST_FED_INFO",
+    "REQUEST_PARTITION_INFO",
+    "REQUEST_NODE_INFO",
+    "REQUEST_BUILD_INFO",
+)
+
+
+def rpc_counts(env: dict[str, str]) -> dict[str, int]:
+    """sdiag's "Remote Procedure Call statistics by message type": count by type, since slurmctld started."""
+    out = subprocess.run(["sdiag"], env=env, capture_output=True, text=True, timeout=60, check=True).stdout
+    table = out.split("statistics by message type", 1)[1].split("statistics by user", 1)[0]
+    return {
+        m.group(1): int(m.group(2)) for m in re.finditer(r"^\s*(\w+)\s+\(\s*\d+\)\s+count:(\d+)", table, re.M)
+    }
+
+
+def query_rpcs(before: dict[str, int], after: dict[str, int]) -> int:
+    return sum(after.get(k, 0) - before.get(k, 0) for k in QUERY_RPCS)
+
+
+class OneCallPerJob(CliBackend):
+    """What a poller that asks about each job on its own does (one squeue per job per poll)."""
+
+    def poll(self, job_ids):
+        found = {}
+        for job_id in job_ids:
+            found.update(super().poll([job_id]))
+        return found
+
+
+def waited_rpcs(backend: CliBackend, env: dict[str, str], jobs: list[str], polls: int) -> int:
+    """slurmctld's query RPCs while wait_all polls `polls` times: its clock is virtual (the intervals pass at
+    once, backing off as they would), every poll is a real Slurm call."""
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    before = rpc_counts(env)
+    # Polls at 0, 1, ..., polls - 1 s (the first 10 s poll each second); then the timeout ends the wait.
+    with pytest.raises(SlurmError, match="still running after"):
+        wait_all(backend, jobs, timeout_s=polls - 1.5, clock=lambda: now[0], sleep=sleep, notify=print)
+    return query_rpcs(before, rpc_counts(env))
+
+
+def test_controller_rpcs_of_a_wait_are_the_same_for_one_job_and_fifty(tmp_path_factory):
+    """sdiag's RPC count of `hpkit wait`'s polling over K intervals: 50 jobs cost what 1 job costs. The same
+    measure of one call per job grows 50-fold (it shows the measure can fail). Cheap `sleep` jobs on the
+    module's private cluster (its 100 job ids; the session cluster's are for the other tests)."""
+    port, first = slot("polling")
+    env = devcluster.client_env(tmp_path_factory.mktemp("rpc-cluster"), port, first)
+    polls = 8
+    with devcluster.running(env):
+        work = tmp_path_factory.mktemp("rpc-work")
+        jobs = [sbatch(env, work, 600) for _ in range(50)]  # 4 run, 46 wait: none changes in the window
+        hpkit = CliBackend(env)
+        one, fifty = (waited_rpcs(hpkit, env, jobs[:n], polls) for n in (1, 50))
+        per_job_one, per_job_fifty = (waited_rpcs(OneCallPerJob(env), env, jobs[:n], 2) for n in (1, 50))
+        print(
+            f"slurmctld query RPCs over {polls} polls: hpkit wait 1 job {one}, 50 jobs {fifty}; one call per job "
+            f"over 2 polls: 1 job {per_job_one}, 50 jobs {per_job_fifty}"
+        )
+        assert polls <= one <= polls + 2, one  # one RPC per poll (squeue --json), and a little other traffic
+        assert abs(fifty - one) <= 2, (one, fifty)
+        assert per_job_fifty >= 40 * per_job_one, (per_job_one, per_job_fifty)
