@@ -113,7 +113,8 @@ class JobInfo:
 
     @property
     def requeued(self) -> bool:
-        """Preempted, and Slurm queues it again: it will run again, it has not failed."""
+        """Preempted, and Slurm queues it again: it will run again, it has not failed. (Under PreemptMode=CANCEL
+        the flag is set but the job has ended: `wait` sees so once the controller forgets it, from sacct.)"""
         return self.state == JobState.PREEMPTED and self.requeue
 
     @property

@@ -380,3 +380,23 @@ def test_the_wait_interval_grows_while_nothing_changes_and_resets_on_a_change(mo
     assert gaps[ended] == 1.0, gaps
     # One squeue call per poll for both jobs.
     assert len(fake.squeues()) == len(polls)
+
+
+def test_a_polls_records_locate_a_jobs_files_without_a_second_call(monkeypatch):
+    """polled_fields: the last poll's squeue record in scontrol's words; (True, None) for a job that poll found
+    forgotten; (False, None) for one it did not ask about (the caller then asks scontrol)."""
+    fake = FakeSlurm((FIXTURES / "squeue-states-all.json").read_text())
+    monkeypatch.setattr(slurm, "_run", fake)
+    monkeypatch.setattr(CliBackend, "_from_sacct", lambda self, job_ids: {})
+    backend = CliBackend()
+    backend.poll(["9000", "99999"])
+    calls = len(fake.calls)
+    asked, fields = slurm.polled_fields(backend, "9000")
+    assert asked and fields == {
+        "Command": "/work/main/logs/demo-20261127-130517-18c4.sbatch",
+        "WorkDir": "/work/main",
+        "Restarts": "0",
+    }
+    assert slurm.polled_fields(backend, "99999") == (True, None)
+    assert slurm.polled_fields(backend, "9001") == (False, None)
+    assert len(fake.calls) == calls  # read from the poll, not asked again
