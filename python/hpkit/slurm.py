@@ -185,8 +185,8 @@ def _run(
     return proc
 
 
-def slurm_version() -> tuple[int, int]:
-    proc = _run(["sinfo", "--version"])
+def slurm_version(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    proc = _run(["sinfo", "--version"], env=env)
     match = re.search(r"(\d+)\.(\d+)", proc.stdout)
     if not match:
         raise SlurmError(f"cannot read the Slurm version from {proc.stdout.strip()!r}")
@@ -250,7 +250,7 @@ class CliBackend:
     @property
     def version(self) -> tuple[int, int]:
         if self._version is None:
-            self._version = slurm_version()
+            self._version = slurm_version(self.env)  # the cluster this backend asks, whatever PATH says
         return self._version
 
     def submit(self, script: Path) -> str:
