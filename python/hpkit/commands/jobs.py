@@ -42,7 +42,7 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
             "--poll",
             type=float,
             default=1.0,
-            help="seconds between the first polls (default 1; then 2, 5, 10)",
+            help="seconds between the first polls (default 1; then 2, 5, 10 while no job changes state)",
         )
         parser.add_argument(
             "--outage-timeout",
