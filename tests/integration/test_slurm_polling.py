@@ -259,6 +259,10 @@ def test_only_the_batch_script_asks_the_controller_at_start_up(slurm_cluster, tm
     assert {(r[1], r[3]) for r in ranks} == {("4", "torchrun" if launcher == "torchrun" else "env")}, ranks
     assert len({r[2] for r in ranks}) == 1, ranks
     in_job = [line for line in log.read_text().splitlines() if "node=?" not in line]  # hpkit wait's own polls
+    # `submit --wait --follow`'s own calls (outside the job): Slurm's version once, then squeue only, one a
+    # poll, the log streamed in between.
+    own = [line.split()[0] for line in log.read_text().splitlines() if "node=?" in line]
+    assert own.count("sinfo") <= 1 and {n for n in own if n != "sinfo"} == {"squeue"}, own
     print(f"{launcher}: controller calls from inside the job: {in_job}")
     assert in_job, "the batch shell's calls should be logged too (is the wrapper on the job's PATH?)"
     assert all(line.startswith("scontrol step=none") for line in in_job), in_job
