@@ -19,6 +19,7 @@ The controller's own count is the measure: `sdiag`'s RPC table by message type b
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import subprocess
 import sys
@@ -129,6 +130,14 @@ def main() -> int:
                 }
                 order = ("hpkit", "per_job") if i % 2 == 0 else ("per_job", "hpkit")
                 rows[n] = {side: measure(env, sides[side]) for side in order}
+            # End the jobs while slurmd runs: stopping the cluster alone leaves running batch shells behind.
+            subprocess.run(["scancel", "--full", "--user", str(os.getuid())], env=env, capture_output=True)
+            for _ in range(120):
+                if not subprocess.run(
+                    ["squeue", "-h"], env=env, capture_output=True, text=True
+                ).stdout.strip():
+                    break
+                time.sleep(0.5)
     except ClusterError as exc:
         print(f"bench_slurm_polling: {exc}", file=sys.stderr)
         return 1

@@ -404,6 +404,19 @@ def waited_rpcs(backend: CliBackend, env: dict[str, str], jobs: list[str], polls
     return query_rpcs(before, rpc_counts(env))
 
 
+def _cancel_all(env: dict[str, str]) -> None:
+    """End the jobs while slurmd still runs: stopping the cluster alone leaves running batch shells behind."""
+    subprocess.run(
+        ["scancel", "--full", "--user", str(os.getuid())], env=env, capture_output=True, timeout=60
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=60).stdout
+        if not out.strip():
+            return
+        time.sleep(0.5)
+
+
 @pytest.mark.parametrize("version", devcluster.SLURM_VERSIONS)
 def test_controller_rpcs_of_a_wait_are_the_same_for_one_job_and_fifty(tmp_path_factory, version):
     """sdiag's RPC count of `hpkit wait`'s polling over K intervals: 50 jobs cost what 1 job costs. The same
@@ -422,9 +435,12 @@ def test_controller_rpcs_of_a_wait_are_the_same_for_one_job_and_fifty(tmp_path_f
             (state / "bin" / "sdiag").symlink_to(".in-root")
         work = tmp_path_factory.mktemp("rpc-work")
         jobs = [sbatch(env, work, 600) for _ in range(50)]  # 4 run, 46 wait: none changes in the window
-        hpkit = CliBackend(env)
-        one, two, fifty = (waited_rpcs(hpkit, env, jobs[:n], polls) for n in (1, 2, 50))
-        per_job_one, per_job_fifty = (waited_rpcs(OneCallPerJob(env), env, jobs[:n], 2) for n in (1, 50))
+        try:
+            hpkit = CliBackend(env)
+            one, two, fifty = (waited_rpcs(hpkit, env, jobs[:n], polls) for n in (1, 2, 50))
+            per_job_one, per_job_fifty = (waited_rpcs(OneCallPerJob(env), env, jobs[:n], 2) for n in (1, 50))
+        finally:
+            _cancel_all(env)
         print(
             f"Slurm {version}: slurmctld query RPCs over {polls} polls: hpkit wait 1 job {one}, 2 jobs {two}, "
             f"50 jobs {fifty}; one call per job over 2 polls: 1 job {per_job_one}, 50 jobs {per_job_fifty}"
