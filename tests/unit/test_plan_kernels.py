@@ -28,3 +28,20 @@ def test_hpkits_selective_policy_keeps_what_the_runtime_saves() -> None:
     assert HPKIT_SELECTIVE.kept_matmuls == MATMULS and HPKIT_SELECTIVE.keeps_attention
     # torchtitan's op SAC: mm 1, 3, 5, 7 of wq, wk, wv, wo, w1, w3, w2.
     assert TORCHTITAN_OP_SELECTIVE.kept_matmuls == MATMULS[0::2]
+
+
+def test_a_v100_has_no_flash_kernel_and_keeps_what_the_efficient_one_keeps() -> None:
+    from hpkit.plan.layout import Layout
+    from hpkit.plan.memory import predict
+    from hpkit.plan.shapes import shape_named
+
+    assert sdpa_kernel("cuda", "bf16", 128, gpu="V100") == "efficient"
+    shape = shape_named("1B", 2048)
+    layout = Layout(dp_shard=8, local_batch_size=1)
+    # Without GQA (efficient takes no enable_gqa, so 1B's GQA would fall to math): the same saves as flash.
+    mha = shape.__class__(**{**shape.__dict__, "n_kv_heads": shape.n_heads})
+    v100 = predict(mha, layout, "p3.16xlarge").worst.breakdown.activations
+    h100 = predict(mha, layout, "p5.48xlarge").worst.breakdown.activations
+    assert v100 == h100
+    # With GQA the V100 runs math and keeps the S x S probabilities.
+    assert predict(shape, layout, "p3.16xlarge").worst.breakdown.activations > 2 * v100

@@ -18,18 +18,21 @@ Kernel = Literal["flash", "efficient", "math", "cpu_flash"]
 # grouped-query attention natively; the memory-efficient kernel takes fp32 too and any additive or boolean
 # mask, but not enable_gqa (torch >= 2.5: sdp_utils.cpp check_grouped_query_attention only for flash and math).
 FLASH_MAX_HEAD_DIM = 256
+# GPUs older than sm80 (Ampere) have no flash kernel in torch: V100 (sm70) runs memory-efficient attention.
+NO_FLASH_GPUS = ("V100",)
 
 
 def sdpa_kernel(
-    device: str, precision: str, head_dim: int, masked: bool = False, gqa: bool = False
+    device: str, precision: str, head_dim: int, masked: bool = False, gqa: bool = False, gpu: str = ""
 ) -> Kernel:
-    """The kernel F.scaled_dot_product_attention runs for the runtime's attention call on `device`.
+    """The kernel F.scaled_dot_product_attention runs for the runtime's attention call on `device` (`gpu`: the
+    catalog's GPU model, "" for a current one).
 
     flash and efficient keep the output and a float32 log-sum-exp per query and head for backward; math keeps
     the S x S probabilities. The CPU's flash kernel (the runtime's CPU ranks) keeps what flash keeps."""
     if device != "cuda":
         return "cpu_flash"
-    half = precision == "bf16"
+    half = precision == "bf16" and gpu not in NO_FLASH_GPUS
     if half and not masked and head_dim <= FLASH_MAX_HEAD_DIM and head_dim % 8 == 0:
         return "flash"
     if not gqa:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from hpkit import catalog
 from hpkit.plan.fixed_costs import fixed_costs
 from hpkit.plan.kernels import HPKIT, TrainingLoop, sdpa_kernel
 from hpkit.plan.layout import Layout
@@ -353,7 +354,7 @@ def _moe_saved(shape: ModelShape, layout: Layout, b: int, h: float) -> tuple[flo
 
 
 def _gpu_block_saved(
-    shape: ModelShape, layout: Layout, index: int, sp: bool, loop: TrainingLoop
+    shape: ModelShape, layout: Layout, index: int, sp: bool, loop: TrainingLoop, gpu: str = ""
 ) -> dict[str, float]:
     """What one block keeps for backward on a GPU, tensor by tensor, from the kernels CUDA runs.
 
@@ -373,7 +374,8 @@ def _gpu_block_saved(
     q = shape.n_heads * shape.hd / tp
     kv = shape.n_kv_heads * shape.hd / tp
     heads = shape.n_heads / tp
-    kernel = sdpa_kernel("cuda", layout.precision, shape.hd, gqa=shape.n_kv_heads != shape.n_heads)
+    gqa = shape.n_kv_heads != shape.n_heads
+    kernel = sdpa_kernel("cuda", layout.precision, shape.hd, gqa=gqa, gpu=gpu)
     # The norm output each half's matmuls save: autocast casts it once per matmul (3 attention, 2 SwiGLU).
     casts = (3, 2) if regime == "autocast" else (1, 1)
     norm_b = 2 if regime == "autocast" else b
@@ -431,6 +433,7 @@ class _Rank:
     parts: list[_Part]
     regime: str
     loop: TrainingLoop
+    gpu: str = ""  # the catalog's GPU model ("" on CPU ranks, or a type the catalog lacks)
 
     @property
     def tokens(self) -> int:
@@ -494,7 +497,9 @@ def _read_rank(
         for s in stages
     ]
     sp = layout.sequence_parallel_on(device)
-    return _Rank(shape, layout, device, sp, pp_rank, stages, parts, _regime(layout), loop)
+    row = catalog.lookup(instance)
+    gpu = row.gpu if row is not None else ""
+    return _Rank(shape, layout, device, sp, pp_rank, stages, parts, _regime(layout), loop, gpu)
 
 
 def _weights(r: _Rank) -> tuple[int, int, int]:
@@ -571,7 +576,7 @@ def _compute_copies(r: _Rank, grads: int) -> tuple[int, int, int]:
 
 def _saved(r: _Rank, index: int) -> dict[str, float]:
     if r.device == "cuda":
-        return _gpu_block_saved(r.shape, r.layout, index, r.sp, r.loop)
+        return _gpu_block_saved(r.shape, r.layout, index, r.sp, r.loop, r.gpu)
     return _block_saved(r.shape, r.layout, index, r.sp)
 
 

@@ -294,7 +294,9 @@ def _attention_s(st: _Step) -> float:
     full = 12 * shape.n_heads / st.layout.tp * shape.hd * st.seq * st.tokens_mb
     if not hw.gpu:
         return full / hw.matmul_flops
-    kernel = sdpa_kernel("cuda", st.layout.precision, shape.hd, gqa=shape.n_kv_heads != shape.n_heads)
+    row = catalog.lookup(hw.name)
+    gqa = shape.n_kv_heads != shape.n_heads
+    kernel = sdpa_kernel("cuda", st.layout.precision, shape.hd, gqa=gqa, gpu=row.gpu if row else "")
     causal = 1.0 if kernel == "math" else 0.5  # math computes the masked half too
     return full * causal / (hw.peak_flops * ATTENTION_EFFICIENCY[kernel])
 
