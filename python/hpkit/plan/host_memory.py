@@ -17,6 +17,7 @@ from hpkit.runtime.config import MemoryCheckpointSpec
 
 if TYPE_CHECKING:
     from hpkit.plan.layout import Layout
+    from hpkit.plan.memory import MemoryPlan
     from hpkit.plan.shapes import ModelShape
 
 GiB = 1024**3
@@ -34,8 +35,12 @@ def state_bytes_per_rank(shape: ModelShape, layout: Layout) -> int:
     counts them per rank (the pp rank with the most)."""
     from hpkit.plan.memory import predict
 
-    worst = max(predict(shape, layout).ranks, key=lambda r: r.breakdown.params + r.breakdown.optimizer)
-    return worst.breakdown.params + worst.breakdown.optimizer
+    return state_bytes_of(predict(shape, layout))
+
+
+def state_bytes_of(plan: MemoryPlan) -> int:
+    """state_bytes_per_rank of a plan already made."""
+    return max(r.breakdown.params + r.breakdown.optimizer for r in plan.ranks)
 
 
 @dataclass(frozen=True)
@@ -78,15 +83,11 @@ class HostMemory:
 
 
 def plan_host(
-    shape: ModelShape,
-    layout: Layout,
-    instance: str | None,
-    ranks_per_node: int,
-    memory: MemoryCheckpointSpec | None,
+    plan: MemoryPlan, instance: str | None, ranks_per_node: int, memory: MemoryCheckpointSpec | None
 ) -> HostMemory:
-    """The host RAM a layout's in-memory checkpoints take per rank and per node of `instance`."""
+    """The host RAM a layout's in-memory checkpoints take per rank and per node of `instance`, from its memory plan."""
     return HostMemory(
-        per_rank=host_bytes_per_rank(state_bytes_per_rank(shape, layout), memory),
+        per_rank=host_bytes_per_rank(state_bytes_of(plan), memory),
         ranks_per_node=ranks_per_node,
         ram_gib=catalog.host_memory_gib(instance),
         configured=memory is not None,

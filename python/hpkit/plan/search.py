@@ -148,9 +148,9 @@ def judge(
     cand.problem = runtime_problem(shape, layout, hw.gpus_per_node)
     if cand.problem is not None:
         return cand
-    cand.host = plan_host(shape, layout, instance_type, hw.gpus_per_node, memory_checkpoint)
     plan = memory.predict(shape, layout, instance_type)
     cand.memory = plan
+    cand.host = plan_host(plan, instance_type, hw.gpus_per_node, memory_checkpoint)
     cand.peak_bytes = float(plan.peak_bytes)
     if gpu_memory_gib is not None and cand.peak_bytes > gpu_memory_gib * GIB:
         cand.over_gib = cand.peak_bytes / GIB - gpu_memory_gib
