@@ -267,3 +267,13 @@ def test_lora_trains_only_the_adapters_by_hand():
     bf16 = predict(lora, replace(FSDP, dp_shard=1, precision="bf16")).worst.breakdown
     projections = 2 * (592 - 16) + 32 * 8  # every nn.Linear: blocks' projections and the head
     assert bf16.params == whole.params - 2 * projections
+
+
+def test_fsdps_sharded_gradients_count_once_when_the_optimizer_step_is_the_peak():
+    # Short sequences, full checkpointing: the optimizer step (every gradient, no activation) is the peak. The
+    # sharded gradients live in the reduce-scatter stream's pool: the reserve holds them only at the other peak.
+    shape = shape_named("8B", 512)
+    layout = Layout(dp_shard=2, local_batch_size=1, activation_checkpoint="full")
+    worst = predict(shape, layout, "p5.48xlarge").worst.breakdown
+    assert worst.activations == 0 and worst.grads == worst.params  # fp32 shards of each
+    assert worst.reserve < worst.grads

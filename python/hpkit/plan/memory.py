@@ -465,9 +465,13 @@ def _rank(
     comm_buffers = _comm_buffers(r)
     # Two candidate peaks: the start of backward (every activation, no reduced gradient yet but what a
     # pipeline accumulates) and the optimizer step (every gradient, no activation).
+    # FSDP's sharded gradients sit in the reduce-scatter stream's pool (`_reserve`): at the optimizer step they are
+    # the gradients themselves, counted once.
+    sharded_grads_pool = grads
     if activations + unsharded + autocast + logits_loss + moe_buffers + grads_at_peak < grads:
         activations = unsharded = autocast = logits_loss = moe_buffers = loss_reserve = 0
         grads_at_peak = grads
+        sharded_grads_pool = 0
     costs = fixed_costs(instance)
     breakdown = Breakdown(
         params=params,
@@ -480,7 +484,7 @@ def _rank(
         logits_loss=logits_loss,
         moe_buffers=moe_buffers,
         comm_buffers=comm_buffers,
-        reserve=_reserve(r, grads) + loss_reserve if r.device == "cuda" else 0,
+        reserve=_reserve(r, sharded_grads_pool) + loss_reserve if r.device == "cuda" else 0,
         fixed=costs.cuda_context_bytes + costs.nccl_buffer_bytes,
     )
     return RankMemory(pp_rank, tuple(r.stages), breakdown, pipelined=layout.pp > 1)
