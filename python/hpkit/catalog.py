@@ -108,6 +108,41 @@ INSTANCE_TYPES: dict[str, InstanceSpec] = {
     "c5.2xlarge": InstanceSpec(0, "", 0, vcpus=8),
 }
 
+# Host RAM (GiB) of a whole instance, AWS's figure, where known: what in-memory checkpoints (checkpoint.memory)
+# stage each rank's state into. Sources: the instance pages above (P3 488 GiB; P4d/P4de 1152; P5/P5e/P5en 2048;
+# G5 and G6 4 GiB per vCPU: 16-768; trn1.32xlarge 512, https://aws.amazon.com/ec2/instance-types/trn1/). Types not
+# listed: unknown, and the planner shows their host memory without judging it.
+HOST_MEMORY_GIB: dict[str, int] = {
+    "p3.16xlarge": 488,
+    "p4d.24xlarge": 1152,
+    "p4de.24xlarge": 1152,
+    "p5.48xlarge": 2048,
+    "p5e.48xlarge": 2048,
+    "p5en.48xlarge": 2048,
+    "trn1.32xlarge": 512,
+    **{
+        f"{family}.{size}": 4 * vcpus
+        for family in ("g5", "g6")
+        for size, vcpus in (
+            ("xlarge", 4),
+            ("2xlarge", 8),
+            ("4xlarge", 16),
+            ("8xlarge", 32),
+            ("12xlarge", 48),
+            ("16xlarge", 64),
+            ("24xlarge", 96),
+            ("48xlarge", 192),
+        )
+    },
+    "c5.2xlarge": 16,
+}
+
+
+def host_memory_gib(instance_type: str | None) -> int | None:
+    """The instance's RAM in GiB; None where the catalog does not know it."""
+    return HOST_MEMORY_GIB.get(normalise(instance_type)) if instance_type else None
+
+
 # Dense (no sparsity) peak TFLOP/s per GPU model, bf16 and tf32, from the vendors' data sheets. The step line's
 # MFU (hpkit.runtime.metrics) and the planner's (hpkit.plan.speed) divide by the same figure. Matched by
 # substring of the CUDA device name, longest first (see peak_tflops_for).

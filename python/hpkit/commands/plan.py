@@ -55,6 +55,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     )
     p.add_argument("--top", type=positive_int, default=5, help="layouts to print (default 5)")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument(
+        "--explain",
+        action="store_true",
+        help="print each term of the winner's (or the spec's) peak memory and step time with its formula's inputs",
+    )
     p.add_argument("--write", metavar="JOB_YAML", help="write the winner as a job spec `hpkit submit` takes")
     p.add_argument(
         "--check-with-torch",
@@ -145,9 +150,9 @@ def _torch_check(shape: Any, cand: Any) -> dict[str, Any]:
     module = importlib.import_module("hpkit.plan.torch_check")
     tracked = module.check_with_torch(shape, cand.layout)
     gib = tracked.peak_bytes / 2**30
-    # The tracker sees tensors only: the planner's fixed costs (CUDA context, NCCL, fragmentation) are left out.
-    fixed = cand.memory.worst.breakdown.fixed / 2**30 if cand.memory is not None else 0.0
-    planner = cand.peak_gib - fixed
+    # The tracker sees tensors only: the planner's fixed costs (CUDA context, NCCL) and the allocator's reserve
+    # are left out.
+    planner = cand.memory.worst.breakdown.allocated / 2**30 if cand.memory is not None else cand.peak_gib
     return {
         "layout": cand.layout.describe(),
         "torch_peak_gib": round(gib, 3),
@@ -260,7 +265,10 @@ def _search(args: argparse.Namespace, model: Any = None, base: Any = None) -> in
         raise SpecError(
             f"--trial-steps {args.trial_steps}: give more than {_trial_warmup()} (the first are warm-up)"
         )
-    result = search(shape, hw, args.nodes, global_batch, args.precision, args.instance, gpu_gib)
+    memory_checkpoint = base.checkpoint.memory if spec_mode else None
+    result = search(
+        shape, hw, args.nodes, global_batch, args.precision, args.instance, gpu_gib, memory_checkpoint
+    )
     title = (
         f"{args.target} on {args.nodes} x {hw.name} ({world} GPUs, {gpu_gib:g} GiB each), seq {seq}, "
         f"global batch {global_batch} ({global_batch * seq:,} tokens), {args.precision}"
@@ -301,6 +309,8 @@ def _search(args: argparse.Namespace, model: Any = None, base: Any = None) -> in
         print(json.dumps(document, indent=2))
     else:
         print(report.search_text(title, result, args.top))
+        if args.explain:
+            print(_explain(shape, result.ranked[0], hw, args.instance))
         if check is not None:
             print("\n" + _torch_line(check))
         if args.write:
@@ -389,7 +399,7 @@ def _judge_spec(args: argparse.Namespace, path: Path) -> int:
         hw = replace(hw, gpus_per_node=spec.ranks_per_node)
     if layout.precision != "bf16":
         hw, gpu_gib = _hardware(instance, layout.precision, args.network)
-    cand = judge(shape, layout, hw, instance, gpu_gib)
+    cand = judge(shape, layout, hw, instance, gpu_gib, memory_checkpoint=spec.checkpoint.memory)
     check = _torch_check(shape, cand) if args.check_with_torch and cand.peak_gib is not None else None
     title = (
         f"{path}: {spec.model.name} seq {shape.seq_len} on {spec.nodes} x {hw.name} ({spec.world_size} ranks)"
@@ -401,9 +411,17 @@ def _judge_spec(args: argparse.Namespace, path: Path) -> int:
         print(json.dumps({**meta, **cand.to_json()}, indent=2))
     else:
         print(report.judge_text(title, cand))
+        if args.explain:
+            print(_explain(shape, cand, hw, instance))
         if check is not None:
             print(_torch_line(check))
     return 0 if cand.fits else 1
+
+
+def _explain(shape: Any, cand: Any, hw: Any, instance: str | None) -> str:
+    from hpkit.plan.explain import explain_text
+
+    return explain_text(shape, cand, hw, instance)
 
 
 def _write(path: Path, args: argparse.Namespace, model: Any, hw: Any, result: Any, seq: int) -> None:

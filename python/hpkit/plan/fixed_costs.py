@@ -1,10 +1,12 @@
-"""What only a GPU shows and no formula derives: per instance family, in one place.
+"""What a GPU process holds outside torch's caching allocator: per instance family, in one place.
 
-Each constant is a guess until a device is lent to calibrate it (tests/integration/test_plan_memory_measured.py
-checks the formulas on CPUs, where these costs are zero). Sources of the starting values: the CUDA context
-of a recent driver with torch's kernels loaded (about 0.5-1 GiB per process on A100/H100), NCCL's default
-channel buffers (NCCL_BUFFSIZE 4 MiB x channels x peers, about 0.3-0.6 GiB at 8 GPUs per node), and the
-caching allocator's fragmentation, taken as a share of the dynamic (activation) memory.
+Neither torch.cuda.max_memory_allocated nor max_memory_reserved counts these, so published runs (which report
+one of the two) cannot calibrate them; they are added to what the GPU must hold. Sources: the CUDA context of a
+recent driver with torch's kernels (cuBLAS, cuDNN, NCCL) loaded, about 0.5-1 GiB per process on A100/H100
+(`nvidia-smi` against max_memory_reserved on the one H100 run in BENCHMARKS.md is the check still to make), and
+NCCL's default channel buffers (NCCL_BUFFSIZE 4 MiB x 2 directions x channels x peers: about 0.3-0.6 GiB at
+8 GPUs per node). The caching allocator's own reserve is modelled, not taken as a share: hpkit.plan.memory's
+`reserve` part.
 """
 
 from __future__ import annotations
@@ -18,35 +20,22 @@ GiB = 1024**3
 class FixedCosts:
     cuda_context_bytes: int
     nccl_buffer_bytes: int
-    # The caching allocator's blocks that are reserved but not usable, as a share of the memory that
-    # comes and goes within a step (activations, unsharded weights, logits).
-    fragmentation: float
     calibrated: bool = False  # True once measured on the family's GPU
 
 
 # Instance family (the part of the type before the dot, without the ml. prefix) -> its costs.
 FAMILIES: dict[str, FixedCosts] = {
-    "p4d": FixedCosts(
-        cuda_context_bytes=int(0.75 * GiB), nccl_buffer_bytes=int(0.5 * GiB), fragmentation=0.10
-    ),
-    "p4de": FixedCosts(
-        cuda_context_bytes=int(0.75 * GiB), nccl_buffer_bytes=int(0.5 * GiB), fragmentation=0.10
-    ),
-    "p5": FixedCosts(cuda_context_bytes=int(1.0 * GiB), nccl_buffer_bytes=int(0.6 * GiB), fragmentation=0.10),
-    "p5e": FixedCosts(
-        cuda_context_bytes=int(1.0 * GiB), nccl_buffer_bytes=int(0.6 * GiB), fragmentation=0.10
-    ),
-    "p5en": FixedCosts(
-        cuda_context_bytes=int(1.0 * GiB), nccl_buffer_bytes=int(0.6 * GiB), fragmentation=0.10
-    ),
-    "g5": FixedCosts(cuda_context_bytes=int(0.6 * GiB), nccl_buffer_bytes=int(0.3 * GiB), fragmentation=0.10),
-    "g6": FixedCosts(cuda_context_bytes=int(0.6 * GiB), nccl_buffer_bytes=int(0.3 * GiB), fragmentation=0.10),
+    "p4d": FixedCosts(cuda_context_bytes=int(0.75 * GiB), nccl_buffer_bytes=int(0.5 * GiB)),
+    "p4de": FixedCosts(cuda_context_bytes=int(0.75 * GiB), nccl_buffer_bytes=int(0.5 * GiB)),
+    "p5": FixedCosts(cuda_context_bytes=int(1.0 * GiB), nccl_buffer_bytes=int(0.6 * GiB)),
+    "p5e": FixedCosts(cuda_context_bytes=int(1.0 * GiB), nccl_buffer_bytes=int(0.6 * GiB)),
+    "p5en": FixedCosts(cuda_context_bytes=int(1.0 * GiB), nccl_buffer_bytes=int(0.6 * GiB)),
+    "g5": FixedCosts(cuda_context_bytes=int(0.6 * GiB), nccl_buffer_bytes=int(0.3 * GiB)),
+    "g6": FixedCosts(cuda_context_bytes=int(0.6 * GiB), nccl_buffer_bytes=int(0.3 * GiB)),
 }
 # A GPU family not listed: the largest of the listed costs (an overestimate keeps plans on the safe side).
-DEFAULT_GPU = FixedCosts(
-    cuda_context_bytes=int(1.0 * GiB), nccl_buffer_bytes=int(0.6 * GiB), fragmentation=0.10
-)
-CPU = FixedCosts(cuda_context_bytes=0, nccl_buffer_bytes=0, fragmentation=0.0, calibrated=True)
+DEFAULT_GPU = FixedCosts(cuda_context_bytes=int(1.0 * GiB), nccl_buffer_bytes=int(0.6 * GiB))
+CPU = FixedCosts(cuda_context_bytes=0, nccl_buffer_bytes=0, calibrated=True)
 
 
 def family_of_instance(instance: str) -> str:

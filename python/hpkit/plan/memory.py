@@ -8,19 +8,29 @@ padding, which is counted), so the plan has one entry per pp rank. The parts:
   per local element each, AdamW's two moments 8 more. Local elements: TP shards attention, dense FFNs,
   embeddings and head; EP splits routed experts; FSDP shards what is left over dp_shard x ep (dense) or
   dp_shard (experts), padding each weight's first dimension to the shard count.
-- fsdp_unsharded: the compute copies of the weights. FSDP2 all-gathers a unit (a block; the embeddings; the
+- fsdp_unsharded: FSDP's compute copies of the weights. FSDP2 all-gathers a unit (a block; the embeddings; the
   head) before its forward and reshards it after, except the last block and the head, and prefetches the next
   unit in backward; under a pipeline nothing reshards (every microbatch would all-gather again) and the
-  unsharded gradients accumulate in fp32 until the last microbatch. Without FSDP under bf16, autocast's cache
-  keeps a bf16 copy of every weight for the step.
-- activations: what each block saves for backward, per token, under none/selective/full checkpointing, times
-  the blocks on the stage and the microbatches its pipeline schedule keeps in flight; plus the transient of
-  the block being recomputed (checkpointing) or run.
-- logits_loss: the output head's logits, their fp32 copy and log-softmax, on the rank with the last stage.
+  unsharded gradients accumulate in fp32 until the last microbatch. Zero without FSDP.
+- autocast_copies: without FSDP under bf16, the bf16 copy of each weight autocast casts, which its matmul
+  saves for backward.
+- activations: what each block saves for backward, per token, under none/selective/full checkpointing (each
+  selective policy its own matmul outputs: hpkit.plan.kernels), times the blocks on the stage and the
+  microbatches its pipeline schedule keeps in flight; plus the transient of the block being recomputed
+  (checkpointing) or run. On GPUs tensor by tensor from the kernels CUDA runs (_gpu_block_saved: flash or
+  memory-efficient attention keeps no S x S probabilities); on CPU ranks as measured.
+- logits_loss: the output head's logits, the loss's fp32 upcast and log-softmax, and their gradients, on the
+  rank with the last stage.
 - moe_buffers: routing (router scores, one-hot slots) and the token copies the experts' dispatch makes.
 - comm_buffers: a pipeline stage's receive buffers (one per microbatch, each direction).
 - buffers: the rotary tables (every part holds them) and MoE counters.
-- fixed: CUDA context, NCCL, fragmentation (hpkit.plan.fixed_costs), zero on CPUs.
+- reserve: what the CUDA caching allocator holds reserved beyond the tensors at the peak: the blocks cached
+  in FSDP's side streams' pools, and a freed block too small for the loss's backward (GPUs only).
+- fixed: the CUDA context and NCCL's buffers (hpkit.plan.fixed_costs), outside the allocator; zero on CPUs.
+
+`Breakdown.allocated` is what torch.cuda.max_memory_allocated reports, `reserved` max_memory_reserved (what
+torchtitan logs), `total` what the GPU must hold. tests/unit/test_plan_published.py checks them against
+published GPU runs (tests/fixtures/published_gpu_runs.json).
 
 The activation coefficients below were measured with torch's MemTracker on this runtime's blocks (CPU);
 tests/integration/test_plan_memory_measured.py keeps them honest for every layout the runtime trains.
@@ -31,7 +41,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields
 
+from hpkit import catalog
 from hpkit.plan.fixed_costs import fixed_costs
+from hpkit.plan.kernels import HPKIT, TrainingLoop, sdpa_kernel
 from hpkit.plan.layout import Layout
 from hpkit.plan.shapes import ModelShape
 
@@ -41,10 +53,12 @@ PARTS = (
     "optimizer",
     "buffers",
     "fsdp_unsharded",
+    "autocast_copies",
     "activations",
     "logits_loss",
     "moe_buffers",
     "comm_buffers",
+    "reserve",
     "fixed",
 )
 GiB = 1024**3
@@ -59,15 +73,27 @@ class Breakdown:
     optimizer: int = 0
     buffers: int = 0
     fsdp_unsharded: int = 0
+    autocast_copies: int = 0
     activations: int = 0
     logits_loss: int = 0
     moe_buffers: int = 0
     comm_buffers: int = 0
+    reserve: int = 0
     fixed: int = 0
 
     @property
     def total(self) -> int:
         return sum(getattr(self, f.name) for f in fields(self))
+
+    @property
+    def allocated(self) -> int:
+        """What torch.cuda.max_memory_allocated reports: the tensors alone."""
+        return self.total - self.reserve - self.fixed
+
+    @property
+    def reserved(self) -> int:
+        """What torch.cuda.max_memory_reserved reports: the tensors and the caching allocator's cached blocks."""
+        return self.total - self.fixed
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -324,26 +350,166 @@ def _moe_saved(shape: ModelShape, layout: Layout, b: int, h: float) -> tuple[flo
     return none, selective
 
 
+# ---- activations on a GPU (bytes per token of one block) -----------------------------------------------
+
+
+def _gpu_block_saved(
+    shape: ModelShape, layout: Layout, index: int, sp: bool, loop: TrainingLoop, gpu: str = ""
+) -> dict[str, float]:
+    """What one block keeps for backward on a GPU, tensor by tensor, from the kernels CUDA runs.
+
+    none: the block input and the FFN's input (the residual stream), each norm's rstd (fp32 per token) and the
+    norm output its matmuls save as input (one bf16 tensor under FSDP; under autocast one cast per matmul, since
+    autocast caches only weights' casts); rotary's output q, k and v, which the attention kernel saves with its
+    output and log-sum-exp (flash/efficient) or its S x S probabilities (math); SwiGLU's w1 and w3 outputs, silu's
+    and the product. Rotary's fp32 copies are not saved (its complex multiply keeps only the table), and the
+    attention output is wo's input without a copy (flash writes it in (batch, seq, heads) order).
+    selective: the policy's matmul outputs and the attention kernel's outputs, and the block input.
+    full: the block input."""
+    regime = _regime(layout)
+    b = 4 if regime == "fp32" else 2  # activations out of matmuls
+    stream = 2 if regime == "fsdp_bf16" else 4  # the residual stream between blocks
+    tp = layout.tp
+    h = shape.dim / (tp if sp else 1)
+    q = shape.n_heads * shape.hd / tp
+    kv = shape.n_kv_heads * shape.hd / tp
+    heads = shape.n_heads / tp
+    gqa = shape.n_kv_heads != shape.n_heads
+    kernel = sdpa_kernel("cuda", layout.precision, shape.hd, gqa=gqa, gpu=gpu)
+    # The norm output each half's matmuls save: autocast casts it once per matmul (3 attention, 2 SwiGLU).
+    casts = (3, 2) if regime == "autocast" else (1, 1)
+    norm_b = 2 if regime == "autocast" else b
+    if kernel == "math":
+        # The probabilities (and, with GQA, k and v repeated to every head) and a contiguous copy of the output.
+        attention_kept = b * heads * shape.seq_len + b * q + (2 * b * q if kv != q else 0)
+        attention_out = b * heads * shape.seq_len + b * q  # the policies keep the two bmm outputs
+    else:
+        attention_kept = b * q + 4 * heads
+        attention_out = attention_kept
+    attn_none = stream * h + 4 + casts[0] * norm_b * h + b * (q + 2 * kv) + attention_kept
+    if tp > 1 and not sp:
+        attn_none += stream * h  # the replicated norm output's DTensor copy (as measured on CPU ranks)
+    widths = {"wq": q, "wk": kv, "wv": kv, "wo": h, "w1": 0.0, "w3": 0.0, "w2": h}
+    if shape.is_moe_block(index):
+        ffn_none, ffn_sel = _moe_saved(shape, layout, b, h)
+        ffn_none += stream * h + 4 + casts[1] * norm_b * h
+    else:
+        f = shape.ffn_dim / tp
+        widths |= {"w1": f, "w3": f}
+        ffn_none = stream * h + 4 + casts[1] * norm_b * h + 4 * b * f
+        ffn_sel = 0.0
+    policy = loop.selective
+    kept = sum(
+        b * widths[m]
+        for m in policy.kept_matmuls
+        if not (shape.is_moe_block(index) and m in ("w1", "w3", "w2"))
+    )
+    selective = kept + (attention_out if policy.keeps_attention else 0.0) + ffn_sel + stream * h
+    return {"none": attn_none + ffn_none, "selective": selective, "full": stream * h}
+
+
 # ---- the model ------------------------------------------------------------------------------------
 
 
-def predict(shape: ModelShape, layout: Layout, instance: str | None = None) -> MemoryPlan:
-    """Each pp rank's peak memory under `layout` on `instance` (None: a CPU run, as the tests measure)."""
-    ranks = tuple(_rank(shape, layout, r, instance) for r in range(layout.pp))
+def predict(
+    shape: ModelShape, layout: Layout, instance: str | None = None, loop: TrainingLoop = HPKIT
+) -> MemoryPlan:
+    """Each pp rank's peak memory under `layout` on `instance` (None: a CPU run, as the tests measure), run by
+    `loop` (default hpkit's runtime; TORCHTITAN for torchtitan's published runs)."""
+    ranks = tuple(_rank(shape, layout, r, instance, loop) for r in range(layout.pp))
     return MemoryPlan(shape, layout, instance, ranks)
 
 
-def _rank(shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None) -> RankMemory:
+@dataclass(frozen=True)
+class _Rank:
+    """What one pp rank holds, read once from the layout."""
+
+    shape: ModelShape
+    layout: Layout
+    device: str
+    sp: bool
+    pp_rank: int
+    stages: list[int]
+    parts: list[_Part]
+    regime: str
+    loop: TrainingLoop
+    gpu: str = ""  # the catalog's GPU model ("" on CPU ranks, or a type the catalog lacks)
+
+    @property
+    def tokens(self) -> int:
+        return self.layout.microbatch_size * self.shape.seq_len
+
+    @property
+    def has_last_stage(self) -> bool:
+        return any(p.last for p in self.parts)
+
+    @property
+    def vocab(self) -> float:
+        return self.shape.vocab_size / (self.layout.tp if self.layout.loss_parallel else 1)
+
+    @property
+    def stream(self) -> int:
+        return 2 if self.regime == "fsdp_bf16" else 4
+
+
+def _rank(
+    shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None, loop: TrainingLoop = HPKIT
+) -> RankMemory:
+    r = _read_rank(shape, layout, pp_rank, instance, loop)
+    params, grads, optimizer = _weights(r)
+    buffers = _buffers(r)
+    unsharded, autocast, grads_at_peak = _compute_copies(r, grads)
+    logits_loss, loss_reserve = _logits_loss(r)
+    activations = _activations(r, logits_loss)
+    moe_buffers = _moe_buffers(r)
+    comm_buffers = _comm_buffers(r)
+    # Two candidate peaks: the start of backward (every activation, no reduced gradient yet but what a
+    # pipeline accumulates) and the optimizer step (every gradient, no activation).
+    # FSDP's sharded gradients sit in the reduce-scatter stream's pool (`_reserve`): at the optimizer step they are
+    # the gradients themselves, counted once.
+    sharded_grads_pool = grads
+    if activations + unsharded + autocast + logits_loss + moe_buffers + grads_at_peak < grads:
+        activations = unsharded = autocast = logits_loss = moe_buffers = loss_reserve = 0
+        grads_at_peak = grads
+        sharded_grads_pool = 0
+    costs = fixed_costs(instance)
+    breakdown = Breakdown(
+        params=params,
+        grads=grads_at_peak,
+        optimizer=optimizer,
+        buffers=buffers,
+        fsdp_unsharded=int(unsharded),
+        autocast_copies=int(autocast),
+        activations=activations,
+        logits_loss=logits_loss,
+        moe_buffers=moe_buffers,
+        comm_buffers=comm_buffers,
+        reserve=_reserve(r, sharded_grads_pool) + loss_reserve if r.device == "cuda" else 0,
+        fixed=costs.cuda_context_bytes + costs.nccl_buffer_bytes,
+    )
+    return RankMemory(pp_rank, tuple(r.stages), breakdown, pipelined=layout.pp > 1)
+
+
+def _read_rank(
+    shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None, loop: TrainingLoop
+) -> _Rank:
     device = "cpu" if instance is None else "cuda"
-    sp = layout.sequence_parallel_on(device)
     stages = stage_ids(pp_rank, layout.pp, layout.stages_per_rank, layout.pp_schedule)
     n_stages = layout.n_stages
     parts = [
         _part(shape, layout, stage_layers(shape.n_layers, n_stages, s), s == 0, s == n_stages - 1)
         for s in stages
     ]
+    sp = layout.sequence_parallel_on(device)
+    row = catalog.lookup(instance)
+    gpu = row.gpu if row is not None else ""
+    return _Rank(shape, layout, device, sp, pp_rank, stages, parts, _regime(layout), loop, gpu)
+
+
+def _weights(r: _Rank) -> tuple[int, int, int]:
+    """(params, grads, optimizer) bytes: fp32 master weights, fp32 gradients, AdamW's two moments and step."""
+    shape, layout, parts = r.shape, r.layout, r.parts
     dense_shards, expert_shards = layout.fsdp_shards, layout.expert_fsdp_shards
-    regime = _regime(layout)
     local = sum(_sharded(p.dense, dense_shards) + _sharded(p.experts, expert_shards) for p in parts)
     if shape.lora_rank:
         # The base is frozen: no gradient, no optimizer state; under bf16 it is stored in bf16 (all of it
@@ -366,16 +532,23 @@ def _rank(shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None)
         trainable = local
         n_tensors = sum(len(p.dense) + len(p.experts) for p in parts)
         params = 4 * local
-    optimizer = 8 * trainable + 4 * n_tensors
-    grads = 4 * trainable
-    buffers = len(parts) * 2 * shape.max_seq_len * (shape.hd // 2) * 4
-    buffers += sum(4 * ((shape.experts or 0) + 2) for p in parts for i in p.blocks if shape.is_moe_block(i))
+    return params, 4 * trainable, 8 * trainable + 4 * n_tensors
 
-    pb = 2 if regime == "fsdp_bf16" else 4  # FSDP's unsharded weights (param_dtype)
-    stream = 2 if regime == "fsdp_bf16" else 4
-    # Compute copies of the weights, at the peak (the start of backward).
-    unsharded = 0
-    grads_at_peak = 0
+
+def _buffers(r: _Rank) -> int:
+    """The rotary tables (every part holds them) and MoE counters."""
+    shape = r.shape
+    buffers = len(r.parts) * 2 * shape.max_seq_len * (shape.hd // 2) * 4
+    return buffers + sum(
+        4 * ((shape.experts or 0) + 2) for p in r.parts for i in p.blocks if shape.is_moe_block(i)
+    )
+
+
+def _compute_copies(r: _Rank, grads: int) -> tuple[int, int, int]:
+    """(FSDP's unsharded weights, autocast's bf16 weight copies, gradients held) at the start of backward."""
+    shape, layout, parts = r.shape, r.layout, r.parts
+    pb = 2 if r.regime == "fsdp_bf16" else 4  # FSDP's unsharded weights (param_dtype)
+    unsharded = autocast = grads_at_peak = 0
     if layout.fsdp_enabled:
         if layout.pp > 1:
             # Nothing reshards under a pipeline, and the unsharded gradients accumulate over the microbatches
@@ -389,81 +562,134 @@ def _rank(shape: ModelShape, layout: Layout, pp_rank: int, instance: str | None)
         else:
             part = parts[0]
             blocks = part.unsharded_units[1:-1] if part.first else part.unsharded_units[:-1]
-            # The head and the last block stay gathered from their forward into backward.
+            # The head and the last block stay gathered from their forward into backward, and the
+            # embeddings too where the loop leaves them to the root (which never reshards after forward).
             unsharded = (part.unsharded_units[-1] + (blocks[-1] if blocks else 0)) * pb
+            if r.loop.embeddings_kept and part.first:
+                unsharded += part.unsharded_units[0] * pb
     else:
-        if regime == "autocast" and not shape.lora_rank:
-            # autocast's cache keeps a bf16 copy of every weight a matmul used (not the embeddings); LoRA
-            # stores those weights in bf16 already.
-            unsharded = 2 * (local - sum(_sharded(p.dense[:1], 1) for p in parts if p.first))
+        if r.regime == "autocast" and not shape.lora_rank:
+            # Each matmul saves autocast's bf16 copy of its weight for backward (not the embeddings'); LoRA
+            # stores those weights in bf16 already. No FSDP here: these are not FSDP's.
+            local = sum(_sharded(p.dense, 1) + _sharded(p.experts, 1) for p in parts)
+            autocast = 2 * (local - sum(_sharded(p.dense[:1], 1) for p in parts if p.first))
         if layout.pp > 1:
             grads_at_peak = grads  # accumulated over the microbatches
+    return unsharded, autocast, grads_at_peak
 
-    # Activations: saved per block and microbatch, times the microbatches in flight.
-    tokens = layout.microbatch_size * shape.seq_len
-    flights = in_flight(layout, pp_rank)
-    ac = layout.activation_checkpoint
+
+def _saved(r: _Rank, index: int) -> dict[str, float]:
+    if r.device == "cuda":
+        return _gpu_block_saved(r.shape, r.layout, index, r.sp, r.loop, r.gpu)
+    return _block_saved(r.shape, r.layout, index, r.sp)
+
+
+def _activations(r: _Rank, logits_loss: int) -> int:
+    """Saved per block and microbatch, times the microbatches in flight, and the transient of the block that
+    backward recomputes (checkpointing) beyond what the loss frees before it."""
+    tokens = r.tokens
+    flights = in_flight(r.layout, r.pp_rank)
+    ac = r.layout.activation_checkpoint
     saved_total = 0.0
     transient = 0.0
-    for part, flight in zip(parts, flights, strict=True):
+    for part, flight in zip(r.parts, flights, strict=True):
         for i in part.blocks:
-            saved = _block_saved(shape, layout, i, sp)
+            saved = _saved(r, i)
             saved_total += saved[ac] * tokens * flight
             if ac != "none":
                 # Backward recomputes one block's activations at a time.
                 transient = max(transient, (saved["none"] - saved[ac]) * tokens)
-
-    # Logits and loss on the rank with the last stage: the final norm's saves, the logits, the fp32
-    # log-softmax, and backward's two fp32 gradients of them.
-    logits_loss = 0
-    last_at = [k for k, p in enumerate(parts) if p.last]
-    if last_at:
-        v = shape.vocab_size / (layout.tp if layout.loss_parallel else 1)
-        b = 4 if regime == "fp32" else 2
-        # (The loss's fp32 copy of bf16 logits is not kept: log-softmax's backward reads its output.)
-        per_mb = tokens * (v * (b + 4) + 3 * stream * shape.dim)
-        logits_loss = int(per_mb + tokens * v * 8)
-        if layout.pp > 1:
-            # torch's last stage keeps each microbatch's output for its loss and the gradient it returns,
-            # beyond the one microbatch in loss (measured: the pipeline layouts, about 3 logits' worth).
-            logits_loss += int(3 * tokens * v * b)
     activations = int(saved_total + (0 if ac == "none" else max(0.0, transient - logits_loss)))
-    if ac != "none" and last_at:
+    if ac != "none" and r.has_last_stage and r.loop.keeps_logits:
         # The logits stay referenced while the last block is recomputed; the loss's temporaries do not.
-        v = shape.vocab_size / (layout.tp if layout.loss_parallel else 1)
-        activations += int(tokens * v * (4 if regime == "fp32" else 2))
+        activations += int(tokens * r.vocab * (4 if r.regime == "fp32" else 2))
+    return activations
 
-    moe_buffers = 0
-    if shape.is_moe and any(shape.is_moe_block(i) for p in parts for i in p.blocks) and layout.ep > 1:
-        # Tokens exchanged with the experts' ranks: sent, received, regrouped, returned (each way).
-        moe_buffers = int(4 * tokens * (shape.top_k or 0) * shape.dim * (4 if regime == "fp32" else 2))
 
-    comm_buffers = 0
-    if layout.pp > 1:
-        # torch's stages allocate a receive buffer per microbatch for each direction they receive.
-        h = shape.dim / (layout.tp if sp else 1)
-        for p in parts:
-            directions = (0 if p.first else 1) + (0 if p.last else 1)
-            comm_buffers += int(directions * layout.microbatches * tokens * h * stream)
+def _logits_loss(r: _Rank) -> tuple[int, int]:
+    """(bytes, the allocator's extra reserve) of the output head's logits and the loss, on the last stage.
 
-    costs = fixed_costs(instance)
-    dynamic = activations + unsharded + logits_loss + moe_buffers
-    fixed = costs.cuda_context_bytes + costs.nccl_buffer_bytes + int(costs.fragmentation * dynamic)
-    # Two candidate peaks: the start of backward (every activation, no reduced gradient yet but what a
-    # pipeline accumulates) and the optimizer step (every gradient, no activation).
-    if dynamic + grads_at_peak < grads:
-        activations = unsharded = logits_loss = moe_buffers = 0
-        grads_at_peak = grads
-    breakdown = Breakdown(
-        params=params,
-        grads=grads_at_peak,
-        optimizer=optimizer,
-        buffers=buffers,
-        fsdp_unsharded=int(unsharded),
-        activations=activations,
-        logits_loss=logits_loss,
-        moe_buffers=moe_buffers,
-        comm_buffers=comm_buffers,
-        fixed=fixed,
-    )
-    return RankMemory(pp_rank, tuple(stages), breakdown, pipelined=layout.pp > 1)
+    On a GPU, tensor by tensor: the logits (bf16 under mixed precision), the loss's fp32 upcast (freed after
+    log-softmax), log-softmax's fp32 output (kept for backward), and backward's two fp32 gradients of it (nll's
+    and log-softmax's) beside it; the logits too while the loop still references them. CPU ranks: as measured
+    (the loss's fp32 copy of bf16 logits is not kept: log-softmax's backward reads its output)."""
+    if not r.has_last_stage:
+        return 0, 0
+    tokens, v, stream = r.tokens, r.vocab, r.stream
+    norm_saves = tokens * 3 * stream * r.shape.dim  # the final norm's
+    b = 4 if r.regime == "fp32" else 2
+    if r.device != "cuda":
+        logits_loss = int(tokens * (v * (b + 4) + 3 * stream * r.shape.dim) + tokens * v * 8)
+        reserve = 0
+    else:
+        upcast = 4 if b == 2 else 0
+        forward = b + upcast + 4
+        backward = 12 + (b if r.loop.keeps_logits else 0)
+        logits_loss = int(norm_saves + tokens * v * max(forward, backward))
+        reserve = int(tokens * v * _loss_reserve(b, r.loop.keeps_logits))
+    if r.layout.pp > 1:
+        # torch's last stage keeps each microbatch's output for its loss and the gradient it returns,
+        # beyond the one microbatch in loss (measured: the pipeline layouts, about 3 logits' worth).
+        logits_loss += int(3 * tokens * v * b)
+    return logits_loss, reserve
+
+
+def _loss_reserve(logit_bytes: int, keeps_logits: bool) -> float:
+    """Bytes per logit the caching allocator holds reserved but unallocated at the loss's backward peak.
+
+    The allocator never returns a segment within a step and serves a request from the smallest cached free
+    block that holds it, splitting it, else from a new segment. Forward allocates the logits, the fp32 upcast
+    and log-softmax's output; the upcast (and the logits, when the loop drops them) are then freed; backward
+    asks for nll's gradient and log-softmax's (4 bytes each). A freed block too small for a 4-byte request
+    stays reserved and unused: the bf16 logits a loop drops (torchtitan's `del pred`)."""
+    free: list[float] = []
+    if logit_bytes == 2:
+        free.append(4.0)  # the upcast
+    if not keeps_logits:
+        free.append(float(logit_bytes))
+    for _ in range(2):  # nll's gradient, log-softmax's gradient
+        fits = sorted(f for f in free if f >= 4)
+        if fits:
+            free.remove(fits[0])
+            if fits[0] > 4:
+                free.append(fits[0] - 4)
+    return sum(free)
+
+
+def _reserve(r: _Rank, grads: int) -> int:
+    """The caching allocator's memory reserved by FSDP's side streams: a block cached in one stream's pool serves
+    only that stream. The all-gather output lives on the copy-in stream (the largest unit's unsharded weights in
+    param_dtype, prefetches split from it); the reduce-scatter output on the reduce-scatter stream, and it becomes
+    the sharded gradient (fp32, as the reduce dtype is the parameters'), so that pool holds every sharded gradient
+    of the step and keeps it reserved after zero_grad frees them."""
+    layout = r.layout
+    if not layout.fsdp_enabled or layout.fsdp_shards <= 1:
+        return 0
+    pb = 2 if r.regime == "fsdp_bf16" else 4
+    units = [u for p in r.parts for u in p.unsharded_units]
+    if r.loop.embeddings_kept and r.parts[0].first and r.parts[-1].last and len(units) > 1:
+        units = [units[0] + units[-1], *units[1:-1]]  # the root: embeddings, final norm and head together
+    return int(max(units, default=0) * pb + grads)
+
+
+def _moe_buffers(r: _Rank) -> int:
+    """Tokens exchanged with the experts' ranks: sent, received, regrouped, returned (each way)."""
+    shape = r.shape
+    if not (
+        shape.is_moe and r.layout.ep > 1 and any(shape.is_moe_block(i) for p in r.parts for i in p.blocks)
+    ):
+        return 0
+    return int(4 * r.tokens * (shape.top_k or 0) * shape.dim * (4 if r.regime == "fp32" else 2))
+
+
+def _comm_buffers(r: _Rank) -> int:
+    """torch's stages allocate a receive buffer per microbatch for each direction they receive."""
+    layout = r.layout
+    if layout.pp <= 1:
+        return 0
+    h = r.shape.dim / (layout.tp if r.sp else 1)
+    total = 0
+    for p in r.parts:
+        directions = (0 if p.first else 1) + (0 if p.last else 1)
+        total += int(directions * layout.microbatches * r.tokens * h * r.stream)
+    return total

@@ -6,9 +6,10 @@ import re
 from collections import Counter
 from typing import Any
 
+from hpkit.plan.host_memory import HOST_RAM_SHARE
 from hpkit.plan.search import GIB, Candidate, SearchResult, why_lost
 
-HEADER = ("#", "layout", "GiB/GPU", "tok/s/GPU", "MFU", "step s", "largest costs")
+HEADER = ("#", "layout", "GiB/GPU", "host GiB/rank", "tok/s/GPU", "MFU", "step s", "largest costs")
 
 
 def _costs(c: Candidate) -> str:
@@ -24,6 +25,7 @@ def row(i: int | str, c: Candidate) -> tuple[str, ...]:
         str(i),
         c.layout.describe(),
         f"{c.peak_gib:.1f}" if c.peak_gib is not None else "-",
+        f"{c.host.per_rank / GIB:.1f}" if c.host is not None else "-",
         f"{speed.tokens_per_s_per_gpu:,.0f}" if speed else "-",
         f"{speed.mfu * 100:.1f}%" if speed else "-",
         f"{speed.step_s:.3f}" if speed else "-",
@@ -56,10 +58,25 @@ def rejections(result: SearchResult, limit: int = 6) -> list[str]:
     return lines
 
 
+def host_line(c: Candidate) -> str:
+    """What the host column means for this plan: per node, against the node's RAM, configured or not."""
+    host = c.host
+    node = f"{host.per_node / GIB:,.0f} GiB per node ({host.ranks_per_node} ranks)"
+    ram = f" of {host.ram_gib} GiB RAM (copies may take {HOST_RAM_SHARE:.0%})" if host.ram_gib else ""
+    if host.configured:
+        return f"host GiB/rank: checkpoint.memory's {host.copies} copies of each rank's state: {node}{ram}"
+    return (
+        f"host GiB/rank: no checkpoint.memory; with one (replicas 1: {host.copies} copies of each rank's state) "
+        f"{node}{ram}"
+    )
+
+
 def search_text(title: str, result: SearchResult, top: int) -> str:
     lines = [title, ""]
     shown = result.ranked[:top]
     lines.append(table([row(i + 1, c) for i, c in enumerate(shown)]))
+    if shown and shown[0].host is not None:
+        lines.append(host_line(shown[0]))
     if len(shown) > 1:
         lines.append("")
         lines.append("why the others rank lower:")
@@ -75,6 +92,8 @@ def search_text(title: str, result: SearchResult, top: int) -> str:
 
 def judge_text(title: str, c: Candidate) -> str:
     lines = [title, "", table([row("-", c)])]
+    if c.host is not None:
+        lines.append(host_line(c))
     if c.memory is not None:
         worst = c.memory.worst
         parts = ", ".join(f"{k} {v / GIB:.2f}" for k, v in worst.breakdown.as_dict().items() if v)

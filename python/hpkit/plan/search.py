@@ -17,6 +17,7 @@ from pydantic import ValidationError
 
 from hpkit.errors import SpecError
 from hpkit.plan import memory
+from hpkit.plan.host_memory import plan_host
 from hpkit.plan.layout import Layout
 from hpkit.plan.shapes import ModelShape
 from hpkit.plan.speed import Hardware, SpeedPlan, predict
@@ -34,6 +35,7 @@ class Candidate:
     over_gib: float | None = None  # how far past the GPU's memory (None: it fits, or was never sized)
     memory: Any = None  # hpkit.plan.memory.MemoryPlan
     speed: SpeedPlan | None = None
+    host: Any = None  # hpkit.plan.host_memory.HostMemory: in-memory checkpoints' RAM
 
     @property
     def fits(self) -> bool:
@@ -62,6 +64,8 @@ class Candidate:
             out["memory_gib"] = {
                 k: round(v / GIB, 3) for k, v in self.memory.worst.breakdown.as_dict().items()
             }
+        if self.host is not None:
+            out["host_memory"] = self.host.to_json()
         return out
 
 
@@ -135,15 +139,18 @@ def judge(
     instance_type: str | None,
     gpu_memory_gib: float | None,
     always_speed: bool = False,
+    memory_checkpoint: Any = None,
 ) -> Candidate:
-    """One layout: the runtime's verdict, then its memory against the GPU's, then its speed (for one that
-    does not fit too, with `always_speed`)."""
+    """One layout: the runtime's verdict, then its memory against the GPU's and its in-memory checkpoints'
+    against the node's RAM (judged only with `memory_checkpoint`, the spec's checkpoint.memory), then its speed
+    (for one that does not fit too, with `always_speed`)."""
     cand = Candidate(layout)
     cand.problem = runtime_problem(shape, layout, hw.gpus_per_node)
     if cand.problem is not None:
         return cand
     plan = memory.predict(shape, layout, instance_type)
     cand.memory = plan
+    cand.host = plan_host(plan, instance_type, hw.gpus_per_node, memory_checkpoint)
     cand.peak_bytes = float(plan.peak_bytes)
     if gpu_memory_gib is not None and cand.peak_bytes > gpu_memory_gib * GIB:
         cand.over_gib = cand.peak_bytes / GIB - gpu_memory_gib
@@ -151,6 +158,10 @@ def judge(
             f"needs {cand.peak_bytes / GIB:.2f} GiB per GPU, {cand.over_gib:.2f} GiB more than the "
             f"{gpu_memory_gib:g} GiB a GPU has"
         )
+        if not always_speed:
+            return cand
+    if cand.problem is None and cand.host.problem is not None:
+        cand.problem = cand.host.problem
         if not always_speed:
             return cand
     cand.speed = predict(shape, layout, hw, shape.seq_len)
@@ -209,6 +220,7 @@ def search(
     precision: str,
     instance_type: str | None,
     gpu_memory_gib: float | None,
+    memory_checkpoint: Any = None,
 ) -> SearchResult:
     world = nodes * hw.gpus_per_node
     if global_batch < 1 or global_batch % world:
@@ -218,7 +230,7 @@ def search(
         )
     result = SearchResult(world=world, global_batch=global_batch)
     for bare in layouts(shape, world, hw.gpus_per_node, global_batch, precision):
-        for cand in _checkpointing(shape, bare, hw, instance_type, gpu_memory_gib, result):
+        for cand in _checkpointing(shape, bare, hw, instance_type, gpu_memory_gib, result, memory_checkpoint):
             (result.ranked if cand.fits else result.rejected).append(cand)
     result.ranked.sort(key=lambda c: (-(c.speed.tokens_per_s_per_gpu if c.speed else 0), c.peak_bytes or 0))
     return result
@@ -231,17 +243,23 @@ def _checkpointing(
     instance_type: str | None,
     gpu_memory_gib: float | None,
     result: SearchResult,
+    memory_checkpoint: Any = None,
 ) -> list[Candidate]:
     """The activation checkpointing modes worth judging for one layout. Checkpointing only saves memory and
     costs time, so: if full does not fit, neither do the others (one verdict stands for three); if none fits,
     the others are slower and are not tried."""
-    full = judge(shape, replace(bare, activation_checkpoint="full"), hw, instance_type, gpu_memory_gib)
+
+    def judged(mode: str) -> Candidate:
+        layout = replace(bare, activation_checkpoint=mode)
+        return judge(shape, layout, hw, instance_type, gpu_memory_gib, memory_checkpoint=memory_checkpoint)
+
+    full = judged("full")
     if not full.fits and full.over_gib is not None:
         result.dominated += 2
         return [full]
     out = [full]
     for mode in ("none", "selective"):
-        cand = judge(shape, replace(bare, activation_checkpoint=mode), hw, instance_type, gpu_memory_gib)
+        cand = judged(mode)
         out.append(cand)
         if cand.fits:
             result.dominated += 1 if mode == "none" else 0

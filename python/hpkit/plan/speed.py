@@ -19,15 +19,33 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpkit import catalog
+from hpkit.plan.kernels import HPKIT, MATMULS, TrainingLoop, sdpa_kernel
 from hpkit.plan.memory import stage_ids, stage_layers
 
 if TYPE_CHECKING:
     from hpkit.plan.layout import Layout
     from hpkit.plan.shapes import ModelShape
 
-# The fraction of the data sheet's dense peak that a large bf16/tf32 GEMM reaches (cuBLAS on H100 and A100
-# reaches 70-80 %); to be calibrated on a lent GPU.
+# The fraction of the data sheet's dense peak that a large bf16/tf32 GEMM reaches: cuBLAS on H100 SXM and A100
+# reaches 70-80 % on the square-ish GEMMs of a transformer block (NVIDIA's published cuBLAS figures).
+# Checked, not fitted, by tests/unit/test_plan_published.py.
 MATMUL_EFFICIENCY = 0.7
+# The fraction of the dense peak that FlashAttention-2 (torch's SDPA flash kernel) reaches, forward and backward
+# together, on the causal half it computes: 330-350 TFLOP/s of 989 on H100 at head dim 128, a little less at 64
+# (Shah et al., "FlashAttention-3", 2024, figures 5-6, FlashAttention-2's curves). The memory-efficient kernel
+# is slower; math runs the scores as plain bmm (MATMUL_EFFICIENCY) over the whole S x S.
+ATTENTION_EFFICIENCY = {"flash": 0.34, "efficient": 0.25, "math": MATMUL_EFFICIENCY, "cpu_flash": 1.0}
+# The share of HBM's data-sheet bandwidth that torch's elementwise and reduction kernels stream at (~80-90 % on
+# A100/H100 for large vectorised kernels).
+HBM_EFFICIENCY = 0.8
+# Selective checkpointing runs every op of a block's forward, and again of its recompute, through a Python
+# TorchDispatchMode (torch.utils.checkpoint's SAC): a CPU cost per op that the GPU waits for. FITTED to the
+# row "hpkit-h100-1b-gpu-mfu-selective" of tests/fixtures/published_gpu_runs.json (144 ms a step against 100 ms
+# without checkpointing, less the recompute the model counts); the only fitted constant of the GPU model.
+SAC_OP_OVERHEAD_S = 25e-6
+# aten ops in one block's forward (matmuls, norms, rotary's casts and complex multiply, views, attention,
+# SwiGLU, residual adds): what SAC's dispatch mode sees.
+OPS_PER_BLOCK_FORWARD = 45
 # Alpha of the alpha-beta collective model, seconds per ring step: NCCL inside a node, and across EFA.
 LATENCY_INTRA_S = 10e-6
 LATENCY_INTER_S = 30e-6
@@ -70,6 +88,9 @@ class Hardware:
     # Ranks share fewer cores than there are ranks (CPU runs): a waiting rank's core goes to another, so a
     # pipeline's bubble costs no time and the step is the ranks' mean work, not the busiest rank's.
     shared_cores: bool = False
+    # A GPU: eager kernels counted one by one (elementwise bytes, flash attention, the loss's passes, FSDP's
+    # copies); off for a calibrated CPU rank, whose figures bench/bench_plan_ranking.py measures as a whole.
+    gpu: bool = False
 
 
 def hardware_for(instance_type: str, precision: str, inter_node_gbs: float | None = None) -> Hardware:
@@ -91,6 +112,7 @@ def hardware_for(instance_type: str, precision: str, inter_node_gbs: float | Non
         mem_bw=links.hbm_gbs * 1e9,
         intra_bw=links.nvlink_gbs * 1e9,
         inter_bw_node=inter,
+        gpu=True,
     )
 
 
@@ -169,109 +191,252 @@ def _gemm_s(hw: Hardware, m: float, k: float, n: float, nbytes: int) -> float:
     return 3 * max(flops / hw.matmul_flops, traffic / hw.mem_bw, hw.op_overhead_s)
 
 
-def predict(shape: ModelShape, layout: Layout, hw: Hardware, seq_len: int | None = None) -> SpeedPlan:
-    """One step of `layout` training `shape` on `hw`, per GPU."""
-    seq = shape.seq_len if seq_len is None else seq_len
-    tp, pp, ep = layout.tp, layout.pp, layout.ep
-    dp_shard, dp_rep = layout.dp_shard, layout.dp_replicate
-    act = 2 if layout.precision == "bf16" else 4
-    param_bytes = act  # FSDP2 gathers in param_dtype
-    grad_bytes = 4  # and reduces in float32 (hpkit.runtime.fsdp.mixed_precision_policy)
-    mbs = layout.microbatches if pp > 1 else 1
-    tokens_mb = layout.local_batch_size / mbs * seq  # tokens of one forward
-    ac = layout.activation_checkpoint
-    recompute = 4 / 3 if ac == "full" else 1.0  # full AC runs each block's forward twice
-    spr = layout.stages_per_rank if pp > 1 else 1
-    n_stages = pp * spr
+@dataclass(frozen=True)
+class _Step:
+    """One step's constants, read once from the layout."""
 
-    # Links, from the mesh order (pp, dp_replicate, dp_shard, ep, tp): tp innermost.
-    tp_link = group_link(hw, 1, tp)
+    shape: ModelShape
+    layout: Layout
+    hw: Hardware
+    seq: int
+    loop: TrainingLoop
+
+    @property
+    def act(self) -> int:
+        return 2 if self.layout.precision == "bf16" else 4
+
+    @property
+    def mbs(self) -> int:
+        return self.layout.microbatches if self.layout.pp > 1 else 1
+
+    @property
+    def tokens_mb(self) -> float:
+        return self.layout.local_batch_size / self.mbs * self.seq  # tokens of one forward
+
+    @property
+    def spr(self) -> int:
+        return self.layout.stages_per_rank if self.layout.pp > 1 else 1
+
+    @property
+    def n_stages(self) -> int:
+        return self.layout.pp * self.spr
+
+    @property
+    def stream(self) -> int:
+        """Bytes per element of the residual stream: bf16 under FSDP's param_dtype, fp32 under autocast."""
+        return 2 if self.layout.precision == "bf16" and self.layout.fsdp_enabled else 4
+
+    @property
+    def streamed_bw(self) -> float:
+        return self.hw.mem_bw * (HBM_EFFICIENCY if self.hw.gpu else 1.0)
+
+
+def predict(
+    shape: ModelShape, layout: Layout, hw: Hardware, seq_len: int | None = None, loop: TrainingLoop = HPKIT
+) -> SpeedPlan:
+    """One step of `layout` training `shape` on `hw`, per GPU, run by `loop` (hpkit's runtime by default)."""
+    st = _Step(shape, layout, hw, shape.seq_len if seq_len is None else seq_len, loop)
+    compute, bubble, blocks, busiest = _compute(st)
+    tp_s, ep_s, pp_s = _exposed_collectives(st, blocks)
+    fsdp, ddp = _data_parallel(st, blocks, busiest, compute)
+    parts = {
+        "compute": compute,
+        "bubble": bubble,
+        "tp": tp_s,
+        "ep": ep_s,
+        "pp": pp_s,
+        "fsdp": fsdp,
+        "ddp": ddp,
+        "optimizer": _optimizer_s(st, blocks, busiest),
+    }
+    step = sum(parts.values())
+    tps = layout.global_batch * st.seq / step / layout.world
+    flops = shape.flops_per_token(st.seq) * tps
+    return SpeedPlan(
+        step_s=step,
+        tokens_per_s_per_gpu=tps,
+        mfu=flops / hw.peak_flops,
+        tflops_per_gpu=flops / 1e12,
+        parts={k: v for k, v in parts.items() if v > 0},
+    )
+
+
+def _matmuls(st: _Step, block: int) -> dict[str, tuple[float, float]]:
+    """A dense block's matmuls on this rank's tp shard: name -> (k, n) of its (tokens x k) @ (k x n)."""
+    shape, tp = st.shape, st.layout.tp
+    dm, q, kv = shape.dim, shape.n_heads * shape.hd / tp, shape.n_kv_heads * shape.hd / tp
+    out = {"wq": (dm, q), "wk": (dm, kv), "wv": (dm, kv), "wo": (q, dm)}
+    if not shape.is_moe_block(block):
+        f = shape.ffn_dim / tp
+        out |= {"w1": (dm, f), "w3": (dm, f), "w2": (f, dm)}
+    return out
+
+
+def _moe_ffn_s(st: _Step, block: int) -> float:
+    shape, hw, tp, ep, act = st.shape, st.hw, st.layout.tp, st.layout.ep, st.act
+    hidden, experts, top_k = shape.expert_hidden, shape.experts or 1, shape.top_k or 1
+    dm, t = shape.dim, 0.0
+    # Balanced routing: the ep group's tokens x top_k spread evenly over all experts.
+    per_expert = st.tokens_mb * top_k * ep / experts
+    for _ in range(max(1, experts // ep)):
+        t += _gemm_s(hw, per_expert, dm, 2 * hidden / tp, act)
+        t += _gemm_s(hw, per_expert, hidden / tp, dm, act)
+    if shape.shared_experts:
+        t += _gemm_s(hw, st.tokens_mb, dm, 2 * hidden * shape.shared_experts / tp, act)
+        t += _gemm_s(hw, st.tokens_mb, hidden * shape.shared_experts / tp, dm, act)
+    return t
+
+
+def _attention_s(st: _Step) -> float:
+    """Scores and values of one block, forward and backward: on a GPU the causal half the kernel computes, at
+    its kernel's efficiency; on a calibrated CPU the step line's whole 12 x heads x head_dim x seq."""
+    shape, hw = st.shape, st.hw
+    full = 12 * shape.n_heads / st.layout.tp * shape.hd * st.seq * st.tokens_mb
+    if not hw.gpu:
+        return full / hw.matmul_flops
+    row = catalog.lookup(hw.name)
+    gqa = shape.n_kv_heads != shape.n_heads
+    kernel = sdpa_kernel("cuda", st.layout.precision, shape.hd, gqa=gqa, gpu=row.gpu if row else "")
+    causal = 1.0 if kernel == "math" else 0.5  # math computes the masked half too
+    return full * causal / (hw.peak_flops * ATTENTION_EFFICIENCY[kernel])
+
+
+def _elementwise_bytes(st: _Step, block: int) -> float:
+    """A GPU's eager elementwise traffic of one block's forward, per token (backward moves about twice it):
+    the two norms (torch's fused rms_norm: read, write; a Python RMSNorm in fp32: seven kernels), autocast's
+    casts of the norm outputs, rotary (fp32 copy, complex multiply, cast back) of q and k, GQA's repeated k and
+    v where the loop repeats them, the residual adds, SwiGLU's silu and product."""
+    shape, tp, s, a = st.shape, st.layout.tp, st.stream, st.act
+    h = shape.dim
+    q, kv = shape.n_heads * shape.hd / tp, shape.n_kv_heads * shape.hd / tp
+    f = (
+        shape.expert_hidden * ((shape.top_k or 0) + (shape.shared_experts or 0))
+        if shape.is_moe_block(block)
+        else shape.ffn_dim / tp
+    )
+    norm = 2 * s * h if st.loop.fused_norm else (4 * s + 28) * h
+    casts = 5 * (4 + 2) * h if s == 4 and a == 2 else 0.0  # 3 attention inputs, 2 SwiGLU inputs
+    rope = (16 + 2 * a) * (q + kv)
+    repeat = 2 * (a * kv + a * q) if st.loop.repeats_kv and kv != q else 0.0
+    adds = 2 * (2 * s + a) * h
+    swiglu = 5 * a * f
+    return 2 * norm + casts + rope + repeat + adds + swiglu
+
+
+def _block_s(st: _Step, block: int) -> float:
+    """One block, one microbatch, forward and backward, with what checkpointing recomputes."""
+    shape, hw, act, tokens = st.shape, st.hw, st.act, st.tokens_mb
+    mms = _matmuls(st, block)
+    gemm = {name: _gemm_s(hw, tokens, k, n, act) for name, (k, n) in mms.items()}
+    t = sum(gemm.values()) + _attention_s(st)
+    if shape.is_moe_block(block):
+        t += _moe_ffn_s(st, block)
+    ac = st.layout.activation_checkpoint
+    if not hw.gpu:
+        return _cpu_block_rest(st, t, ac)
+    forward_elementwise = _elementwise_bytes(st, block) * tokens / st.streamed_bw
+    t += 3 * forward_elementwise + OPS_PER_BLOCK * hw.op_overhead_s
+    if ac == "full":  # the whole forward again: a third of the GEMMs, and of attention (fwd ~ bwd / 2)
+        t += sum(gemm.values()) / 3 + _attention_s(st) / 3 + forward_elementwise
+    elif ac == "selective":
+        kept = st.loop.selective.kept_matmuls
+        t += sum(g / 3 for name, g in gemm.items() if name in MATMULS and name not in kept)
+        t += forward_elementwise + 2 * OPS_PER_BLOCK_FORWARD * SAC_OP_OVERHEAD_S
+    return t
+
+
+def _cpu_block_rest(st: _Step, matmul_s: float, ac: str) -> float:
+    """A calibrated CPU rank: elementwise traffic as ELEMENTWISE_TENSORS of the model dim, the per-op floor,
+    full checkpointing as a third more of everything (bench/bench_plan_ranking.py's model)."""
+    hw, tokens, dm, act = st.hw, st.tokens_mb, st.shape.dim, st.act
+    t = matmul_s + ELEMENTWISE_TENSORS * tokens * dm * act / hw.mem_bw + OPS_PER_BLOCK * hw.op_overhead_s
+    if st.layout.tp > 1:
+        t += TP_LINEARS_PER_BLOCK * hw.tp_op_overhead_s
+    if ac == "selective":  # keeps matmul outputs, recomputes the rest of the forward
+        t += ELEMENTWISE_TENSORS / 3 * tokens * dm * act / hw.mem_bw + OPS_PER_BLOCK / 3 * hw.op_overhead_s
+    return t * (4 / 3 if ac == "full" else 1.0)
+
+
+def _head_s(st: _Step) -> float:
+    """Output projection (vocabulary-sharded under tp) and the loss over its logits: on a GPU the loss's passes
+    one by one (the fp32 upcast, log-softmax's two reads and a write, nll's gradient, log-softmax's backward,
+    the cast back: 40 bytes a logit under bf16, 28 under fp32)."""
+    shape, hw, tokens = st.shape, st.hw, st.tokens_mb
+    v = shape.vocab_size / st.layout.tp
+    gemm = _gemm_s(hw, tokens, shape.dim, v, st.act)
+    if not hw.gpu:
+        return gemm + 4 * tokens * v * 4 / hw.mem_bw
+    return gemm + (40 if st.act == 2 else 28) * tokens * v / st.streamed_bw
+
+
+def _compute(st: _Step) -> tuple[float, float, list[int], list[int]]:
+    """(compute, bubble, the busiest rank's blocks, its stages): every dense block costs the same, and every
+    MoE block; one of each is timed."""
+    shape, layout, hw = st.shape, st.layout, st.hw
+    moe_blocks = shape.moe_blocks()
+    moe_block = _block_s(st, moe_blocks[0]) if moe_blocks else 0.0
+    dense_ids = [b for b in range(shape.n_layers) if not shape.is_moe_block(b)]
+    dense_block = _block_s(st, dense_ids[0]) if dense_ids else 0.0
+    head = _head_s(st)
+
+    ranks = [stage_ids(r, layout.pp, st.spr, layout.pp_schedule) for r in range(layout.pp)]
+    per_rank = []
+    for stages in ranks:
+        blocks = [b for s in stages for b in stage_layers(shape.n_layers, st.n_stages, s)]
+        t = sum(moe_block if shape.is_moe_block(b) else dense_block for b in blocks)
+        t += head if st.n_stages - 1 in stages else 0.0
+        per_rank.append(t * st.mbs)
+    compute = max(per_rank)
+    busiest = ranks[per_rank.index(compute)]
+    bubble = compute * bubble_fraction(layout.pp_schedule, layout.pp, st.mbs, st.spr)
+    if hw.shared_cores:
+        compute, bubble = sum(per_rank) / len(per_rank), 0.0
+    blocks = [b for s in busiest for b in stage_layers(shape.n_layers, st.n_stages, s)]
+    return compute, bubble, blocks, busiest
+
+
+def _exposed_collectives(st: _Step, blocks: list[int]) -> tuple[float, float, float]:
+    """TP's all-reduces (2 forward, 2 backward per block, 2 more forward under full AC; as reduce-scatter +
+    all-gather under sequence parallel: the same bytes), EP's all-to-alls (dispatch and combine, each way), PP's
+    activation and gradient sends; all exposed."""
+    shape, layout, hw = st.shape, st.layout, st.hw
+    tp, ep = layout.tp, layout.ep
+    act_bytes = st.tokens_mb * shape.dim * st.act
+    again = 2 if layout.activation_checkpoint == "full" else 0
+    tp_s = ((4 + again) * len(blocks) + 2) * all_reduce_s(act_bytes, tp, group_link(hw, 1, tp)) * st.mbs
+    moe_here = sum(1 for b in blocks if shape.is_moe_block(b))
     ep_link = group_link(hw, tp, ep)
+    ep_s = (4 + again) * moe_here * all_to_all_s(act_bytes * (shape.top_k or 1) / tp, ep, ep_link) * st.mbs
+    pp_link = group_link(hw, tp * ep * layout.dp_shard * layout.dp_replicate, layout.pp)
+    pp_s = 2 * st.mbs * st.spr * send_s(act_bytes / tp, pp_link) if layout.pp > 1 else 0.0
+    return tp_s, ep_s, pp_s
+
+
+def _local_weights(st: _Step, blocks: list[int], busiest: list[int]) -> tuple[float, float]:
+    """(dense, routed) weights of this rank's stages after TP and EP, before FSDP."""
+    shape = st.shape
+    routed = sum(shape.routed_expert_params() for b in blocks if shape.is_moe_block(b))
+    dense = float(sum(shape.block_params(b) for b in blocks) - routed)
+    dense += shape.vocab_size * shape.dim * ((0 in busiest) + (st.n_stages - 1 in busiest))
+    return dense / st.layout.tp, routed / st.layout.ep / st.layout.tp
+
+
+def _data_parallel(st: _Step, blocks: list[int], busiest: list[int], compute: float) -> tuple[float, float]:
+    """(FSDP, DDP) exposed seconds. FSDP gathers each unit forward, and again backward when it reshards after
+    forward (not under PP); it reduce-scatters the gradients once a step; HSDP adds an all-reduce of the shards
+    across replicas; DDP all-reduces whole gradients in buckets. On a GPU FSDP's copy-in/out of each gathered and
+    reduced unit is HBM traffic on the compute stream."""
+    layout, hw = st.layout, st.hw
+    tp, ep, dp_shard, dp_rep = layout.tp, layout.ep, layout.dp_shard, layout.dp_replicate
+    param_bytes, grad_bytes = st.act, 4  # FSDP2 gathers in param_dtype and reduces in float32
     fsdp_link = group_link(hw, tp, dp_shard * ep)
     expert_fsdp_link = group_link(hw, tp * ep, dp_shard)
     rep_link = group_link(hw, tp * ep * dp_shard, dp_rep)
-    pp_link = group_link(hw, tp * ep * dp_shard * dp_rep, pp)
-
-    def block_s(block: int) -> float:
-        """One block, one microbatch, forward and backward, on this rank's tp shard."""
-        hd, dm = shape.hd, shape.dim
-        t = _gemm_s(hw, tokens_mb, dm, (shape.n_heads + 2 * shape.n_kv_heads) * hd / tp, act)
-        t += _gemm_s(hw, tokens_mb, shape.n_heads * hd / tp, dm, act)
-        if shape.is_moe_block(block):
-            hidden, experts, top_k = shape.expert_hidden, shape.experts or 1, shape.top_k or 1
-            # Balanced routing: the ep group's tokens x top_k spread evenly over all experts.
-            per_expert = tokens_mb * top_k * ep / experts
-            for _ in range(max(1, experts // ep)):
-                t += _gemm_s(hw, per_expert, dm, 2 * hidden / tp, act)
-                t += _gemm_s(hw, per_expert, hidden / tp, dm, act)
-            if shape.shared_experts:
-                t += _gemm_s(hw, tokens_mb, dm, 2 * hidden * shape.shared_experts / tp, act)
-                t += _gemm_s(hw, tokens_mb, hidden * shape.shared_experts / tp, dm, act)
-        else:
-            t += _gemm_s(hw, tokens_mb, dm, 2 * shape.ffn_dim / tp, act)
-            t += _gemm_s(hw, tokens_mb, shape.ffn_dim / tp, dm, act)
-        # Attention scores and values: the step line's 12 * heads * head_dim * seq FLOPs per token.
-        t += 12 * shape.n_heads / tp * hd * seq * tokens_mb / hw.matmul_flops
-        t += ELEMENTWISE_TENSORS * tokens_mb * dm * act / hw.mem_bw
-        t += OPS_PER_BLOCK * hw.op_overhead_s
-        if tp > 1:
-            t += TP_LINEARS_PER_BLOCK * hw.tp_op_overhead_s
-        if ac == "selective":  # keeps matmul outputs, recomputes the rest of the forward
-            t += (
-                ELEMENTWISE_TENSORS / 3 * tokens_mb * dm * act / hw.mem_bw
-                + OPS_PER_BLOCK / 3 * hw.op_overhead_s
-            )
-        return t * recompute
-
-    def head_s() -> float:
-        """Output projection (vocabulary-sharded under tp) and the loss over its fp32 logits."""
-        return _gemm_s(hw, tokens_mb, shape.dim, shape.vocab_size / tp, act) + (
-            4 * tokens_mb * shape.vocab_size / tp * 4 / hw.mem_bw
-        )
-
-    # Every dense block costs the same, and every MoE block: one of each, counted per rank.
-    moe_blocks = shape.moe_blocks()
-    moe_block = block_s(moe_blocks[0]) if moe_blocks else 0.0
-    dense_ids = [b for b in range(shape.n_layers) if not shape.is_moe_block(b)]
-    dense_block = block_s(dense_ids[0]) if dense_ids else 0.0
-
-    def blocks_s(blocks: list[int]) -> float:
-        return sum(moe_block if shape.is_moe_block(b) else dense_block for b in blocks)
-
-    ranks = [stage_ids(r, pp, spr, layout.pp_schedule) for r in range(pp)]
-    per_rank = []
-    for stages in ranks:
-        t = sum(blocks_s(stage_layers(shape.n_layers, n_stages, s)) for s in stages)
-        t += head_s() if n_stages - 1 in stages else 0.0
-        per_rank.append(t * mbs)
-    compute = max(per_rank)
-    busiest = ranks[per_rank.index(compute)]
-    bubble = compute * bubble_fraction(layout.pp_schedule, pp, mbs, spr)
-    if hw.shared_cores:
-        compute, bubble = sum(per_rank) / len(per_rank), 0.0
-    blocks = [b for s in busiest for b in stage_layers(shape.n_layers, n_stages, s)]
-
-    # Exposed collectives: TP's all-reduces (2 forward, 2 backward per block, 2 more forward under full AC;
-    # as reduce-scatter + all-gather under sequence parallel: the same bytes), EP's all-to-alls (dispatch
-    # and combine, each way), PP's activation and gradient sends.
-    act_bytes = tokens_mb * shape.dim * act
-    again = 2 if ac == "full" else 0
-    tp_s = ((4 + again) * len(blocks) + 2) * all_reduce_s(act_bytes, tp, tp_link) * mbs
-    moe_here = sum(1 for b in blocks if shape.is_moe_block(b))
-    ep_s = (4 + again) * moe_here * all_to_all_s(act_bytes * (shape.top_k or 1) / tp, ep, ep_link) * mbs
-    pp_s = 2 * mbs * spr * send_s(act_bytes / tp, pp_link) if pp > 1 else 0.0
-
-    # Data-parallel traffic of this rank's weights: FSDP gathers each unit forward, and again backward when
-    # it reshards after forward (not under PP); it reduce-scatters the gradients once a step; HSDP adds an
-    # all-reduce of the shards across replicas; DDP all-reduces whole gradients in buckets.
-    routed = sum(shape.routed_expert_params() for b in blocks if shape.is_moe_block(b))
-    dense = float(sum(shape.block_params(b) for b in blocks) - routed)
-    dense += shape.vocab_size * shape.dim * ((0 in busiest) + (n_stages - 1 in busiest))
-    dense_tp, experts_tp = dense / tp, routed / ep / tp
+    dense_tp, experts_tp = _local_weights(st, blocks, busiest)
     units = len(blocks) + 2
     fsdp_n, expert_n = layout.fsdp_shards, layout.expert_fsdp_shards
-    gathers = 1 if pp > 1 else 2
-    fsdp_s = ddp_s = 0.0
+    gathers = 1 if layout.pp > 1 else 2
+    fsdp_s = ddp_s = copies = 0.0
     if layout.fsdp_enabled:
         fsdp_s += all_gather_s(dense_tp * (gathers * param_bytes + grad_bytes), fsdp_n, fsdp_link)
         fsdp_s += all_gather_s(experts_tp * (gathers * param_bytes + grad_bytes), expert_n, expert_fsdp_link)
@@ -282,6 +447,10 @@ def predict(shape: ModelShape, layout: Layout, hw: Hardware, seq_len: int | None
             fsdp_s += (units - 1) * 2 * (dp_rep - 1) * rep_link.latency_s
         calls = (gathers + 1) * (fsdp_n > 1) + (dp_rep > 1)
         fsdp_s += units * calls * hw.fsdp_collective_overhead_s
+        if hw.gpu and fsdp_n > 1:
+            # Copy-out of each gather (read, write in param_dtype), copy-in of each reduce (read bf16, write fp32).
+            copies = (dense_tp + experts_tp) * (gathers * 2 * param_bytes + param_bytes + grad_bytes)
+            copies /= st.streamed_bw
     elif layout.ddp_enabled:
         ddp_s = all_reduce_s((dense_tp + experts_tp) * grad_bytes, dp_rep, rep_link)
     if hw.overlap:
@@ -291,27 +460,18 @@ def predict(shape: ModelShape, layout: Layout, hw: Hardware, seq_len: int | None
         ddp_exposed = max(ddp_s / units, ddp_s - compute * 2 / 3)
     else:
         fsdp_exposed, ddp_exposed = fsdp_s, ddp_s
+    return fsdp_exposed + copies, ddp_exposed
 
-    local = dense_tp / fsdp_n + experts_tp / expert_n
-    optimizer = local * OPTIMIZER_BYTES_PER_PARAM / hw.mem_bw + 2 * OPS_PER_BLOCK * hw.op_overhead_s
 
-    parts = {
-        "compute": compute,
-        "bubble": bubble,
-        "tp": tp_s,
-        "ep": ep_s,
-        "pp": pp_s,
-        "fsdp": fsdp_exposed,
-        "ddp": ddp_exposed,
-        "optimizer": optimizer,
-    }
-    step = sum(parts.values())
-    tps = layout.global_batch * seq / step / layout.world
-    flops = shape.flops_per_token(seq) * tps
-    return SpeedPlan(
-        step_s=step,
-        tokens_per_s_per_gpu=tps,
-        mfu=flops / hw.peak_flops,
-        tflops_per_gpu=flops / 1e12,
-        parts={k: v for k, v in parts.items() if v > 0},
-    )
+def _optimizer_s(st: _Step, blocks: list[int], busiest: list[int]) -> float:
+    """AdamW over the local shard (memory-bound), the gradient norm's read of every gradient, and under autocast
+    (no FSDP) its per-step bf16 casts of the weights and the fp32 casts of their gradients."""
+    layout, hw = st.layout, st.hw
+    dense_tp, experts_tp = _local_weights(st, blocks, busiest)
+    local = dense_tp / layout.fsdp_shards + experts_tp / layout.expert_fsdp_shards
+    per_param = OPTIMIZER_BYTES_PER_PARAM
+    if hw.gpu:
+        per_param += 4  # the gradient norm
+        if layout.precision == "bf16" and not layout.fsdp_enabled:
+            per_param += 6 + 6  # autocast: weight fp32 -> bf16 each step; gradient bf16 -> fp32
+    return local * per_param / st.streamed_bw + 2 * OPS_PER_BLOCK * hw.op_overhead_s
