@@ -185,6 +185,12 @@ class MemoryCheckpointer:
                 for older in self.node_dir.glob("step-*"):
                     if older.name < folder.name:
                         shutil.rmtree(older, ignore_errors=True)
+            if self.last_step is None and self.rank == 0:
+                peak = self.spec.host_copies * self.state_bytes
+                self._log(
+                    f"hpkit train: in-memory checkpoint of step {step} complete: rank 0's state {self.state_bytes / 2**20:.1f} "
+                    f"MiB, about {peak / 2**20:.1f} MiB of RAM per rank at the peak ({self.spec.host_copies} copies)"
+                )
             self.last_step = step
             self.copy_s = time.perf_counter() - start
         except BaseException as exc:
