@@ -296,9 +296,10 @@ class CliBackend:
             raise TransientSlurmError(f"squeue failed: {why}")
         wanted = set(job_ids) if job_ids else None
         return {
-            str(job.get("job_id")): job
+            name: job
             for job in data["jobs"]
-            if wanted is None or str(job.get("job_id")) in wanted
+            for name in record_names(job)
+            if wanted is None or name in wanted
         }
 
     def _from_record(self, record: dict, with_stdout: bool = True) -> JobInfo:
@@ -388,7 +389,8 @@ def user_jobs(backend: CliBackend, user: str | None = None) -> list[JobInfo]:
     import getpass
 
     user = user or getpass.getuser()
-    records = backend.queue()
+    # A job array's task is in the queue under two names (its id and JOB_TASK): one row each.
+    records = {id(r): r for r in backend.queue().values()}
     rows = [
         backend._from_record(r, with_stdout=False) for r in records.values() if r.get("user_name") == user
     ]
@@ -405,6 +407,8 @@ def expand_output_pattern(pattern: str, record: dict) -> str | None:
         "u": str(record.get("user_name", "")),
         "%": "%",
     }
+    if task := array_task(record):  # a task of a job array (%A_%a)
+        values.update(A=task[0], a=task[1])
     out = []
     i = 0
     while i < len(pattern):
@@ -423,6 +427,38 @@ def expand_output_pattern(pattern: str, record: dict) -> str | None:
     if not path.startswith("/"):
         path = str(Path(str(record.get("current_working_directory") or ".")) / path)
     return path
+
+
+NO_VAL = 0xFFFFFFFE  # Slurm's "not set" for 32-bit fields (an array record that is not one task)
+
+
+def _id(value: object) -> int | None:
+    if isinstance(value, str):
+        return int(value) if value.isdigit() else None
+    return _json_int(value)
+
+
+def array_task(record: Mapping[str, object]) -> tuple[str, str] | None:
+    """(array job id, task number) of a record that is one task of a job array, else None."""
+    array, task = _id(record.get("array_job_id")), _id(record.get("array_task_id"))
+    if not array or task is None or task >= NO_VAL:
+        return None
+    return str(array), str(task)
+
+
+def record_names(record: Mapping[str, object]) -> list[str]:
+    """What a controller record answers to: its job id; a job array's task also to JOB_TASK, and the array's
+    record of tasks not yet started (array_task_string 2-3%2) to JOB_TASK for each of them."""
+    names = [str(record.get("job_id"))]
+    if task := array_task(record):
+        return [*names, f"{task[0]}_{task[1]}"]
+    array, pending = _id(record.get("array_job_id")), str(record.get("array_task_string") or "")
+    if array:
+        for part in pending.split("%")[0].split(","):
+            first, _, last = part.partition("-")
+            if first.isdigit() and (not last or last.isdigit()):
+                names += [f"{array}_{t}" for t in range(int(first), int(last or first) + 1)]
+    return names
 
 
 def _json_int(value: object) -> int | None:

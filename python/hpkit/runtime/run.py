@@ -27,7 +27,7 @@ from hpkit.runtime.evaluate import Evaluator
 from hpkit.runtime.hang_watchdog import HangWatchdog, enable_flight_recorder
 from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
-from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths
+from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths, sweep_overrides
 from hpkit.runtime.trainer import StepResult, Trainer
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
             restart=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
             resumed_from=str(resumed) if resumed is not None else None,
             world_size=launch.world_size,
+            overrides=sweep_overrides(),
         )
     )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)

@@ -59,9 +59,10 @@ class Supervisor:
         self._say = say
         self.usr1_flag = usr1_flag
         folder = run.path(plan.output_dir)
-        self.events_file = ev.events_path(folder, run.job_id)
-        self.runs_file = ev.runs_path(folder, run.job_id)
-        self.budget_file = ev.budget_path(folder, run.job_id)
+        # Named as users name the job (JOB_TASK for an array task): each task of an array has its own.
+        self.events_file = ev.events_path(folder, run.name)
+        self.runs_file = ev.runs_path(folder, run.name)
+        self.budget_file = ev.budget_path(folder, run.name)
         self.hangs_dir = run.path(plan.hangs_dir)
         self.budget = Budget(plan.max_restarts)
         self.attempt = 0
@@ -82,7 +83,7 @@ class Supervisor:
     def event(self, kind: str, **fields: Any) -> None:
         record = {
             "type": kind,
-            "job": self.run_.job_id,
+            "job": self.run_.name,
             "restart": self.run_.restart,
             "attempt": self.attempt,
         }
@@ -141,7 +142,7 @@ class Supervisor:
             self.budget.count_run(restart)  # a requeue hpkit did not count (Slurm's) counts now
         self._save_budget()
         self.say(
-            f"job {run.job_id} (restart {run.restart} of at most {plan.max_restarts}) on {run.nodelist}; "
+            f"job {run.name} (restart {run.restart} of at most {plan.max_restarts}) on {run.nodelist}; "
             f"{self.budget.left} restart(s) left"
         )
         if plan.spare_nodes:
@@ -292,7 +293,8 @@ class Supervisor:
         return status
 
     def verdict(self) -> Path | None:
-        return verdict_path(self.hangs_dir, self.run_.job_id, self.run_.restart, self.attempt)
+        # The watchdog names its folders as the job's files are named (hpkit.job_events.job_key).
+        return verdict_path(self.hangs_dir, self.run_.name, self.run_.restart, self.attempt)
 
     # -- after the step -------------------------------------------------------------------------------------
 

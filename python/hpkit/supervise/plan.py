@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpkit.job_events import job_key
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -46,6 +48,9 @@ class Run:
     nodelist: str  # SLURM_JOB_NODELIST
     batch_host: str  # SLURMD_NODENAME of the batch script
     cwd: Path
+    # How the job's files and events name it: JOB_TASK for a task of a job array (hpkit.job_events.job_key),
+    # else the job id. Slurm commands take job_id, which is the task's own number in an array.
+    key: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Run:
@@ -55,7 +60,12 @@ class Run:
             nodelist=env.get("SLURM_JOB_NODELIST", ""),
             batch_host=env.get("SLURMD_NODENAME", ""),
             cwd=Path(os.getcwd()),
+            key=job_key(env) or env.get("SLURM_JOB_ID", "0"),
         )
+
+    @property
+    def name(self) -> str:
+        return self.key or self.job_id
 
     def path(self, relative: str) -> Path:
         return (self.cwd / relative).resolve() if not Path(relative).is_absolute() else Path(relative)
