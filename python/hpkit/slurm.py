@@ -7,6 +7,7 @@ cluster's Slurm major.minor — a mismatched pyslurm fails in confusing ways, so
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import re
@@ -252,7 +253,12 @@ class CliBackend:
         """
         wanted = [str(j) for j in job_ids]
         records = self.queue(wanted)
-        found = {job_id: self._from_record(record) for job_id in wanted if (record := records.get(job_id))}
+        # Named as asked: a task of a job array not started yet is in its array's record (hpkit.slurm.record_names).
+        found = {
+            job_id: dataclasses.replace(self._from_record(record), job_id=job_id)
+            for job_id in wanted
+            if (record := records.get(job_id))
+        }
         gone = [j for j in wanted if j not in found]
         if gone:
             found.update(self._from_sacct(gone))
@@ -303,7 +309,8 @@ class CliBackend:
         }
 
     def _from_record(self, record: dict, with_stdout: bool = True) -> JobInfo:
-        job_id = str(record.get("job_id"))
+        task = array_task(record)
+        job_id = f"{task[0]}_{task[1]}" if task else str(record.get("job_id"))  # as squeue shows it
         exit_code, signal = _split_exit(_json_int(record.get("exit_code")))
         return JobInfo(
             job_id=job_id,
@@ -394,7 +401,7 @@ def user_jobs(backend: CliBackend, user: str | None = None) -> list[JobInfo]:
     rows = [
         backend._from_record(r, with_stdout=False) for r in records.values() if r.get("user_name") == user
     ]
-    return sorted(rows, key=lambda r: int(r.job_id) if r.job_id.isdigit() else 0)
+    return sorted(rows, key=lambda r: int(r.job_id.split("_")[0]) if r.job_id.split("_")[0].isdigit() else 0)
 
 
 def expand_output_pattern(pattern: str, record: dict) -> str | None:

@@ -106,7 +106,8 @@ def test_a_sweep_runs_as_one_job_array_each_task_with_its_overrides(slurm_cluste
 
     # One task, as any job: its own status line and its own verdict.
     one = hpkit("status", ids[1], cwd=tmp_path, env=env)
-    assert "COMPLETED" in one.stdout and "step 6/6" in one.stdout, one.stdout + one.stderr
+    assert one.stdout.startswith(f"job {ids[1]} (sweep): COMPLETED"), one.stdout + one.stderr
+    assert "step 6/6" in one.stdout and f"loss {runs[1][6]:.4f}" in one.stdout, one.stdout
     why = hpkit("why", ids[3], cwd=tmp_path, env=env)
     assert why.returncode == 0, why.stderr
     assert why.stdout.startswith("program error") and f"sweep-{ids[3]}.out" in why.stdout, why.stdout
