@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_resilience import TINY_MODEL, losses
+from test_resilience import TINY_MODEL, losses, wait_for
 
 from hpkit import job_events as ev
 
@@ -115,3 +115,48 @@ def test_a_sweep_runs_as_one_job_array_each_task_with_its_overrides(slurm_cluste
     assert whole.returncode == 0, whole.stderr
     lines = whole.stdout.splitlines()
     assert len(lines) == 5 and "WHY" in lines[0] and ids[3] in lines[4], whole.stdout
+
+
+def test_a_preempted_array_task_requeues_and_resumes_alone(slurm_cluster, tmp_path):
+    """Slurm's warning signal to one task: that task checkpoints, requeues (its own budget and events) and resumes
+    from its own checkpoints with its overrides; its sibling runs once, untouched."""
+    env = slurm_cluster
+    spec = {
+        "name": "requeue",
+        "nodes": 1,
+        "tasks_per_node": 1,
+        "launcher": "torchrun",
+        "output_dir": str(tmp_path / "logs"),
+        "command": [sys.executable, "-m", "hpkit", "train"],
+        "model": TINY_MODEL,
+        # Every save of the first run takes a second longer: the signal comes while the task still trains.
+        "env": {"HPKIT_FAULT": "slow_save:seconds=1"},
+        "train": {"steps": 12, "local_batch_size": 2, "mixed_precision": "fp32", "tensorboard": False},
+        "checkpoint": {"dir": str(tmp_path / "ckpt"), "interval": 1, "keep": 1},
+        "resilience": {"max_restarts": 1, "signal_grace_s": 30},
+    }
+    (tmp_path / "job.yaml").write_text(yaml.safe_dump(spec))
+    submitted = hpkit("submit", "job.yaml", "--sweep", "train.lr=0.001,0.05", cwd=tmp_path, env=env)
+    assert submitted.returncode == 0, submitted.stderr
+    array = submitted.stdout.split("submitted job ")[1].split()[0]
+    ids = [f"{array}_0", f"{array}_1"]
+    metrics = [tmp_path / "logs" / f"requeue-{i}.metrics.jsonl" for i in ids]
+    wait_for(lambda: len(losses(metrics[1])) >= 2, 180, "task 1's first steps")
+    subprocess.run(["scancel", "--batch", "--signal=USR1", ids[1]], env=env, check=True, timeout=30)
+    waited = hpkit("wait", *ids, "--poll", "0.5", "--timeout", "400", cwd=tmp_path, env=env, timeout=450)
+    assert waited.returncode == 0, waited.stdout + waited.stderr
+
+    def events(task: str) -> list[dict]:
+        return [e for _, _, e in ev.read(ev.events_path(tmp_path / "logs", task).read_text().splitlines())]
+
+    requeued, untouched = events(ids[1]), events(ids[0])
+    assert [e["reason"] for e in requeued if e["type"] == "requeue"] == ["usr1"], requeued
+    assert [e["restart"] for e in requeued if e["type"] == "run_started"] == [0, 1], requeued
+    assert requeued[-1]["outcome"] == "completed"
+    assert [e["type"] for e in untouched if e["type"] in ("requeue", "run_started")] == ["run_started"], (
+        untouched
+    )
+    starts = [json.loads(line) for line in metrics[1].read_text().splitlines() if '"event": "start"' in line]
+    assert len(starts) == 2 and all(s["overrides"] == {"train.lr": 0.05} for s in starts), starts
+    assert starts[1]["resumed_from"].startswith(str(tmp_path / "ckpt" / "task1")), starts
+    assert sorted(losses(metrics[1])) == list(range(1, 13))

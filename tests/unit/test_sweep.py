@@ -183,7 +183,7 @@ def test_an_array_task_is_named_job_task_everywhere():
     assert RunIdentity.from_env(env).job_id == "100_3"
     assert RunIdentity.from_env(env).expand("ckpt/%j") == "ckpt/100_3"
     run = Run.from_env(env)
-    assert (run.job_id, run.name) == ("103", "100_3")  # Slurm commands take 103; files are 100_3's
+    assert (run.job_id, run.name) == ("103", "100_3")  # files and Slurm commands name 100_3
 
 
 def test_squeue_records_answer_to_job_task():

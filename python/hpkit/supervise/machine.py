@@ -208,9 +208,9 @@ class Supervisor:
         return "slurm", lost
 
     def requeue_off(self) -> None:
-        ok = self.cluster.set_requeue(self.run_.job_id, False)
+        ok = self.cluster.set_requeue(self.run_.name, False)
         if not ok:
-            self.say(f"warning: could not turn Slurm's requeue off for job {self.run_.job_id}")
+            self.say(f"warning: could not turn Slurm's requeue off for job {self.run_.name}")
         self.event(ev.REQUEUE_OFF, ok=ok)
 
     def _save_budget(self) -> None:
@@ -278,7 +278,7 @@ class Supervisor:
                             f"the step is failing and still running {STEP_GRACE_S:.0f} s later: stopping it"
                         )
                         step.kill()
-                        self.cluster.cancel_steps(self.run_.job_id)
+                        self.cluster.cancel_steps(self.run_.name)
                         break
                 step.join(POLL_S)
             status = step.wait()
@@ -412,7 +412,7 @@ class Supervisor:
         self.budget.count_run(run.restart + 1)
         self._save_budget()
         self.say(
-            f"requeueing job {run.job_id} (restart {self.budget.used} of {self.plan.max_restarts}); "
+            f"requeueing job {run.name} (restart {self.budget.used} of {self.plan.max_restarts}); "
             "it resumes from its last checkpoint"
         )
         try:
@@ -423,10 +423,10 @@ class Supervisor:
         self.event(ev.REQUEUE, reason=reason, to_restart=run.restart + 1, **self._budget_fields())
         if not self.plan.requeue_on_failure:
             # The job is not requeueable (no --requeue), so that a node failure ends it: this requeue only.
-            self.cluster.set_requeue(run.job_id, True)
-        ok = self.cluster.requeue(run.job_id)
+            self.cluster.set_requeue(run.name, True)
+        ok = self.cluster.requeue(run.name)
         if not ok:
-            self.say(f"warning: scontrol requeue {run.job_id} failed")
+            self.say(f"warning: scontrol requeue {run.name} failed")
         self.event(ev.END, outcome=ev.REQUEUED, exit=0, requeued=ok, **self._budget_fields())
         return _End(0 if ok else max(status, 1))
 

@@ -48,8 +48,9 @@ class Run:
     nodelist: str  # SLURM_JOB_NODELIST
     batch_host: str  # SLURMD_NODENAME of the batch script
     cwd: Path
-    # How the job's files and events name it: JOB_TASK for a task of a job array (hpkit.job_events.job_key),
-    # else the job id. Slurm commands take job_id, which is the task's own number in an array.
+    # JOB_TASK for a task of a job array (hpkit.job_events.job_key), else the job id: how the job's files and
+    # events name it, and what the supervisor's Slurm commands (requeue, update, squeue -s) must name. A task's
+    # own SLURM_JOB_ID can be the array's id, which names every task (scontrol requeue of it requeues them all).
     key: str = ""
 
     @classmethod
