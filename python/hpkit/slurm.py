@@ -7,7 +7,6 @@ cluster's Slurm major.minor — a mismatched pyslurm fails in confusing ways, so
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import json
 import re
@@ -253,9 +252,8 @@ class CliBackend:
         """
         wanted = [str(j) for j in job_ids]
         records = self.queue(wanted)
-        # Named as asked: a task of a job array not started yet is in its array's record (hpkit.slurm.record_names).
         found = {
-            job_id: dataclasses.replace(self._from_record(record), job_id=job_id)
+            job_id: self._from_record(as_task(record, job_id))
             for job_id in wanted
             if (record := records.get(job_id))
         }
@@ -331,7 +329,8 @@ class CliBackend:
     def _stdout(self, record: dict) -> str | None:
         """The job's output file: the JSON holds the pattern as given (logs/%x-%j.out), scontrol the
         expanded path. Expand the common patterns here; ask scontrol once per job for the rest."""
-        job_id = str(record.get("job_id"))
+        task = array_task(record)
+        job_id = f"{task[0]}_{task[1]}" if task else str(record.get("job_id"))
         if job_id in self._stdout_cache:
             return self._stdout_cache[job_id]
         pattern = str(record.get("standard_output") or "")
@@ -466,6 +465,15 @@ def record_names(record: Mapping[str, object]) -> list[str]:
             if first.isdigit() and (not last or last.isdigit()):
                 names += [f"{array}_{t}" for t in range(int(first), int(last or first) + 1)]
     return names
+
+
+def as_task(record: dict, name: str) -> dict:
+    """The record for `name`: a task of a job array not started yet (JOB_TASK) is in its array's record, which
+    names no task; the copy names it, so that its id and log (%A_%a) are the task's."""
+    array, _, task = name.partition("_")
+    if not task.isdigit() or array_task(record) is not None or str(_id(record.get("array_job_id"))) != array:
+        return record
+    return {**record, "array_task_id": int(task)}
 
 
 def _json_int(value: object) -> int | None:

@@ -28,7 +28,7 @@ from hpkit.jobs.sweep import (
 )
 from hpkit.jobs.sweep_status import TaskRow, format_rows
 from hpkit.runtime.run_identity import RunIdentity, sweep_overrides
-from hpkit.slurm import expand_output_pattern, record_names
+from hpkit.slurm import as_task, expand_output_pattern, record_names
 from hpkit.spec import load_run_config
 from hpkit.supervise.plan import Run
 
@@ -199,6 +199,18 @@ def test_squeue_records_answer_to_job_task():
     assert record_names({"job_id": 7, "array_job_id": 0, "array_task_id": 4294967294}) == ["7"]
     record = {"job_id": 103, "name": "sw", "array_job_id": 100, "array_task_id": 3}
     assert expand_output_pattern("/l/%x-%A_%a.out", record) == "/l/sw-100_3.out"
+    # 22.05 (seen on the local cluster): the record of tasks not started has array_task_id null; asked as 100_5,
+    # it is task 5's, log included (scontrol would give the log as sw-100_4294967294.out).
+    waiting = {
+        "job_id": 100,
+        "name": "sw",
+        "array_job_id": 100,
+        "array_task_id": None,
+        "array_task_string": "5%1",
+    }
+    assert record_names(waiting) == ["100", "100_5"]
+    assert expand_output_pattern("/l/%x-%A_%a.out", as_task(waiting, "100_5")) == "/l/sw-100_5.out"
+    assert as_task(record, "100_5") is record and as_task(waiting, "100") is waiting
 
 
 def test_the_array_table_shows_every_task():
