@@ -66,8 +66,10 @@ def test_a_sweep_runs_as_one_job_array_each_task_with_its_overrides(slurm_cluste
     assert "#SBATCH --array=0-3\n" in script  # one job, four tasks
     ids = [f"{array}_{i}" for i in range(4)]
 
-    waited = hpkit("wait", *ids, "--poll", "0.5", "--timeout", "240", cwd=tmp_path, env=env, timeout=300)
+    # The array's id stands for all its tasks.
+    waited = hpkit("wait", array, "--poll", "0.5", "--timeout", "240", cwd=tmp_path, env=env, timeout=300)
     assert waited.returncode != 0, waited.stdout + waited.stderr  # task 3 failed
+    assert all(f"job {task} (sweep)" in waited.stderr for task in ids), waited.stderr
 
     # Each task's metrics carry its overrides, and the learning rate shows in its losses.
     runs = {}

@@ -181,11 +181,18 @@ def _wait_for(backend, job_ids: list[str], args: argparse.Namespace) -> int:
 
 
 def _wait(args: argparse.Namespace) -> int:
+    from hpkit.jobs.files import array_tasks
     from hpkit.slurm import JobState, get_backend
 
     backend = get_backend(args.backend)
-    if not args.follow or len(args.job_ids) > 1:
-        return _wait_for(backend, list(args.job_ids), args)
+    # A sweep's job array is waited for as all its tasks (Slurm's record of the array id is one task's).
+    job_ids = [
+        task_id
+        for job_id in args.job_ids
+        for task_id in ([t.task_id for t in array_tasks(job_id) or []] or [job_id])
+    ]
+    if not args.follow or len(job_ids) > 1:
+        return _wait_for(backend, job_ids, args)
     # The status line, live: progress for a training job, Slurm's state for any other.
     from hpkit.jobs.watch import follow
 
