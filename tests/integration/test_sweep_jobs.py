@@ -37,6 +37,7 @@ def hpkit(*args: str, cwd: Path, env: dict[str, str], timeout: float = 300) -> s
     )
 
 
+@pytest.mark.slurm_24_11
 def test_a_sweep_runs_as_one_job_array_each_task_with_its_overrides(slurm_cluster, tmp_path):
     spec = {
         "name": "sweep",
