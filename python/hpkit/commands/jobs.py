@@ -17,10 +17,19 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
         parser.add_argument("spec", help="job spec (YAML)")
     elif command == "wait":
         parser.add_argument(
-            "job_ids", nargs="+", metavar="job_id", help="Slurm job id(s): one poll serves all"
+            "job_ids",
+            nargs="+",
+            metavar="job_id",
+            help="Slurm job id(s) (JOB_TASK for a task of a job array; a sweep's array id: all its tasks): one "
+            "poll serves all",
         )
     elif command == "status":
-        parser.add_argument("job_id", nargs="?", help="Slurm job id (default: a table of your jobs)")
+        parser.add_argument(
+            "job_id",
+            nargs="?",
+            help="Slurm job id, JOB_TASK for a task of a job array; a sweep's array id: a table of its tasks "
+            "(default: a table of your jobs)",
+        )
     else:
         parser.add_argument("job_id", help="Slurm job id")
     if command == "render":
