@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +47,23 @@ BUDGET_SPENT = "budget_spent"  # a restart was needed and none is left
 REQUEUED = "requeued"
 NODE_LOST_UNHANDLED = "node_lost_unhandled"  # Slurm did not act on a lost node in time
 SIGNALLED = "signalled"  # the step ended after USR1 and no requeue is left
+
+
+ARRAY_JOB_VAR, ARRAY_TASK_VAR = "SLURM_ARRAY_JOB_ID", "SLURM_ARRAY_TASK_ID"
+
+
+def task_name(array_job: str, task: str | int) -> str:
+    """Slurm's name for a task of a job array (`squeue`, `scontrol`, `sacct` take it): JOB_TASK."""
+    return f"{array_job}_{task}"
+
+
+def job_key(env: Mapping[str, str]) -> str | None:
+    """The job as its files are named: JOB_TASK in a job array (each task's SLURM_JOB_ID is its own number, but
+    users know a task by the array's), else SLURM_JOB_ID; None outside Slurm."""
+    array, task = env.get(ARRAY_JOB_VAR), env.get(ARRAY_TASK_VAR)
+    if array and task:
+        return task_name(array, task)
+    return env.get("SLURM_JOB_ID") or None
 
 
 def _named(folder: Path, job_id: str, suffix: str) -> Path:

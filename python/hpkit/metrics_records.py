@@ -113,6 +113,14 @@ class StartEvent(Event):
     resumed_from: str | None = None
     world_size: int | None = None
     time: float | None = None
+    # A task of a sweep (hpkit submit --sweep): its overrides, dotted key -> value; absent otherwise.
+    overrides: dict[str, Any] | None = None
+
+    def to_json(self, time: float) -> dict[str, Any]:
+        out = super().to_json(time)
+        if self.overrides is None:
+            del out["overrides"]  # a run outside a sweep writes the fields it always wrote
+        return out
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,36 @@ def tasks_per_node(spec: SlurmJob) -> int:
     return 1 if spec.launcher == "torchrun" else spec.ranks_per_node
 
 
-def sbatch_directives(spec: SlurmJob, spare_nodes: int = 0) -> list[Directive]:
-    """`spare_nodes`: nodes allocated beyond the ones a step runs on (resilience.spare_nodes)."""
+# Where a task of a job array finds its number, in the rendered script; `%a` stands for it in ArrayPlan's paths
+# (as in sbatch's --output).
+ARRAY_TASK_SHELL = '"$SLURM_ARRAY_TASK_ID"'
+
+
+@dataclass(frozen=True)
+class ArrayPlan:
+    """A job array (hpkit submit --sweep): one script, `tasks` tasks, each with its own spec snapshot."""
+
+    tasks: int
+    max_parallel: int | None  # None: all at once
+    spec_pattern: str  # each task's spec snapshot, `%a` for its number (HPKIT_SPEC)
+    overrides: list[str]  # each task's overrides as JSON (HPKIT_SWEEP_OVERRIDES), by task number
+    manifest: str  # the sweep's file: every task's overrides (HPKIT_SWEEP; `hpkit status|why` read it)
+
+    def directive(self) -> Directive:
+        limit = f"%{self.max_parallel}" if self.max_parallel and self.max_parallel < self.tasks else ""
+        return Directive("array", f"0-{self.tasks - 1}{limit}")
+
+
+def array_path_word(pattern: str) -> str:
+    """A path with `%a` as one shell word whose `%a` is the task's number."""
+    return ARRAY_TASK_SHELL.join(shell_quote(part) for part in pattern.split("%a"))
+
+
+def sbatch_directives(
+    spec: SlurmJob, spare_nodes: int = 0, array: ArrayPlan | None = None
+) -> list[Directive]:
+    """`spare_nodes`: nodes allocated beyond the ones a step runs on (resilience.spare_nodes); `array`: a job
+    array's tasks (each task's log is its own: %A_%a, the array's id and the task's number)."""
     out = Path(spec.output_dir)
     whole = whole_node_cpus(spec) if spec.cpus_per_task is None else None
     cpus_per_rank = spec.cpus_per_task or whole
@@ -93,8 +121,10 @@ def sbatch_directives(spec: SlurmJob, spare_nodes: int = 0) -> list[Directive]:
             else None,
         ),
         Directive("ntasks-per-node", str(tasks_per_node(spec))),
-        Directive("output", str(out / "%x-%j.out")),
+        Directive("output", str(out / ("%x-%A_%a.out" if array else "%x-%j.out"))),
     ]
+    if array is not None:
+        directives.append(array.directive())
     if spec.launcher == "torchrun":
         directives.append(Directive("cpus-per-task", str((cpus_per_rank or 1) * spec.ranks_per_node)))
     elif cpus_per_rank:
@@ -511,21 +541,32 @@ class RenderContext:
     nodes: int
     spare_nodes: int
     supervise_plan: str  # shell-quoted JSON (hpkit.supervise.plan.Plan)
+    sweep_overrides: list[
+        str
+    ]  # a job array's tasks' overrides, shell-quoted JSON by task number; [] otherwise
+    sweep_manifest: str | None
     step: str  # shell-quoted: the launch words and the command, the shell text srun runs after its options
 
 
 def build_context(
-    spec: JobSpec, script_name: str = "job.sbatch", spec_path: str | None = None
+    spec: JobSpec,
+    script_name: str = "job.sbatch",
+    spec_path: str | None = None,
+    array: ArrayPlan | None = None,
 ) -> RenderContext:
     container = spec.container
+    if array is not None:
+        spec_word: str | None = array_path_word(array.spec_pattern)
+    else:
+        spec_word = shell_quote(spec_path) if spec_path else None
     return RenderContext(
         version=__version__,
         script_name=shell_quote(script_name),
-        spec_path=shell_quote(spec_path) if spec_path else None,
+        spec_path=spec_word,
         directives=[
             d.line()
             for d in (
-                *sbatch_directives(spec, spec.resilience.spare_nodes),
+                *sbatch_directives(spec, spec.resilience.spare_nodes, array),
                 *resilience_directives(spec),
             )
         ],
@@ -552,6 +593,8 @@ def build_context(
         nodes=spec.nodes,
         spare_nodes=spec.resilience.spare_nodes,
         supervise_plan=shell_quote(supervise_plan(spec)),
+        sweep_overrides=[shell_quote(o) for o in array.overrides] if array else [],
+        sweep_manifest=shell_quote(array.manifest) if array else None,
         step=shell_quote(" ".join([*launch_words(spec), _quote_words(user_command(spec))])),
     )
 
@@ -572,7 +615,13 @@ def template_environment() -> jinja2.Environment:
     )
 
 
-def render(spec: JobSpec, script_name: str = "job.sbatch", spec_path: str | None = None) -> str:
-    """Render the sbatch script for `spec`. `spec_path` is exported as HPKIT_SPEC for `hpkit train`."""
-    context = build_context(spec, script_name=script_name, spec_path=spec_path)
+def render(
+    spec: JobSpec,
+    script_name: str = "job.sbatch",
+    spec_path: str | None = None,
+    array: ArrayPlan | None = None,
+) -> str:
+    """Render the sbatch script for `spec`. `spec_path` is exported as HPKIT_SPEC for `hpkit train`; for a job
+    array (`array`), each task's own spec snapshot is."""
+    context = build_context(spec, script_name=script_name, spec_path=spec_path, array=array)
     return template_environment().get_template("train.sbatch.j2").render(ctx=context)

@@ -279,7 +279,11 @@ class CliBackend:
         wanted = [str(j) for j in job_ids]
         records = self.queue(wanted)
         self.records, self.asked = records, frozenset(wanted)
-        found = {job_id: self._from_record(record) for job_id in wanted if (record := records.get(job_id))}
+        found = {
+            job_id: self._from_record(as_task(record, job_id))
+            for job_id in wanted
+            if (record := records.get(job_id))
+        }
         gone = [j for j in wanted if j not in found]
         if gone:
             found.update(self._from_sacct(gone))
@@ -323,13 +327,15 @@ class CliBackend:
             raise TransientSlurmError(f"squeue failed: {why}")
         wanted = set(job_ids) if job_ids else None
         return {
-            str(job.get("job_id")): job
+            name: job
             for job in data["jobs"]
-            if wanted is None or str(job.get("job_id")) in wanted
+            for name in record_names(job)
+            if wanted is None or name in wanted
         }
 
     def _from_record(self, record: dict, with_stdout: bool = True) -> JobInfo:
-        job_id = str(record.get("job_id"))
+        task = array_task(record)
+        job_id = f"{task[0]}_{task[1]}" if task else str(record.get("job_id"))  # as squeue shows it
         exit_code, signal = _split_exit(_json_int(record.get("exit_code")))
         return JobInfo(
             job_id=job_id,
@@ -351,7 +357,8 @@ class CliBackend:
     def _stdout(self, record: dict) -> str | None:
         """The job's output file: the JSON holds the pattern as given (logs/%x-%j.out), scontrol the
         expanded path. Expand the common patterns here; ask scontrol once per job for the rest."""
-        job_id = str(record.get("job_id"))
+        task = array_task(record)
+        job_id = f"{task[0]}_{task[1]}" if task else str(record.get("job_id"))
         if job_id in self._stdout_cache:
             return self._stdout_cache[job_id]
         pattern = str(record.get("standard_output") or "")
@@ -432,11 +439,12 @@ def user_jobs(backend: CliBackend, user: str | None = None) -> list[JobInfo]:
     import getpass
 
     user = user or getpass.getuser()
-    records = backend.queue()
+    # A job array's task is in the queue under two names (its id and JOB_TASK): one row each.
+    records = {id(r): r for r in backend.queue().values()}
     rows = [
         backend._from_record(r, with_stdout=False) for r in records.values() if r.get("user_name") == user
     ]
-    return sorted(rows, key=lambda r: int(r.job_id) if r.job_id.isdigit() else 0)
+    return sorted(rows, key=lambda r: int(r.job_id.split("_")[0]) if r.job_id.split("_")[0].isdigit() else 0)
 
 
 def expand_output_pattern(pattern: str, record: dict) -> str | None:
@@ -449,6 +457,8 @@ def expand_output_pattern(pattern: str, record: dict) -> str | None:
         "u": str(record.get("user_name", "")),
         "%": "%",
     }
+    if task := array_task(record):  # a task of a job array (%A_%a)
+        values.update(A=task[0], a=task[1])
     out = []
     i = 0
     while i < len(pattern):
@@ -467,6 +477,47 @@ def expand_output_pattern(pattern: str, record: dict) -> str | None:
     if not path.startswith("/"):
         path = str(Path(str(record.get("current_working_directory") or ".")) / path)
     return path
+
+
+NO_VAL = 0xFFFFFFFE  # Slurm's "not set" for 32-bit fields (an array record that is not one task)
+
+
+def _id(value: object) -> int | None:
+    if isinstance(value, str):
+        return int(value) if value.isdigit() else None
+    return _json_int(value)
+
+
+def array_task(record: Mapping[str, object]) -> tuple[str, str] | None:
+    """(array job id, task number) of a record that is one task of a job array, else None."""
+    array, task = _id(record.get("array_job_id")), _id(record.get("array_task_id"))
+    if not array or task is None or task >= NO_VAL:
+        return None
+    return str(array), str(task)
+
+
+def record_names(record: Mapping[str, object]) -> list[str]:
+    """What a controller record answers to: its job id; a job array's task also to JOB_TASK, and the array's
+    record of tasks not yet started (array_task_string 2-3%2) to JOB_TASK for each of them."""
+    names = [str(record.get("job_id"))]
+    if task := array_task(record):
+        return [*names, f"{task[0]}_{task[1]}"]
+    array, pending = _id(record.get("array_job_id")), str(record.get("array_task_string") or "")
+    if array:
+        for part in pending.split("%")[0].split(","):
+            first, _, last = part.partition("-")
+            if first.isdigit() and (not last or last.isdigit()):
+                names += [f"{array}_{t}" for t in range(int(first), int(last or first) + 1)]
+    return names
+
+
+def as_task(record: dict, name: str) -> dict:
+    """The record for `name`: a task of a job array not started yet (JOB_TASK) is in its array's record, which
+    names no task; the copy names it, so that its id and log (%A_%a) are the task's."""
+    array, _, task = name.partition("_")
+    if not task.isdigit() or array_task(record) is not None or str(_id(record.get("array_job_id"))) != array:
+        return record
+    return {**record, "array_task_id": int(task)}
 
 
 def _json_int(value: object) -> int | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hpkit.render import render
+from hpkit.render import ArrayPlan, render
 from hpkit.spec import JobSpec
 from hpkit.validation import load_document, parse_document
 
@@ -66,8 +66,38 @@ def test_rendered_script_matches_golden_file(spec_path):
     assert script == golden.read_text()
 
 
+# A sweep (hpkit submit --sweep): the same spec as one job array of 3 tasks, 2 at a time.
+SWEEP_GOLDEN = GOLDEN / "arrays" / "torchrun-fsdp-tp-sweep.sbatch"
+
+
+def render_sweep_golden() -> str:
+    spec_path = GOLDEN / "torchrun-fsdp-tp.yaml"
+    overrides = [{"train.lr": 0.0001}, {"train.lr": 0.0003}, {"train.lr": 0.001, "model.name": "it's"}]
+    array = ArrayPlan(
+        tasks=3,
+        max_parallel=2,
+        spec_pattern="/jobs/torchrun-fsdp-tp.task%a.yaml",
+        overrides=[json.dumps(o) for o in overrides],
+        manifest="/jobs/torchrun-fsdp-tp.sweep.json",
+    )
+    return render(load_document(JobSpec, spec_path), script_name="sweep.sbatch", array=array)
+
+
+def test_a_sweep_renders_one_job_array_script():
+    script = render_sweep_golden()
+    if os.environ.get("HPKIT_UPDATE_GOLDEN"):
+        SWEEP_GOLDEN.parent.mkdir(exist_ok=True)
+        SWEEP_GOLDEN.write_text(script)
+    assert script == SWEEP_GOLDEN.read_text()
+    assert "\n#SBATCH --array=0-2%2\n" in script and "%x-%A_%a.out" in script
+    # Without a limit, or with one no lower than the task count, every task may run at once.
+    for limit in (None, 3):
+        plan = ArrayPlan(3, limit, "/j/t%a.yaml", ["{}"] * 3, "/j/s.json")
+        assert "\n#SBATCH --array=0-2\n" in render(parse_document(JobSpec, {"name": "x"}), array=plan)
+
+
 def _variants() -> list[tuple[str, str]]:
-    out = [(p.stem, render_golden(p)) for p in SPECS]
+    out = [(p.stem, render_golden(p)) for p in SPECS] + [("sweep", render_sweep_golden())]
     hostile = hostile_spec("/tmp/never")
     for launcher in ("torchrun", "srun"):
         for container in (None, {"image": "img:1", "mounts": ["/a:/b:ro"]}):

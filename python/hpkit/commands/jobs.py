@@ -17,16 +17,45 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
         parser.add_argument("spec", help="job spec (YAML)")
     elif command == "wait":
         parser.add_argument(
-            "job_ids", nargs="+", metavar="job_id", help="Slurm job id(s): one poll serves all"
+            "job_ids",
+            nargs="+",
+            metavar="job_id",
+            help="Slurm job id(s) (JOB_TASK for a task of a job array; a sweep's array id: all its tasks): one "
+            "poll serves all",
         )
     elif command == "status":
-        parser.add_argument("job_id", nargs="?", help="Slurm job id (default: a table of your jobs)")
+        parser.add_argument(
+            "job_id",
+            nargs="?",
+            help="Slurm job id, JOB_TASK for a task of a job array; a sweep's array id: a table of its tasks "
+            "(default: a table of your jobs)",
+        )
     else:
         parser.add_argument("job_id", help="Slurm job id")
     if command == "render":
         parser.add_argument("-o", "--output", help="write the script here instead of printing it")
     if command == "submit":
         parser.add_argument("--dry-run", action="store_true", help="write the script, do not submit")
+        parser.add_argument(
+            "--sweep",
+            action="append",
+            default=[],
+            metavar="KEY=V1,V2",
+            help="submit one job array over these values of a training field (train.lr=1e-4,3e-4); several "
+            "--sweep flags make a grid of every combination",
+        )
+        parser.add_argument(
+            "--sweep-file",
+            metavar="FILE",
+            help="a sweep as YAML/JSON: a list of override mappings (one task each), or a mapping of keys to "
+            "lists of values (a grid)",
+        )
+        parser.add_argument(
+            "--max-parallel",
+            type=int,
+            metavar="K",
+            help="a sweep's tasks that may run at once (#SBATCH --array=0-N%%K; default: all)",
+        )
         parser.add_argument("--wait", action="store_true", help="wait for the job to end")
     if command in ("submit", "wait"):
         parser.add_argument(
@@ -91,12 +120,30 @@ def _render(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep_of(args: argparse.Namespace):
+    """The sweep the flags ask for, or None; SpecError (one line) for a bad one."""
+    from hpkit.errors import SpecError
+    from hpkit.jobs.sweep import Sweep, grid, parse_axis, read_sweep_file
+
+    if args.sweep and args.sweep_file:
+        raise SpecError("--sweep and --sweep-file: give one of them (a sweep file can hold a grid)")
+    if args.sweep:
+        tasks = grid([parse_axis(text) for text in args.sweep])
+    elif args.sweep_file:
+        tasks = read_sweep_file(args.sweep_file)
+    elif args.max_parallel is not None:
+        raise SpecError("--max-parallel: applies to a sweep only: add --sweep KEY=V1,V2 or --sweep-file")
+    else:
+        return None
+    return Sweep(tasks, args.max_parallel)
+
+
 def _submit(args: argparse.Namespace) -> int:
     from hpkit.jobs.submission import give_job_path, prepare, submit
     from hpkit.render import runtime_notes
     from hpkit.slurm import get_backend
 
-    submission = prepare(args.spec)
+    submission = prepare(args.spec, _sweep_of(args))
     for note in runtime_notes(submission.spec):
         print(f"hpkit submit: note: {note}", file=sys.stderr)
     give_job_path(submission)
@@ -108,7 +155,15 @@ def _submit(args: argparse.Namespace) -> int:
     spec = submission.spec
     print(f"submitted job {job.job_id} ({spec.name}, {spec.nodes} node(s) x {spec.ranks_per_node} rank(s))")
     print(f"  script: {submission.script}")
-    print(f"  output: {submission.log_file(job.job_id)}", flush=True)
+    if submission.tasks:
+        from hpkit.jobs.sweep import describe
+
+        print(f"  job array: {len(submission.tasks)} task(s); `hpkit status {job.job_id}` shows them all")
+        for task_id, task in zip(submission.task_ids(job.job_id), submission.tasks, strict=True):
+            print(f"    {task_id}: {describe(task.overrides)}  output: {submission.log_file(task_id)}")
+    else:
+        print(f"  output: {submission.log_file(job.job_id)}")
+    sys.stdout.flush()
     if job.note_problem:
         print(
             f"hpkit submit: note: {job.note_problem}; `hpkit status {job.job_id}` will lose track of the "
@@ -117,7 +172,7 @@ def _submit(args: argparse.Namespace) -> int:
         )
     if not args.wait:
         return 0
-    return _wait_for(backend, [job.job_id], args)
+    return _wait_for(backend, submission.task_ids(job.job_id) or [job.job_id], args)
 
 
 def _wait_for(backend, job_ids: list[str], args: argparse.Namespace) -> int:
@@ -135,11 +190,18 @@ def _wait_for(backend, job_ids: list[str], args: argparse.Namespace) -> int:
 
 
 def _wait(args: argparse.Namespace) -> int:
+    from hpkit.jobs.files import array_tasks
     from hpkit.slurm import JobState, get_backend
 
     backend = get_backend(args.backend)
-    if not args.follow or len(args.job_ids) > 1:
-        return _wait_for(backend, list(args.job_ids), args)
+    # A sweep's job array is waited for as all its tasks (Slurm's record of the array id is one task's).
+    job_ids = [
+        task_id
+        for job_id in args.job_ids
+        for task_id in ([t.task_id for t in array_tasks(job_id) or []] or [job_id])
+    ]
+    if not args.follow or len(job_ids) > 1:
+        return _wait_for(backend, job_ids, args)
     # The status line, live: progress for a training job, Slurm's state for any other.
     from hpkit.jobs.watch import follow
 
@@ -159,12 +221,28 @@ def _status(args: argparse.Namespace) -> int:
 
     if args.job_id is None:
         return _status_table(args)
-    info, prog = JobWatcher(get_backend(args.backend), args.job_id).poll()
+    backend = get_backend(args.backend)
+    if _array_table(args, backend):
+        return 0
+    info, prog = JobWatcher(backend, args.job_id).poll()
     if args.json:
         print(json.dumps(record(info, prog), indent=2))
     else:
         print(line(info, prog))
     return 0
+
+
+def _array_table(args: argparse.Namespace, backend) -> bool:
+    """A sweep's job array: one row per task (overrides, state, final loss); False for any other job."""
+    from hpkit.jobs.files import array_tasks
+    from hpkit.jobs.sweep_status import format_rows, task_rows
+
+    tasks = array_tasks(args.job_id)
+    if tasks is None:
+        return False
+    rows = task_rows(backend, tasks)
+    print(json.dumps([r.to_json() for r in rows], indent=2) if args.json else format_rows(rows))
+    return True
 
 
 def _status_table(args: argparse.Namespace) -> int:

@@ -13,12 +13,24 @@ def main(argv: list[str], prog: str = "hpkit why") -> int:
         "command), then the sources that could not be read. Exit status 0 whenever a verdict is printed, "
         "'unknown' included; 1 for a job id nothing knows.",
     )
-    parser.add_argument("job_id", help="Slurm job id")
+    parser.add_argument(
+        "job_id", help="Slurm job id; JOB_TASK for a task of a job array, JOB for a table of its tasks"
+    )
     parser.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
     args = parser.parse_args(argv[1:])
 
+    from hpkit.jobs.files import array_tasks
     from hpkit.jobs.why_gather import explain
 
+    tasks = array_tasks(args.job_id.strip())
+    if tasks is not None:
+        # A sweep's job array: a row per task with the first line of its verdict (`hpkit why JOB_TASK`: all of it).
+        from hpkit.jobs.sweep_status import format_rows, task_rows
+        from hpkit.slurm import get_backend
+
+        rows = task_rows(get_backend(), tasks, why=lambda task: explain(task).summary)
+        print(json.dumps([r.to_json() for r in rows], indent=2) if args.json else format_rows(rows))
+        return 0
     verdict = explain(args.job_id)
     if args.json:
         print(json.dumps(verdict.to_json(), indent=2))

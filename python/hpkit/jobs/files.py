@@ -19,11 +19,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpkit.errors import HpkitError
+from hpkit.job_events import task_name
 from hpkit.jobs.index import recall
 from hpkit.runtime.run_identity import RunIdentity, run_paths
 from hpkit.slurm import job_record
 
 SPEC_EXPORT = "export HPKIT_SPEC="
+SWEEP_EXPORT = "export HPKIT_SWEEP="
+# In a job array's script, each task's spec snapshot is named by its number (hpkit.render.ARRAY_TASK_SHELL).
+TASK_VARIABLE = "$SLURM_ARRAY_TASK_ID"
+
+
+def split_task(job_id: str) -> tuple[str, str | None]:
+    """`1234_5` -> ("1234", "5"), a task of a job array; `1234` -> ("1234", None)."""
+    array, sep, task = job_id.partition("_")
+    return (array, task) if sep else (job_id, None)
 
 
 @dataclass(frozen=True)
@@ -61,27 +71,43 @@ def controller_record(
 
 
 def _noted(job_id: str, name: str | None) -> ControllerRecord | None:
-    note = recall(job_id, name)
+    note = recall(split_task(job_id)[0], name)  # the note is the whole array's
     if note is None:
         return None
     return ControllerRecord(script=Path(note.script), workdir=Path(note.workdir), restarts=0)
 
 
-def spec_of_script(script: Path) -> Path | None:
-    """The HPKIT_SPEC the script exports (hpkit's template writes it as one shell-quoted word)."""
+def _export(script: Path, export: str) -> str | None:
+    """The value the script exports on its `export NAME=` line (hpkit's template writes it as one shell word)."""
     try:
         text = script.read_text(encoding="utf-8", errors="replace")
     except OSError:
         return None
     for line in text.splitlines():
-        if line.startswith(SPEC_EXPORT):
+        if line.startswith(export):
             try:
                 words = shlex.split(line[len("export ") :])
             except ValueError:
                 return None
             if len(words) == 1:
-                return Path(words[0].split("=", 1)[1])
+                return words[0].split("=", 1)[1]
     return None
+
+
+def spec_of_script(script: Path, task: str | None = None) -> Path | None:
+    """The HPKIT_SPEC the script exports; in a job array's script, task `task`'s (None without a task)."""
+    value = _export(script, SPEC_EXPORT)
+    if value is None:
+        return None
+    if TASK_VARIABLE in value:
+        return Path(value.replace(TASK_VARIABLE, task)) if task is not None else None
+    return Path(value)
+
+
+def sweep_of_script(script: Path) -> Path | None:
+    """The sweep's manifest a job array's script exports (HPKIT_SWEEP, hpkit.jobs.sweep), else None."""
+    value = _export(script, SWEEP_EXPORT)
+    return Path(value) if value else None
 
 
 def files_for(job_id: str, spec_path: Path, workdir: Path, slurm_restarts: int = 0) -> JobFiles | None:
@@ -120,7 +146,40 @@ def locate(
     record = record or _noted(job_id, name)
     if record is None or record.script is None or record.workdir is None:
         return None
-    spec = spec_of_script(record.script)
+    spec = spec_of_script(record.script, split_task(job_id)[1])
     if spec is None:
         return None
     return files_for(job_id, spec, record.workdir, record.restarts)
+
+
+@dataclass(frozen=True)
+class ArrayTask:
+    task_id: str  # JOB_TASK
+    overrides: dict
+    files: JobFiles | None
+
+
+def array_tasks(
+    job_id: str, env: Mapping[str, str] | None = None, name: str | None = None
+) -> list[ArrayTask] | None:
+    """The tasks of the sweep `job_id` (hpkit submit --sweep), each with its files; None for any other job."""
+    from hpkit.jobs.sweep import read_manifest
+
+    if not job_id.isdigit():
+        return None
+    try:
+        record = controller_record(job_id, env)
+    except HpkitError:  # no Slurm client here: the note may still know the job
+        record = None
+    record = record or _noted(job_id, name)
+    if record is None or record.script is None or record.workdir is None:
+        return None
+    manifest = sweep_of_script(record.script)
+    tasks = read_manifest(str(manifest)) if manifest is not None else None
+    if tasks is None:
+        return None
+    out = []
+    for task in tasks:
+        task_id = task_name(job_id, task.index)
+        out.append(ArrayTask(task_id, task.overrides, files_for(task_id, Path(task.spec), record.workdir)))
+    return out

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 from dataclasses import dataclass
@@ -13,26 +14,36 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from hpkit.errors import HpkitError, SpecError
+from hpkit.job_events import task_name
 from hpkit.jobs.index import JobNote, remember
+from hpkit.jobs.sweep import Sweep, SweepTask, expand, sweep_manifest
 from hpkit.oci import check_container
-from hpkit.render import render
+from hpkit.render import ArrayPlan, render
 from hpkit.slurm import Backend, get_backend, slurm_version
 from hpkit.slurm_job import oci_launcher_problem
 from hpkit.spec import JobSpec
-from hpkit.validation import load_document
+from hpkit.validation import load_document, read_document
 
 
 @dataclass(frozen=True)
 class Submission:
-    """What `prepare` wrote: the validated spec, its snapshot, the sbatch script and the job's log folder."""
+    """What `prepare` wrote: the validated spec, its snapshot, the sbatch script and the job's log folder;
+    for a sweep, every task (its overrides and validated spec) and the sweep's manifest."""
 
     spec: JobSpec
     spec_copy: Path
     script: Path
     out_dir: Path
+    tasks: tuple[SweepTask, ...] = ()
+    manifest: Path | None = None
 
     def log_file(self, job_id: str) -> Path:
+        """The log of a job, or of a job array's task `JOB_TASK`."""
         return self.out_dir / f"{self.spec.name}-{job_id}.out"
+
+    def task_ids(self, job_id: str) -> list[str]:
+        """Slurm's names for the tasks of the job array `job_id` (none for a single job)."""
+        return [task_name(job_id, task.index) for task in self.tasks]
 
 
 @dataclass(frozen=True)
@@ -65,14 +76,17 @@ def job_workdir(spec: JobSpec) -> Path:
     return (Path(spec.workdir) if spec.workdir else Path.cwd()).resolve()
 
 
-def prepare(spec_file: str | Path) -> Submission:
+def prepare(spec_file: str | Path, sweep: Sweep | None = None) -> Submission:
     """Everything `hpkit submit` does before sbatch: check the spec, write its snapshot and the script.
 
-    Nothing here depends on the node count (bench/bench_render_scale.py compares 2,048 nodes with 2).
+    With `sweep`, every task's spec is checked first, and the script is one job array whose tasks each read
+    their own snapshot. Nothing here depends on the node count (bench/bench_render_scale.py compares 2,048
+    nodes with 2).
     """
     import yaml
 
     spec = load_document(JobSpec, spec_file)
+    tasks = expand(read_document(spec_file), sweep, str(spec_file)) if sweep is not None else []
     # An OCI bundle or mount source that is not there would fail every node at job start: say so now.
     try:
         check_container(spec.container)
@@ -87,8 +101,27 @@ def prepare(spec_file: str | Path) -> Submission:
     spec_copy = out_dir / f"{spec.name}-{stamp}.yaml"
     script = out_dir / f"{spec.name}-{stamp}.sbatch"
     write_new(spec_copy, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
-    write_new(script, render(spec, script_name=str(script), spec_path=str(spec_copy)), mode=0o755)
-    return Submission(spec, spec_copy, script, out_dir)
+    if not tasks:
+        write_new(script, render(spec, script_name=str(script), spec_path=str(spec_copy)), mode=0o755)
+        return Submission(spec, spec_copy, script, out_dir)
+    assert sweep is not None
+    pattern = str(out_dir / f"{spec.name}-{stamp}.task%a.yaml")
+    manifest = out_dir / f"{spec.name}-{stamp}.sweep.json"
+    for task in tasks:
+        dump = yaml.safe_dump(task.spec.model_dump(mode="json"), sort_keys=False)
+        write_new(Path(pattern.replace("%a", str(task.index))), dump)
+    write_new(manifest, sweep_manifest(tasks, pattern))
+    array = ArrayPlan(
+        tasks=len(tasks),
+        max_parallel=sweep.max_parallel,
+        spec_pattern=pattern,
+        overrides=[json.dumps(task.overrides) for task in tasks],
+        manifest=str(manifest),
+    )
+    write_new(
+        script, render(spec, script_name=str(script), spec_path=str(spec_copy), array=array), mode=0o755
+    )
+    return Submission(spec, spec_copy, script, out_dir, tuple(tasks), manifest)
 
 
 def give_job_path(submission: Submission) -> None:

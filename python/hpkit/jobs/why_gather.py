@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hpkit.errors import HpkitError
 from hpkit.job_events import events_path, runs_path
-from hpkit.jobs.files import files_for, spec_of_script
+from hpkit.jobs.files import files_for, spec_of_script, split_task
 from hpkit.jobs.index import recall
 from hpkit.jobs.why import Facts, Finding, SlurmRecord, Verdict, decide
 from hpkit.jobs.why_scan import (
@@ -39,7 +39,7 @@ from hpkit.jobs.why_scan import (
 from hpkit.slurm import expand_output_pattern
 
 CLI_TIMEOUT_S = 30
-_HANG_DIR = re.compile(r"^(\d+)-(\d+)-(\d+)-[^/]*-step\d+$")
+_HANG_DIR = re.compile(r"^(\d+(?:_\d+)?)-(\d+)-(\d+)-[^/]*-step\d+$")  # JOB or JOB_TASK
 
 
 def explain(job_id: str, env: Mapping[str, str] | None = None) -> Verdict:
@@ -94,8 +94,10 @@ def _last_line(text: str) -> str:
 def gather(job_id: str, env: Mapping[str, str] | None = None) -> Facts:
     """Everything readable about the job. Raises HpkitError for a malformed id or a job nothing knows."""
     job_id = job_id.strip()
-    if not job_id.isdigit():
-        raise HpkitError(f"{job_id!r} is not a Slurm job id (a number such as 1234)")
+    if not re.fullmatch(r"\d+(_\d+)?", job_id):
+        raise HpkitError(
+            f"{job_id!r} is not a Slurm job id (a number such as 1234), or JOB_TASK for a task of a job array (1234_5)"
+        )
     read = _Reader(env)
     records: list[SlurmRecord] = []
     findings: list[Finding] = []
@@ -124,7 +126,7 @@ def gather(job_id: str, env: Mapping[str, str] | None = None) -> Facts:
     findings += sacct_findings
 
     name = next((r.name for r in records if r.name), None)
-    note = recall(job_id, name)
+    note = recall(split_task(job_id)[0], name)  # a job array's note is the whole array's
     if not records and note is None:
         raise HpkitError(
             f"job {job_id} is unknown: slurmctld does not remember it, no job-completion log or sacct has it, "
@@ -245,6 +247,9 @@ def _outputs(
     paths = [p for p in (_path(controller.get("StdOut")), _path(controller.get("StdErr"))) if p]
     if not paths and script is not None:
         values = {"job_id": job_id, "name": name, "current_working_directory": str(workdir or ".")}
+        array, task = split_task(job_id)
+        if task is not None:  # a task of a job array: its log is named by %A_%a
+            values.update(array_job_id=array, array_task_id=task)
         for option in ("output", "error"):
             pattern = _sbatch_option(script, option)
             path = expand_output_pattern(pattern, values) if pattern else None
@@ -292,7 +297,7 @@ def _hpkit_files(
             lines = read.lines(path, "runs file")
             found += scan_runs_file(lines, str(path)) if lines is not None else []
             break
-    spec = spec_of_script(script) if script is not None else None
+    spec = spec_of_script(script, split_task(job_id)[1]) if script is not None else None
     files = (
         files_for(job_id, spec, workdir, restarts or 0) if spec is not None and workdir is not None else None
     )

@@ -44,6 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpkit.job_events import job_key
 from hpkit.runtime.env import node_name
 from hpkit.runtime.hang_board import Freshness, NodeBoard, board_dir, board_root, pause, remove_leftovers
 from hpkit.runtime.hang_channel import Judge, Store, Uplink, summarize
@@ -68,7 +69,7 @@ def attempt_id(env: dict[str, str] | None = None) -> str:
     """The same on every rank of one attempt, different across requeues, restarts and elastic restarts."""
     env = dict(os.environ if env is None else env)
     parts = [
-        env.get("SLURM_JOB_ID") or env.get("TORCHELASTIC_RUN_ID") or "local",
+        job_key(env) or env.get("TORCHELASTIC_RUN_ID") or "local",  # JOB_TASK in a job array
         env.get("SLURM_RESTART_COUNT") or "0",
         env.get("HPKIT_STEP_ATTEMPT") or "0",
         env.get("TORCHELASTIC_RESTART_COUNT") or "0",

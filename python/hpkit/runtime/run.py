@@ -29,7 +29,7 @@ from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
 from hpkit.runtime.memory_layout import memory_root, run_key
 from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
-from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths
+from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths, sweep_overrides
 from hpkit.runtime.trainer import StepResult, Trainer
 from hpkit.supervise.ready import announce as announce_ready
 
@@ -102,6 +102,7 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
             restart=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
             resumed_from=str(resumed) if resumed is not None else None,
             world_size=launch.world_size,
+            overrides=sweep_overrides(),
         )
     )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)

@@ -1,19 +1,23 @@
 """Who a training run is and where its files go: one answer for `hpkit train` inside the job and for
 `hpkit status|plot|watch` outside it (hpkit.jobs.files), so the two cannot drift apart.
 
-The job id is Slurm's (a requeued job keeps it, and so resumes its own checkpoints), else torchrun's
+The job id is Slurm's (a requeued job keeps it, and so resumes its own checkpoints; JOB_TASK for a task of a
+job array, hpkit.job_events.job_key), else torchrun's
 rendezvous id (`--standalone` draws a fresh one per launch). Plain `torchrun` without `--rdzv-id` sets
 that id to the placeholder `none`, which is no id: a `%j` there must not become a directory `none`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from hpkit.job_events import job_key
 
 if TYPE_CHECKING:
     from hpkit.runtime.config import RunConfig
@@ -25,6 +29,22 @@ NOT_AN_ID = "none"  # TORCHELASTIC_RUN_ID of torchrun's default (static) rendezv
 NO_JOB = "local"
 
 
+# A task of a sweep (hpkit submit --sweep): its overrides as JSON, which its metrics' start records carry.
+SWEEP_OVERRIDES_ENV = "HPKIT_SWEEP_OVERRIDES"
+
+
+def sweep_overrides(env: Mapping[str, str] | None = None) -> dict | None:
+    """This run's sweep overrides (dotted key -> value), or None outside a sweep."""
+    text = (os.environ if env is None else env).get(SWEEP_OVERRIDES_ENV)
+    if not text:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 @dataclass(frozen=True)
 class RunIdentity:
     job_id: str | None  # Slurm's job id, else torchrun's rendezvous id; None outside both
@@ -33,7 +53,10 @@ class RunIdentity:
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, now: float | None = None) -> RunIdentity:
         env = os.environ if env is None else env
-        job = next((v for v in (env.get(n) for n in JOB_ID_VARIABLES) if v and v != NOT_AN_ID), None)
+        # A task of a job array is JOB_TASK: its metrics, TensorBoard run and %j checkpoints are its own.
+        job = job_key(env) or next(
+            (v for v in (env.get(n) for n in JOB_ID_VARIABLES) if v and v != NOT_AN_ID), None
+        )
         return cls(job, job or time.strftime("%Y%m%d-%H%M%S", time.localtime(now)))
 
     @classmethod

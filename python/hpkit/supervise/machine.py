@@ -61,9 +61,10 @@ class Supervisor:
         self._say = say
         self.usr1_flag = usr1_flag
         folder = run.path(plan.output_dir)
-        self.events_file = ev.events_path(folder, run.job_id)
-        self.runs_file = ev.runs_path(folder, run.job_id)
-        self.budget_file = ev.budget_path(folder, run.job_id)
+        # Named as users name the job (JOB_TASK for an array task): each task of an array has its own.
+        self.events_file = ev.events_path(folder, run.name)
+        self.runs_file = ev.runs_path(folder, run.name)
+        self.budget_file = ev.budget_path(folder, run.name)
         self.hangs_dir = run.path(plan.hangs_dir)
         self.budget = Budget(plan.max_restarts)
         self.attempt = 0
@@ -85,7 +86,7 @@ class Supervisor:
     def event(self, kind: str, **fields: Any) -> None:
         record = {
             "type": kind,
-            "job": self.run_.job_id,
+            "job": self.run_.name,
             "restart": self.run_.restart,
             "attempt": self.attempt,
         }
@@ -156,7 +157,7 @@ class Supervisor:
             self.budget.count_run(restart)  # a requeue hpkit did not count (Slurm's) counts now
         self._save_budget()
         self.say(
-            f"job {run.job_id} (restart {run.restart} of at most {plan.max_restarts}) on {run.nodelist}; "
+            f"job {run.name} (restart {run.restart} of at most {plan.max_restarts}) on {run.nodelist}; "
             f"{self.budget.left} restart(s) left"
         )
         if plan.spare_nodes:
@@ -222,9 +223,9 @@ class Supervisor:
         return "slurm", lost
 
     def requeue_off(self) -> None:
-        ok = self.cluster.set_requeue(self.run_.job_id, False)
+        ok = self.cluster.set_requeue(self.run_.name, False)
         if not ok:
-            self.say(f"warning: could not turn Slurm's requeue off for job {self.run_.job_id}")
+            self.say(f"warning: could not turn Slurm's requeue off for job {self.run_.name}")
         self.event(ev.REQUEUE_OFF, ok=ok)
 
     def _save_budget(self) -> None:
@@ -301,7 +302,7 @@ class Supervisor:
                             f"the step is failing and still running {STEP_GRACE_S:.0f} s later: stopping it"
                         )
                         step.kill()
-                        self.cluster.cancel_steps(self.run_.job_id)
+                        self.cluster.cancel_steps(self.run_.name)
                         break
                 step.join(POLL_S)
             status = step.wait()
@@ -318,7 +319,8 @@ class Supervisor:
         return status
 
     def verdict(self) -> Path | None:
-        return verdict_path(self.hangs_dir, self.run_.job_id, self.run_.restart, self.attempt)
+        # The watchdog names its folders as the job's files are named (hpkit.job_events.job_key).
+        return verdict_path(self.hangs_dir, self.run_.name, self.run_.restart, self.attempt)
 
     # -- after the step -------------------------------------------------------------------------------------
 
@@ -436,7 +438,7 @@ class Supervisor:
         self.budget.count_run(run.restart + 1)
         self._save_budget()
         self.say(
-            f"requeueing job {run.job_id} (restart {self.budget.used} of {self.plan.max_restarts}); "
+            f"requeueing job {run.name} (restart {self.budget.used} of {self.plan.max_restarts}); "
             "it resumes from its last checkpoint"
         )
         try:
@@ -447,10 +449,10 @@ class Supervisor:
         self.event(ev.REQUEUE, reason=reason, to_restart=run.restart + 1, **self._budget_fields())
         if not self.plan.requeue_on_failure:
             # The job is not requeueable (no --requeue), so that a node failure ends it: this requeue only.
-            self.cluster.set_requeue(run.job_id, True)
-        ok = self.cluster.requeue(run.job_id)
+            self.cluster.set_requeue(run.name, True)
+        ok = self.cluster.requeue(run.name)
         if not ok:
-            self.say(f"warning: scontrol requeue {run.job_id} failed")
+            self.say(f"warning: scontrol requeue {run.name} failed")
         self.event(ev.END, outcome=ev.REQUEUED, exit=0, requeued=ok, **self._budget_fields())
         return _End(0 if ok else max(status, 1))
 

@@ -9,6 +9,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpkit.job_events import job_key
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -49,6 +51,10 @@ class Run:
     nodelist: str  # SLURM_JOB_NODELIST
     batch_host: str  # SLURMD_NODENAME of the batch script
     cwd: Path
+    # JOB_TASK for a task of a job array (hpkit.job_events.job_key), else the job id: how the job's files and
+    # events name it, and what the supervisor's Slurm commands (requeue, update, squeue -s) must name. A task's
+    # own SLURM_JOB_ID can be the array's id, which names every task (scontrol requeue of it requeues them all).
+    key: str = ""
 
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> Run:
@@ -58,7 +64,12 @@ class Run:
             nodelist=env.get("SLURM_JOB_NODELIST", ""),
             batch_host=env.get("SLURMD_NODENAME", ""),
             cwd=Path(os.getcwd()),
+            key=job_key(env) or env.get("SLURM_JOB_ID", "0"),
         )
+
+    @property
+    def name(self) -> str:
+        return self.key or self.job_id
 
     def path(self, relative: str) -> Path:
         return (self.cwd / relative).resolve() if not Path(relative).is_absolute() else Path(relative)
