@@ -144,3 +144,16 @@ def test_holdings_are_read_from_complete_steps_only(tmp_path: Path):
             (folder / COMPLETE).write_text("")
     (held,) = read_holdings(node)
     assert (held.step, held.shards, held.has_metadata, held.world_size) == (14, frozenset({0, 3}), True, 4)
+
+
+def test_only_runs_untouched_for_a_day_are_removed_as_leftovers(tmp_path: Path):
+    import os
+
+    from hpkit.runtime.memory_layout import LEFTOVER_S, remove_leftovers
+
+    now = 1_000_000.0
+    for name, age in (("old", LEFTOVER_S + 60), ("recent", 60), ("mine", LEFTOVER_S + 60)):
+        (tmp_path / name / "node1").mkdir(parents=True)
+        os.utime(tmp_path / name, (now - age, now - age))
+    remove_leftovers(tmp_path, keep="mine", now=now)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "recent"]
