@@ -30,7 +30,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-ENV = "HPKIT_FAULT"
+from hpkit.job_events import FAULT_ENV, fault_line
+
+ENV = FAULT_ENV  # the fault line names it
 LOG_ENV = "HPKIT_FAULT_LOG"
 KINDS = ("hang", "slow_save", "exit", "skip", "stop")
 
@@ -71,11 +73,7 @@ class Fault:
     def before_step(self, rank: int, step: int) -> None:
         if self.kind not in ("hang", "exit", "skip", "stop") or self.step != step or not self._armed(rank):
             return
-        print(
-            f"hpkit: fault injected ({ENV}): {self.kind} on rank {rank} before step {step}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(fault_line(self.kind, rank, step), file=sys.stderr, flush=True)
         if self.kind == "skip":
             _skip_next_all_reduce(lambda: _log(self.kind, rank, step))
             return
