@@ -5,6 +5,9 @@ checkpoint commit, each way: with `resilience.spare_nodes: 1` (the supervisor pr
 restarts the step in the allocation) and without (slurmctld declares the node DOWN and requeues the job). The
 clock runs from the kill to the first step the resumed run logs. Then a rank killed with SIGKILL in a job
 without restarts: the seconds until the job has ended (the survivors must not wait out a collective timeout).
+Then in-memory checkpoints (`checkpoint.memory`) against persistent ones, side by side: rank 0's node lost with
+the run held after step 15 (persistent checkpoint: step 10), each part of the recovery timed from the kill
+(detected, spare swapped, step restarted, run resumed, its first step, the first step past 15).
 
 Targets (they were assertions in tests/integration/test_node_loss.py and test_resilience.py; the tests keep
 the events): spare <= 30 s and below SlurmdTimeout; spare / requeue <= 0.5; killed rank -> end < 45 s.
@@ -27,7 +30,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "python"), str(REPO / "tests"), str(REPO / "tests" / "integration")]
 
 from test_node_loss import (  # noqa: E402  (the scenarios are the integration tests')
+    MEMORY_STEP,
     SLURMD_TIMEOUT_S,
+    lose_node_held_after_memory_step,
     requeue_after_node_loss,
     spare_after_node_loss,
 )
@@ -77,6 +82,7 @@ def main() -> int:
     parser.add_argument("--first-job-id", default="24000")
     args = parser.parse_args()
     spare, requeue, killed = [], [], []
+    held: dict[str, list[dict[str, float]]] = {"persistent": [], "memory": []}
     with tempfile.TemporaryDirectory(prefix="hpkit-bench-recovery-") as tmp:
         work = Path(tmp)
         env = devcluster.client_env(
@@ -97,6 +103,14 @@ def main() -> int:
                             run(env, ref, where) if name == "spare" else run(env, ref, where, "worker")
                         )
                     killed.append(killed_rank_s(env, work / f"killed-{n}"))
+                    # Rank 0's node lost with the run held after MEMORY_STEP: restored from checkpoint.dir
+                    # (step 10: steps redone) vs from memory (the partner's copy), in turn.
+                    for memory in (True, False) if n % 2 == 0 else (False, True):
+                        side = "memory" if memory else "persistent"
+                        *_, timeline = lose_node_held_after_memory_step(
+                            env, work / f"held-{side}-{n}", f"held{side}", wipe_partner=False, memory=memory
+                        )
+                        held[side].append(timeline)
             finally:
                 if saved is None:
                     os.environ.pop("SLURM_CONF", None)
@@ -107,6 +121,15 @@ def main() -> int:
     print(f"TIME recovery_requeue_s = {r:.1f}")
     print(f"RATIO recovery spare/requeue = {s / r:.2f} (target <= 0.5)")
     print(f"TIME killed_rank_to_end_s = {k:.1f} (target < 45: collective timeout 30 s + 15)")
+    marks = ("detected", "swapped", "restarted", "resumed", "first_step", "new_step")
+    print(f"recovery of a node lost after step {MEMORY_STEP} (seconds after the kill, medians):")
+    print(f"  {'side':<11}" + "".join(f"{m:>11}" for m in marks))
+    for side, timelines in held.items():
+        print(
+            f"  {side:<11}" + "".join(f"{statistics.median(t[m] for t in timelines):>11.1f}" for m in marks)
+        )
+    p, m = (statistics.median(t["new_step"] for t in held[s]) for s in ("persistent", "memory"))
+    print(f"RATIO recovery memory/persistent (kill -> first new step) = {m / p:.2f} (target <= 0.5)")
     return 0
 
 

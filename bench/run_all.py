@@ -34,6 +34,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "recovery": [sys.executable, str(BENCH / "bench_recovery.py")],
     "lora": [*TORCHRUN, str(BENCH / "bench_lora.py")],
     "plan_ranking": [sys.executable, str(BENCH / "bench_plan_ranking.py")],
+    "slurm_polling": [sys.executable, str(BENCH / "bench_slurm_polling.py")],
 }
 # bench_train_step.py (owned with the runtime) prints `ratio hpkit/bare = x`; ours print `RATIO name = x`.
 RESULT = re.compile(r"^(RATIO|TIME|ratio) .*$|^gpu_mfu: .*$|^skipped: .*$", re.MULTILINE)

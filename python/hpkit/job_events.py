@@ -195,12 +195,17 @@ def parse_hang_line(line: str) -> HangLine | None:
 
 
 FAULT_ENV = "HPKIT_FAULT"
-_FAULT = re.compile(rf"^hpkit: fault injected \({FAULT_ENV}\): (\w+) on rank (\d+) before step (\d+)")
+_BEFORE_STEP = "before step"
+_IN_EVAL = "in the validation after step"
+_FAULT = re.compile(
+    rf"^hpkit: fault injected \({FAULT_ENV}\): (\w+) on rank (\d+) (?:{_BEFORE_STEP}|{_IN_EVAL}) (\d+)"
+)
 
 
-def fault_line(kind: str, rank: int, step: int) -> str:
-    """The fault injector's line, printed by the rank it acts on just before it does."""
-    return f"hpkit: fault injected ({FAULT_ENV}): {kind} on rank {rank} before step {step}"
+def fault_line(kind: str, rank: int, step: int, in_eval: bool = False) -> str:
+    """The fault injector's line, printed by the rank it acts on just before it does: before `step`, or in the
+    validation after it."""
+    return f"hpkit: fault injected ({FAULT_ENV}): {kind} on rank {rank} {_IN_EVAL if in_eval else _BEFORE_STEP} {step}"
 
 
 def parse_fault_line(line: str) -> tuple[str, int, int] | None:

@@ -195,6 +195,7 @@ def supervise_plan(spec: JobSpec) -> str:
         watch_store=spec.launcher in ("srun", "mpi")
         and spec.resilience.hang.enabled
         and runs_hpkit_train(spec),
+        ranks_ready=runs_hpkit_train(spec),
     ).to_json()
 
 

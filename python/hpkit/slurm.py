@@ -107,10 +107,31 @@ class JobInfo:
     start_time: int | None = None  # Unix seconds; None before the job starts
     end_time: int | None = None  # expected end while it runs (start + time limit)
     time_limit_min: int | None = None  # None: UNLIMITED
+    # The job's requeue flag (sbatch --requeue, JobRequeue=1 by default): Slurm queues it again when it is
+    # preempted. False where the record does not say (sacct's, pyslurm's).
+    requeue: bool = False
+
+    @property
+    def requeued(self) -> bool:
+        """Preempted, and Slurm queues it again: it will run again, it has not failed. (Under PreemptMode=CANCEL
+        the flag is set but the job has ended: `wait` sees so once the controller forgets it, from sacct.)"""
+        return self.state == JobState.PREEMPTED and self.requeue
+
+    @property
+    def ended(self) -> bool:
+        """It will not run again: a finished state, except a preemption that Slurm requeues."""
+        return self.state.finished and not self.requeued
+
+    @property
+    def state_text(self) -> str:
+        """The state as hpkit shows it: Slurm's word, and for a preemption whether the job is requeued."""
+        if self.state != JobState.PREEMPTED:
+            return self.state.value
+        return f"{self.state.value} (requeued)" if self.requeue else f"{self.state.value} (not requeued)"
 
     def summary(self) -> str:
-        parts = [f"job {self.job_id} ({self.name}): {self.state.value}"]
-        if self.state.finished and self.exit_code is not None:
+        parts = [f"job {self.job_id} ({self.name}): {self.state_text}"]
+        if self.ended and self.exit_code is not None:
             parts.append(f"exit code {self.exit_code}" + (f", signal {self.signal}" if self.signal else ""))
         if self.reason and self.reason not in ("None", "(null)"):
             parts.append(f"reason {self.reason}")
@@ -164,8 +185,8 @@ def _run(
     return proc
 
 
-def slurm_version() -> tuple[int, int]:
-    proc = _run(["sinfo", "--version"])
+def slurm_version(env: Mapping[str, str] | None = None) -> tuple[int, int]:
+    proc = _run(["sinfo", "--version"], env=env)
     match = re.search(r"(\d+)\.(\d+)", proc.stdout)
     if not match:
         raise SlurmError(f"cannot read the Slurm version from {proc.stdout.strip()!r}")
@@ -220,11 +241,16 @@ class CliBackend:
         self._version: tuple[int, int] | None = None
         self._stdout_cache: dict[str, str] = {}
         self._no_slurmdbd = False
+        # The last poll's controller records, by job id, and the ids it asked for: a caller that needs
+        # more of a job's record (its script, working directory, restarts) reads it here, not with a
+        # second call (polled_fields).
+        self.records: dict[str, dict] = {}
+        self.asked: frozenset[str] = frozenset()
 
     @property
     def version(self) -> tuple[int, int]:
         if self._version is None:
-            self._version = slurm_version()
+            self._version = slurm_version(self.env)  # the cluster this backend asks, whatever PATH says
         return self._version
 
     def submit(self, script: Path) -> str:
@@ -252,6 +278,7 @@ class CliBackend:
         """
         wanted = [str(j) for j in job_ids]
         records = self.queue(wanted)
+        self.records, self.asked = records, frozenset(wanted)
         found = {job_id: self._from_record(record) for job_id in wanted if (record := records.get(job_id))}
         gone = [j for j in wanted if j not in found]
         if gone:
@@ -318,6 +345,7 @@ class CliBackend:
             start_time=_json_int(record.get("start_time")) or None,
             end_time=_json_int(record.get("end_time")) or None,
             time_limit_min=_json_int(record.get("time_limit")),
+            requeue=record.get("requeue") is True,
         )
 
     def _stdout(self, record: dict) -> str | None:
@@ -381,6 +409,22 @@ class CliBackend:
                         nodes=cols[4] if len(cols) > 4 else "",
                     )
         return found
+
+
+def polled_fields(backend: Backend, job_id: str) -> tuple[bool, dict[str, str] | None]:
+    """(asked, fields): whether the backend's last poll asked the controller for this job, and what it said
+    in `scontrol show job`'s words (Command, WorkDir, Restarts; None: the controller had forgotten the job).
+    Finding a job's files then costs no second call; where the poll did not ask, the caller asks scontrol."""
+    if not isinstance(backend, CliBackend) or str(job_id) not in backend.asked:
+        return False, None
+    record = backend.records.get(str(job_id))
+    if record is None:
+        return True, None
+    return True, {
+        "Command": str(record.get("command") or ""),
+        "WorkDir": str(record.get("current_working_directory") or ""),
+        "Restarts": str(_json_int(record.get("restart_cnt")) or 0),
+    }
 
 
 def user_jobs(backend: CliBackend, user: str | None = None) -> list[JobInfo]:
@@ -647,7 +691,7 @@ def wait_all(
             last[job_id] = info
             if on_poll:
                 on_poll(info)
-            if info.state.finished:
+            if info.ended:  # a preempted job that Slurm requeues runs again: keep waiting
                 done[job_id] = info
         pending = [j for j in pending if j not in done]
         if not pending:
@@ -656,7 +700,8 @@ def wait_all(
         if timeout_s is not None and elapsed > timeout_s:
             states = ", ".join(f"{j} {last[j].state.value}" for j in pending if j in last)
             raise SlurmError(f"still running after {timeout_s:.0f} s: {states or ', '.join(pending)}")
-        youngest = max(changed[j] for j in pending)
+        # Any change, a job's end included, resets the interval: one job's end often moves the others.
+        youngest = max(changed.values())
         pause(poll_interval(clock() - youngest, poll_s))
 
 

@@ -25,7 +25,7 @@ def row(info: JobInfo, now: float) -> tuple[str, ...]:
     started = info.start_time is not None and info.state not in (JobState.PENDING, JobState.REQUEUED)
     elapsed = now - info.start_time if started and info.start_time else None
     if info.state.finished:
-        # end_time is when it ended; nothing is left
+        # end_time is when it (this run, for a requeued preemption) ended; nothing is left
         elapsed = info.end_time - info.start_time if started and info.start_time and info.end_time else None
         left = "-"
     elif info.time_limit_min is None:
@@ -40,7 +40,7 @@ def row(info: JobInfo, now: float) -> tuple[str, ...]:
     return (
         info.job_id,
         info.name,
-        info.state.value,
+        info.state_text,
         nodes or "-",
         slurm_duration(elapsed),
         left,

@@ -367,34 +367,38 @@ def memory_step_complete(root: Path, step: int, nodes: list[str]) -> bool:
     return all(any(root.glob(f"hpkit-mem-*/*/{node}/step-{step:08d}/complete")) for node in nodes)
 
 
-def lose_node_held_after_memory_step(env, tmp_path: Path, name: str, wipe_partner: bool):
+def lose_node_held_after_memory_step(env, tmp_path: Path, name: str, wipe_partner: bool, memory: bool = True):
     """Run `name` with in-memory checkpoints until it is held after MEMORY_STEP and kill rank 0's node, having
     moved checkpoint.dir away (a restore from it would find nothing) or, with `wipe_partner`, taken the partner
-    node's memory (both copies of rank 0's state gone). Returns the job's log, losses, last step before the
-    kill and the two step nodes."""
+    node's memory (both copies of rank 0's state gone); without `memory` the same drill with persistent
+    checkpoints only (bench/bench_recovery.py runs both side by side). Returns the job's log, losses, last step
+    before the kill, the two step nodes and the recovery's timeline (`recovery_timeline`)."""
     backend = CliBackend()
     tmp_path.mkdir(exist_ok=True)
     spec, extra = memory_spec(name, tmp_path)
+    if not memory:
+        del spec["checkpoint"]["memory"]
     job = submit(spec, tmp_path, {**env, **extra})
     ckpt, metrics = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.jsonl"
     placed = wait_for(
         lambda: events_of(job_events(tmp_path / "logs", job), "run_started"), 240, "the run to start"
     )
     (rank0_node, other_node), _ = placed[0]["step_nodes"], placed[0]["spares"]
-    wait_for(
-        lambda: memory_step_complete(tmp_path / "shm", MEMORY_STEP, [rank0_node, other_node]),
-        300,
-        f"step {MEMORY_STEP} in memory on both nodes",
-        poll=0.1,
+    held = (
+        (lambda: memory_step_complete(tmp_path / "shm", MEMORY_STEP, [rank0_node, other_node]))
+        if memory
+        else (lambda: MEMORY_STEP in losses(metrics))
     )
+    wait_for(held, 300, f"step {MEMORY_STEP} in memory on both nodes", poll=0.1)
     assert (ckpt / "latest").exists() and not (ckpt / f"step-{MEMORY_STEP + 1:08d}").exists()
     stopped_at = max(losses(metrics))
-    if not wipe_partner:  # the restore must come from memory: checkpoint.dir holds nothing to read
+    if memory and not wipe_partner:  # the restore must come from memory: checkpoint.dir holds nothing to read
         ckpt.rename(ckpt.with_name(ckpt.name + ".away"))
-    else:
+    elif wipe_partner:
         for folder in (tmp_path / "shm").glob(f"hpkit-mem-*/*/{other_node}"):
             shutil.rmtree(folder)
     victims = kill_node(env, job, rank0_node)
+    killed_wall = time.time()
     assert victims, f"no processes of job {job} on {rank0_node}"
     try:
         info = wait_for(lambda: (i := backend.info(job)).state.finished and i, 300, "the job to end")
@@ -405,7 +409,27 @@ def lose_node_held_after_memory_step(env, tmp_path: Path, name: str, wipe_partne
     assert info.state == JobState.COMPLETED, log
     events = job_events(tmp_path / "logs", job)
     assert [(e["node"]) for e in events_of(events, "spare_swap")] == [rank0_node], events
-    return log, losses(metrics), stopped_at, (rank0_node, other_node)
+    timeline = recovery_timeline(events, metrics, killed_wall)
+    return log, losses(metrics), stopped_at, (rank0_node, other_node), timeline
+
+
+def recovery_timeline(events: list[dict], metrics: Path, killed_wall: float) -> dict[str, float]:
+    """Seconds from the kill to each mark of the recovery: the supervisor's probe (the fault seen and the step
+    stopped), the spare swapped in, the step restarted, the resumed run's start record (processes started,
+    rendezvous, process groups, state restored), its first step, and the first step past MEMORY_STEP (after the
+    steps redone)."""
+    marks = {
+        "detected": events_of(events, "probe")[0]["time"],
+        "swapped": events_of(events, "spare_swap")[0]["time"],
+        "restarted": events_of(events, "restart")[0]["time"],
+    }
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
+    after = records[starts[-1] :]
+    marks["resumed"] = after[0]["time"]
+    marks["first_step"] = next(r["time"] for r in after if "loss" in r)
+    marks["new_step"] = next(r["time"] for r in after if r.get("step") == MEMORY_STEP + 1 and "loss" in r)
+    return {name: at - killed_wall for name, at in marks.items()}
 
 
 def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir(
@@ -414,7 +438,7 @@ def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir
     """checkpoint.memory: rank 0's node is lost after step 15 with checkpoint.dir moved away: the spare's rank
     takes its state from the partner node's memory, the run resumes at step 15 (the persistent checkpoint is
     step 10, and gone), redoes no step, and every loss equals the uninterrupted run's."""
-    log, got, stopped_at, _ = lose_node_held_after_memory_step(
+    log, got, stopped_at, _, _ = lose_node_held_after_memory_step(
         three_nodes, tmp_path, "memory", wipe_partner=False
     )
     assert f"resumed from memory:step-{MEMORY_STEP:08d} at step {MEMORY_STEP}" in log, log
@@ -432,7 +456,7 @@ def test_a_node_lost_with_its_partners_memory_falls_back_to_the_checkpoint_dir(
 ):
     """Both copies of rank 0's state gone (its node lost, its partner's memory lost): the run says which ranks'
     states were lost, and resumes from the newest persistent checkpoint (step 10) to the reference losses."""
-    log, got, _, _ = lose_node_held_after_memory_step(three_nodes, tmp_path, "fallback", wipe_partner=True)
+    log, got, _, _, _ = lose_node_held_after_memory_step(three_nodes, tmp_path, "fallback", wipe_partner=True)
     # Two nodes held every copy: with both gone, no rank's state is left (a larger world names the ranks
     # lost and their nodes: tests/unit/test_memory_layout.py).
     assert re.search(

@@ -17,7 +17,8 @@ import yaml
 
 from _clusters import slot
 from hpkit import devcluster
-from hpkit.slurm import CliBackend, JobState
+from hpkit.errors import SlurmError
+from hpkit.slurm import CliBackend, JobState, wait_all
 
 pytestmark = pytest.mark.cluster
 
@@ -65,7 +66,7 @@ def calls(log: Path) -> list[tuple[float, str]]:
 
 def test_waiting_for_many_jobs_costs_one_call_per_poll(slurm_cluster, tmp_path):
     env = dict(slurm_cluster)
-    jobs = [sbatch(env, tmp_path, s) for s in (2, 4, 6, 14)]
+    jobs = [sbatch(env, tmp_path, s) for s in (2, 4, 6, 22)]
     extra, log = counting_path(tmp_path)
     started = time.monotonic()
     proc = subprocess.run(
@@ -90,7 +91,9 @@ def test_waiting_for_many_jobs_costs_one_call_per_poll(slurm_cluster, tmp_path):
     print(
         f"polling: {len(jobs)} jobs, {len(names)} squeue calls in {took:.1f} s, gaps {[round(g, 1) for g in gaps]}"
     )
-    assert max(gaps) >= 1.8, gaps  # after 10 s without a state change, polls are 2 s apart
+    # After 10 s without a state change (the last before the long job's end: the third job's, at ~6 s; any
+    # job's change resets the interval), polls are 2 s apart.
+    assert max(gaps) >= 1.8, gaps
 
     # Once jobs leave the controller, sacct answers for all of them at once (here: the job-completion
     # log, since there is no slurmdbd; plain sacct is tried once, then skipped).
@@ -256,6 +259,10 @@ def test_only_the_batch_script_asks_the_controller_at_start_up(slurm_cluster, tm
     assert {(r[1], r[3]) for r in ranks} == {("4", "torchrun" if launcher == "torchrun" else "env")}, ranks
     assert len({r[2] for r in ranks}) == 1, ranks
     in_job = [line for line in log.read_text().splitlines() if "node=?" not in line]  # hpkit wait's own polls
+    # `submit --wait --follow`'s own calls (outside the job): Slurm's version once, then squeue only, one a
+    # poll, the log streamed in between.
+    own = [line.split()[0] for line in log.read_text().splitlines() if "node=?" in line]
+    assert own.count("sinfo") <= 1 and {n for n in own if n != "sinfo"} == {"squeue"}, own
     print(f"{launcher}: controller calls from inside the job: {in_job}")
     assert in_job, "the batch shell's calls should be logged too (is the wrapper on the job's PATH?)"
     assert all(line.startswith("scontrol step=none") for line in in_job), in_job
@@ -297,3 +304,151 @@ def test_logs_follow_streams_the_file_between_rare_polls(slurm_cluster, tmp_path
     names = [n for _, n in calls(log)]
     # No scontrol: the output path comes from squeue's record (its %j pattern expanded by hpkit).
     assert set(names) == {"squeue"} and len(names) <= took + 2, (names, took)
+
+
+@pytest.mark.slurm_24_11
+def test_status_and_wait_follow_of_a_job_make_one_slurm_call_each_poll(slurm_cluster, tmp_path):
+    """`hpkit status JOB` is one squeue call (the job's files are found from that record, not from scontrol);
+    `hpkit wait JOB --follow` asks nothing but squeue, once per poll."""
+    env = dict(slurm_cluster)
+    script = tmp_path / "job.sh"
+    script.write_text("#!/bin/sh\nsleep 6\necho done-$SLURM_JOB_ID\n")
+    proc = subprocess.run(
+        ["sbatch", "--parsable", "-o", "out-%j.txt", str(script)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    job = proc.stdout.strip()
+    extra, log = counting_path(tmp_path)
+    for args in (["status", job], ["status", job, "--json"], ["status"]):
+        log.write_text("")
+        done = subprocess.run(
+            [sys.executable, "-m", "hpkit", *args],
+            env={**env, **extra},
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        assert [n for _, n in calls(log)] == ["squeue"], (args, log.read_text())
+    log.write_text("")
+    started = time.monotonic()
+    follow = subprocess.run(
+        [sys.executable, "-m", "hpkit", "wait", job, "--follow", "--backend", "cli"],
+        env={**env, **extra},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    took = time.monotonic() - started
+    assert follow.returncode == 0, follow.stderr
+    assert re.match(rf"job {job} \(job.sh\): COMPLETED", follow.stdout.splitlines()[-1]), follow.stdout
+    names = [n for _, n in calls(log)]
+    assert set(names) == {"squeue"} and len(names) <= took + 2, (names, took)
+
+
+# The RPCs a client's query sends to slurmctld, by sdiag's message type (sdiag's own REQUEST_STATS_INFO and the
+# daemons' messages, node registrations and job completions, are other traffic).
+QUERY_RPCS = (
+    "REQUEST_JOB_INFO",
+    "REQUEST_JOB_INFO_SINGLE",
+    "REQUEST_JOB_USER_INFO",
+    "REQUEST_FED_INFO",
+    "REQUEST_PARTITION_INFO",
+    "REQUEST_NODE_INFO",
+    "REQUEST_BUILD_INFO",
+)
+
+
+def rpc_counts(env: dict[str, str]) -> dict[str, int]:
+    """sdiag's "Remote Procedure Call statistics by message type": count by type, since slurmctld started."""
+    out = subprocess.run(["sdiag"], env=env, capture_output=True, text=True, timeout=60, check=True).stdout
+    table = out.split("statistics by message type", 1)[1].split("statistics by user", 1)[0]
+    return {
+        m.group(1): int(m.group(2)) for m in re.finditer(r"^\s*(\w+)\s+\(\s*\d+\)\s+count:(\d+)", table, re.M)
+    }
+
+
+def query_rpcs(before: dict[str, int], after: dict[str, int]) -> int:
+    return sum(after.get(k, 0) - before.get(k, 0) for k in QUERY_RPCS)
+
+
+class OneCallPerJob(CliBackend):
+    """What a poller that asks about each job on its own does (one squeue per job per poll)."""
+
+    def poll(self, job_ids):
+        found = {}
+        for job_id in job_ids:
+            found.update(super().poll([job_id]))
+        return found
+
+
+def waited_rpcs(backend: CliBackend, env: dict[str, str], jobs: list[str], polls: int) -> int:
+    """slurmctld's query RPCs while wait_all polls `polls` times: its clock is virtual (the intervals pass at
+    once, backing off as they would), every poll is a real Slurm call."""
+    now = [0.0]
+
+    def sleep(seconds: float) -> None:
+        now[0] += seconds
+
+    before = rpc_counts(env)
+    # Polls at 0, 1, ..., polls - 1 s (the first 10 s poll each second); then the timeout ends the wait.
+    with pytest.raises(SlurmError, match="still running after"):
+        wait_all(backend, jobs, timeout_s=polls - 1.5, clock=lambda: now[0], sleep=sleep, notify=print)
+    return query_rpcs(before, rpc_counts(env))
+
+
+def _cancel_all(env: dict[str, str]) -> None:
+    """End the jobs while slurmd still runs: stopping the cluster alone leaves running batch shells behind."""
+    subprocess.run(
+        ["scancel", "--full", "--user", str(os.getuid())], env=env, capture_output=True, timeout=60
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True, timeout=60).stdout
+        if not out.strip():
+            return
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize("version", devcluster.SLURM_VERSIONS)
+def test_controller_rpcs_of_a_wait_are_the_same_for_one_job_and_fifty(tmp_path_factory, version):
+    """sdiag's RPC count of `hpkit wait`'s polling over K intervals: 50 jobs cost what 1 job costs. The same
+    measure of one call per job grows 50-fold (it shows the measure can fail). Cheap `sleep` jobs on the
+    module's private cluster (its 100 job ids; the session cluster's are for the other tests).
+
+    22.05: `squeue --json` (every job) is one REQUEST_JOB_INFO a poll, whatever the number. 24.11: `squeue --json
+    --states=all --jobs=a,b,...` is one REQUEST_JOB_INFO for two jobs or more, and for a single job squeue asks
+    for that job alone (REQUEST_FED_INFO + REQUEST_JOB_INFO_SINGLE: two small RPCs, not the whole queue)."""
+    port, first = slot("polling")
+    state = tmp_path_factory.mktemp("rpc-cluster")
+    env = devcluster.client_env(state, port, first, slurm=version)
+    polls = 8
+    with devcluster.running(env):
+        if version != "22.05":  # up.sh links the clients hpkit runs into the 24.11 root; sdiag the same way
+            (state / "bin" / "sdiag").symlink_to(".in-root")
+        work = tmp_path_factory.mktemp("rpc-work")
+        jobs = [sbatch(env, work, 600) for _ in range(50)]  # 4 run, 46 wait: none changes in the window
+        try:
+            hpkit = CliBackend(env)
+            one, two, fifty = (waited_rpcs(hpkit, env, jobs[:n], polls) for n in (1, 2, 50))
+            per_job_one, per_job_fifty = (waited_rpcs(OneCallPerJob(env), env, jobs[:n], 2) for n in (1, 50))
+        finally:
+            _cancel_all(env)
+        print(
+            f"Slurm {version}: slurmctld query RPCs over {polls} polls: hpkit wait 1 job {one}, 2 jobs {two}, "
+            f"50 jobs {fifty}; one call per job over 2 polls: 1 job {per_job_one}, 50 jobs {per_job_fifty}"
+        )
+        # One RPC a poll for many jobs, and a little other traffic; a single job costs one poll's call too.
+        assert polls <= fifty <= polls + 2, fifty
+        assert abs(fifty - two) <= 2, (two, fifty)
+        single = 1 if version == "22.05" else 2
+        assert abs(one - single * polls) <= 2, one
+        assert fifty <= one + 2, (one, fifty)  # 50 jobs never cost more than 1
+        assert per_job_fifty >= 40 * per_job_one, (per_job_one, per_job_fifty)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from test_resilience import TINY_MODEL
 from test_slurm_jobs import hpkit, submit
+from test_slurm_polling import calls, counting_path
 
 from hpkit.jobs.watch import JobWatcher
 from hpkit.slurm import CliBackend, JobState, wait
@@ -54,10 +55,13 @@ def test_status_follow_and_plot_of_a_training_job(slurm_cluster, tmp_path):
         "checkpoint": {"dir": "ckpt-%j", "interval": 25, "keep": 2},
     }
     job_id = submit(spec, workdir, slurm_cluster)
+    # The follower's Slurm calls are logged: its training progress comes from the files that squeue's record
+    # locates, with no scontrol call per poll.
+    extra, follow_log = counting_path(tmp_path)
     follower = subprocess.Popen(
         [sys.executable, "-m", "hpkit", "wait", job_id, "--follow", "--poll", "0.3", "--timeout", "300"],
         cwd=workdir,
-        env=slurm_cluster,
+        env={**slurm_cluster, **extra},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -86,9 +90,14 @@ def test_status_follow_and_plot_of_a_training_job(slurm_cluster, tmp_path):
     # What status saw mid-run is the file's record for that step.
     assert prog.loss == pytest.approx(records[prog.step]["loss"], abs=0)
 
-    # After the end: the last record, the newest committed checkpoint on disk, no restarts.
-    status = hpkit("status", job_id, "--json", cwd=tmp_path, env=slurm_cluster)
+    assert {n for _, n in calls(follow_log)} == {"squeue"}, follow_log.read_text()
+
+    # After the end: the last record, the newest committed checkpoint on disk, no restarts; one Slurm call
+    # (squeue's record names the script and working directory that locate the training files).
+    follow_log.write_text("")
+    status = hpkit("status", job_id, "--json", cwd=tmp_path, env={**slurm_cluster, **extra})
     assert status.returncode == 0, status.stderr
+    assert [n for _, n in calls(follow_log)] == ["squeue"], follow_log.read_text()
     got = json.loads(status.stdout)
     assert got["state"] == "COMPLETED"
     training = got["training"]

@@ -54,6 +54,8 @@ def test_the_fault_line_reads_back() -> None:
     finding = found(job_events.fault_line("hang", 3, 17), rank=3)
     assert (finding.kind, finding.rank, finding.detail) == (FAULT, 3, "hang")
     assert job_events.parse_fault_line(job_events.fault_line("skip", 1, 5)) == ("skip", 1, 5)
+    finding = found(job_events.fault_line("hang_eval", 2, 8, in_eval=True), rank=2)
+    assert (finding.kind, finding.rank, finding.detail) == (FAULT, 2, "hang_eval")
 
 
 def test_the_stopping_line_reads_back() -> None:

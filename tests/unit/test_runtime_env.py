@@ -109,6 +109,37 @@ def test_node_name_is_slurms_else_the_host_name():
     assert node_name({}) == socket.gethostname()
 
 
+def test_in_an_oci_container_the_node_is_slurms_name_for_it_not_the_containers(tmp_path):
+    # An OCI container's host name is the container's own: the hang watchdog named nodes by it, so its verdict
+    # (and culprit_nodes, which the supervisor swaps for spares) named no node of the job.
+    from hpkit.runtime.hang_watchdog import HangWatchdog
+
+    env = {"SLURM_TOPOLOGY_ADDR": "spine1.leaf3.node7", "SLURM_TOPOLOGY_ADDR_PATTERN": "switch.switch.node"}
+    assert node_name(env) == "node7"
+    dotted = {"SLURM_TOPOLOGY_ADDR": "leaf3.ip-10-1-2-3.ec2", "SLURM_TOPOLOGY_ADDR_PATTERN": "switch.node"}
+    assert node_name(dotted) == "ip-10-1-2-3.ec2"  # the pattern counts the switches; the node keeps its dots
+    assert node_name({"SLURM_TOPOLOGY_ADDR": "node7"}) == "node7"  # no topology plugin: the node alone
+    assert node_name({**env, "SLURMD_NODENAME": "node2"}) == "node2"
+    # Slurm 22.05's OCI containers all get one node's environment (measured on the local cluster: node1's
+    # SLURMD_NODENAME, SLURM_TOPOLOGY_ADDR and SLURM_NODEID on node2 too); the host name, one of the job's
+    # nodes, is this node's.
+    stale = {
+        "SLURM_CONTAINER": "/b/hpkit-cpu",
+        "SLURMD_NODENAME": "node1",
+        "SLURM_TOPOLOGY_ADDR": "node1",
+        "SLURM_TOPOLOGY_ADDR_PATTERN": "node",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+    }
+    assert node_name(stale, host="node2") == "node2"
+    assert node_name(stale, host="node2.cluster.internal") == "node2"
+    assert node_name(stale, host="node1") == "node1"
+    # The development cluster's nodes share one host name, which is no node's: Slurm's name stands.
+    assert node_name(stale, host="vm") == "node1"
+    assert node_name({k: v for k, v in stale.items() if k != "SLURM_CONTAINER"}, host="node2") == "node1"
+    watchdog = HangWatchdog(tmp_path / "hangs", 0, 1, 10, 10, env={**env, "HPKIT_WATCH_BOARD": str(tmp_path)})
+    assert watchdog.node == "node7"
+
+
 def test_a_taken_master_port_is_one_line_naming_it(tmp_path):
     """Rank 0 cannot serve the rendezvous store on a port something else holds: one line, no traceback."""
     import os

@@ -6,6 +6,7 @@ there): every shape that hpkit.slurm reads, with the states a job goes through.
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 from pathlib import Path
@@ -177,10 +178,26 @@ def test_the_job_completion_log():
     (killed,) = scan_jobcomp(lines, "jobcomp", "9003")
     assert (killed.state, killed.exit_code, killed.nodes, killed.name) == ("FAILED", "0:9", "node2", "sig")
     first, second = scan_jobcomp(lines, "jobcomp", "9007")
-    assert (first.state, first.restarts) == ("PENDING", None)  # ended by `scontrol requeue`
+    assert (first.state, first.restarts) == ("REQUEUED", None)  # ended by `scontrol requeue` (logged PENDING)
     assert (second.state, second.restarts) == ("CANCELLED", 1)
     (timed_out,) = scan_jobcomp(lines, "jobcomp", "9004")
     assert (timed_out.state, timed_out.time_limit) == ("TIMEOUT", "1")
+
+
+def test_why_reads_a_run_that_24_11_logged_as_pending_as_requeued():
+    # `scontrol requeue` of job 9007: the completion log's line for the run it ended says JobState=PENDING.
+    # `hpkit why` took it for a job still pending ("not ended: PENDING") once slurmctld had forgotten the job.
+    from hpkit.jobs.why import NOT_ENDED, Facts, decide
+    from hpkit.jobs.why_scan import scan_jobcomp
+
+    lines = [
+        line for line in (FIXTURES / "jobcomp.txt").read_text().splitlines() if "JobState=PENDING" in line
+    ]
+    (requeued,) = scan_jobcomp([lines[0]], "jobcomp", "9007")  # the log as it was before the job's next run
+    verdict = decide(Facts("9007", [requeued], []))
+    assert (verdict.kind, verdict.state) == (NOT_ENDED, "REQUEUED")
+    assert verdict.summary.startswith("requeued: Slurm requeued the job's last run"), verdict.summary
+    assert "JobState=PENDING" in verdict.evidence[0].text  # the record it rests on, as Slurm wrote it
 
 
 # --- OCI containers with launcher: srun, by the cluster's version (`sinfo --version` at submit) -------------------
@@ -243,3 +260,159 @@ def test_oci_mpi_launcher_is_refused_by_the_spec() -> None:
 
     with pytest.raises(SpecError, match=r"launcher: mpi cannot run in container.runtime oci"):
         _oci_job("mpi")
+
+
+# --- Preemption: a preempted job that Slurm requeues is neither ended nor failed -------------------------------
+
+
+def _preempted(job_id: str, requeue: bool, shape: str) -> dict:
+    """The captured running job 9005 as the controller lists it once preempted: 24.11's state list, or 22.05's
+    string (data_parser v0.0.38); `requeue` is the job's flag (sbatch --requeue / --no-requeue)."""
+    record = json.loads(json.dumps(records("squeue-active.json")["9005"]))
+    record.update(job_id=int(job_id), requeue=requeue)
+    record["job_state"] = ["PREEMPTED"] if shape == "24.11" else "PREEMPTED"
+    return record
+
+
+def _with_state(record: dict, state: str) -> dict:
+    return {**record, "job_state": [state]}
+
+
+@pytest.mark.parametrize("shape", ["24.11", "22.05"])
+def test_a_preempted_job_that_slurm_requeues_is_not_ended_nor_failed(shape):
+    backend = CliBackend()
+    requeued = backend._from_record(_preempted("9105", True, shape), with_stdout=False)
+    assert requeued.state == JobState.PREEMPTED and requeued.requeued and not requeued.ended
+    assert requeued.summary() == "job 9105 (running): PREEMPTED (requeued), on node2"
+    dropped = backend._from_record(_preempted("9106", False, shape), with_stdout=False)
+    assert dropped.ended and not dropped.requeued
+    assert dropped.summary().startswith("job 9106 (running): PREEMPTED (not requeued), exit code 0")
+
+
+def test_the_scontrol_record_of_a_preempted_job_names_its_requeue_flag():
+    """`scontrol show job -o` of the same preempted job: JobState=PREEMPTED, and Requeue=1 (what squeue's JSON
+    calls `requeue`), read by the same parser as every scontrol record."""
+    line = (FIXTURES / "scontrol-show-job-signaled.txt").read_text().strip()
+    line = line.replace("JobState=FAILED", "JobState=PREEMPTED").replace("Restarts=0", "Restarts=1")
+    fields = parse_scontrol_record(line)
+    assert JobState.parse(fields["JobState"]) == JobState.PREEMPTED
+    assert fields["Requeue"] in ("0", "1") and fields["Restarts"] == "1"
+
+
+class SqueueSequence(FakeSlurm):
+    """squeue answering one captured-shape document per call, in order (the last one repeats)."""
+
+    def __init__(self, documents: list[list[dict]]):
+        super().__init__(None)
+        self.documents = documents
+
+    def __call__(self, args, env=None, check=True):
+        if args[0] == "squeue":
+            self.calls.append(args)
+            jobs = self.documents[min(len(self.squeues()) - 1, len(self.documents) - 1)]
+            meta = json.loads((FIXTURES / "squeue-active.json").read_text())["meta"]
+            return subprocess.CompletedProcess(
+                args, 0, json.dumps({"meta": meta, "jobs": jobs, "errors": []}), ""
+            )
+        return super().__call__(args, env, check)
+
+    def squeues(self) -> list[list[str]]:
+        return [c for c in self.calls if c[0] == "squeue"]
+
+
+class VirtualTime:
+    """wait_all's clock and sleep: time moves only when it sleeps (no wall clock in unit tests)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def clock(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_wait_waits_on_through_a_requeued_preemption(monkeypatch):
+    """PREEMPTED (requeued) -> PENDING -> RUNNING -> COMPLETED: wait returns the completion, exit status 0."""
+    from hpkit.jobs.watch import exit_status
+
+    preempted = _preempted("9105", True, "24.11")
+    fake = SqueueSequence(
+        [[_with_state(preempted, state)] for state in ("PREEMPTED", "PENDING", "RUNNING", "COMPLETED")]
+    )
+    monkeypatch.setattr(slurm, "_run", fake)
+    time = VirtualTime()
+    seen: list[str] = []
+    done = slurm.wait_all(
+        CliBackend(),
+        ["9105"],
+        on_change=lambda info, _t: seen.append(info.state_text),
+        clock=time.clock,
+        sleep=time.sleep,
+    )
+    assert seen == ["PREEMPTED (requeued)", "PENDING", "RUNNING", "COMPLETED"]
+    assert done["9105"].state == JobState.COMPLETED and exit_status(done) == 0
+    assert len(fake.squeues()) == 4  # one call per poll
+
+
+def test_wait_ends_on_a_preemption_without_requeue_and_says_so(monkeypatch):
+    fake = SqueueSequence([[_preempted("9106", False, "24.11")]])
+    monkeypatch.setattr(slurm, "_run", fake)
+    time = VirtualTime()
+    done = slurm.wait_all(CliBackend(), ["9106"], clock=time.clock, sleep=time.sleep)
+    assert done["9106"].state_text == "PREEMPTED (not requeued)" and len(fake.squeues()) == 1
+
+
+def test_the_status_table_shows_a_requeued_preemption():
+    from hpkit.status_table import format_table
+
+    job = CliBackend()._from_record(_preempted("9105", True, "24.11"), with_stdout=False)
+    _header, row = format_table([job], now=job.start_time + 100).splitlines()
+    assert row.split()[:4] == ["9105", "running", "PREEMPTED", "(requeued)"] and "FAILED" not in row
+
+
+def test_the_wait_interval_grows_while_nothing_changes_and_resets_on_a_change(monkeypatch):
+    """Two jobs pending for 40 s, then one ends: polls 1 s apart for 10 s, then 2 s; the end resets to 1 s."""
+    first = _with_state(_preempted("9201", True, "24.11"), "PENDING")
+    second = _with_state(_preempted("9202", True, "24.11"), "PENDING")
+    both = [first, second]
+    fake = SqueueSequence([both] * 24 + [[_with_state(first, "COMPLETED"), second], [second]])
+    monkeypatch.setattr(slurm, "_run", fake)
+    time = VirtualTime()
+    polls: list[float] = []
+    real_poll = CliBackend.poll
+
+    def poll(self, job_ids):
+        polls.append(time.now)
+        return real_poll(self, job_ids)
+
+    monkeypatch.setattr(CliBackend, "poll", poll)
+    with pytest.raises(slurm.SlurmError, match="still running after 50 s: 9202 PENDING"):
+        slurm.wait_all(CliBackend(), ["9201", "9202"], timeout_s=50, clock=time.clock, sleep=time.sleep)
+    gaps = [round(b - a, 1) for a, b in itertools.pairwise(polls)]
+    assert gaps[:10] == [1.0] * 10 and set(gaps[10:23]) == {2.0}
+    ended = 24  # the 25th poll sees 9201 completed: the next gap is 1 s again
+    assert gaps[ended] == 1.0, gaps
+    # One squeue call per poll for both jobs.
+    assert len(fake.squeues()) == len(polls)
+
+
+def test_a_polls_records_locate_a_jobs_files_without_a_second_call(monkeypatch):
+    """polled_fields: the last poll's squeue record in scontrol's words; (True, None) for a job that poll found
+    forgotten; (False, None) for one it did not ask about (the caller then asks scontrol)."""
+    fake = FakeSlurm((FIXTURES / "squeue-states-all.json").read_text())
+    monkeypatch.setattr(slurm, "_run", fake)
+    monkeypatch.setattr(CliBackend, "_from_sacct", lambda self, job_ids: {})
+    backend = CliBackend()
+    backend.poll(["9000", "99999"])
+    calls = len(fake.calls)
+    asked, fields = slurm.polled_fields(backend, "9000")
+    assert asked and fields == {
+        "Command": "/work/main/logs/demo-20261127-130517-18c4.sbatch",
+        "WorkDir": "/work/main",
+        "Restarts": "0",
+    }
+    assert slurm.polled_fields(backend, "99999") == (True, None)
+    assert slurm.polled_fields(backend, "9001") == (False, None)
+    assert len(fake.calls) == calls  # read from the poll, not asked again

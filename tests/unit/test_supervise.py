@@ -33,6 +33,9 @@ class StepScript:
     tasks: list[TaskExit] = field(default_factory=list)
     on_start: Callable[[int], None] | None = None  # given the attempt; e.g. writes a hang verdict
     exit_on_usr1: int | None = None  # exits with this once it gets USR1
+    # After this many polls its `ranks` ranks have installed their signal handlers and say so, as hpkit train's do
+    ready_after: int | None = None
+    ranks: int = 2
 
 
 class FakeStep:
@@ -40,10 +43,17 @@ class FakeStep:
         self.script, self.cluster = script, cluster
         self.polls = script.polls
         self.signals: list[int] = []
+        self.signalled_after: list[int] = []  # how many polls the step had run at each signal
         self.status: int | None = None
+        self.env: dict[str, str] = {}
 
     def poll(self) -> int | None:
         if self.status is None:
+            if self.script.polls - self.polls == self.script.ready_after:
+                from hpkit.supervise.ready import announce
+
+                for rank in range(self.script.ranks):
+                    announce(self.env, rank, self.script.ranks)
             self.polls -= 1
             if self.polls <= 0:
                 self.status = self.script.exit
@@ -57,6 +67,7 @@ class FakeStep:
 
     def signal(self, signum: int) -> None:
         self.signals.append(signum)
+        self.signalled_after.append(self.script.polls - self.polls)
         if signum == signal.SIGUSR1 and self.script.exit_on_usr1 is not None:
             self.polls, self.script.exit = 1, self.script.exit_on_usr1
 
@@ -83,6 +94,7 @@ class FakeCluster:
 
     def start_step(self, srun_args: Sequence[str], env: Mapping[str, str]) -> FakeStep:
         step = FakeStep(self.scripts.pop(0), self)
+        step.env = dict(env)
         self.started.append((list(srun_args), dict(env), step))
         if step.script.on_start is not None:
             step.script.on_start(int(env["HPKIT_STEP_ATTEMPT"]))
@@ -546,3 +558,25 @@ def test_the_watch_store_is_served_for_hpkit_train_under_srun_and_mpi(launcher, 
 
     spec = parse_document(JobSpec, {"name": "w", "launcher": launcher, "command": command})
     assert Plan.from_json(supervise_plan(spec)).watch_store is serves
+
+
+def test_a_pending_usr1_is_held_until_every_rank_has_installed_its_handler(tmp_path):
+    # USR1 came before the step started: passed at once, it killed ranks still setting up (its default action).
+    # hpkit train's ranks say when their handlers are in place; the supervisor passes it then, once.
+    flag = tmp_path / "usr1"
+    flag.touch()
+    cluster = FakeCluster([StepScript(exit=0, polls=50, exit_on_usr1=0, ready_after=3)])
+    out = supervise(tmp_path, cluster, usr1_flag=flag, requeue_on_failure=False, ranks_ready=True)
+    step = cluster.started[0][2]
+    assert step.signals == [signal.SIGUSR1] and step.signalled_after == [
+        4
+    ]  # polled after the 3rd poll's announce
+    assert "hpkit: USR1 held until the step's ranks have installed their signal handlers" in out.lines
+    assert of(out, ev.REQUEUE)[0]["reason"] == "usr1"
+    ready = Path(step.env["HPKIT_READY_DIR"])
+    assert ready.parent == tmp_path / "logs" / ".ready" and not ready.exists()  # removed once the step ended
+    # A step whose ranks never get there (they fail setting up) ends without the signal, and the job requeues.
+    flag.touch()
+    cluster = FakeCluster([StepScript(exit=1, polls=5)])
+    out = supervise(tmp_path, cluster, usr1_flag=flag, requeue_on_failure=False, ranks_ready=True)
+    assert cluster.started[0][2].signals == [] and of(out, ev.REQUEUE)[0]["reason"] == "usr1"

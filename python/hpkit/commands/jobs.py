@@ -42,7 +42,7 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
             "--poll",
             type=float,
             default=1.0,
-            help="seconds between the first polls (default 1; then 2, 5, 10)",
+            help="seconds between the first polls (default 1; then 2, 5, 10 while no job changes state)",
         )
         parser.add_argument(
             "--outage-timeout",
@@ -198,7 +198,7 @@ def _logs(args: argparse.Namespace) -> int:
 
     follower = LogFollower()
     follower.remember(info)
-    if not info.state.finished:
+    if not info.ended:  # a preempted job that Slurm requeues writes more
         # The same polling as `hpkit wait` (one call per poll, backing off, riding out controller
         # restarts); the file is read every half second in between.
         info = wait(backend, args.job_id, on_poll=follower.remember, on_tick=follower.pump_last)

@@ -43,8 +43,11 @@ class ControllerRecord:
     restarts: int
 
 
-def controller_record(job_id: str, env: Mapping[str, str] | None = None) -> ControllerRecord | None:
-    fields = job_record(job_id, env)
+def controller_record(
+    job_id: str, env: Mapping[str, str] | None = None, fields: Mapping[str, str] | None = None
+) -> ControllerRecord | None:
+    """From `fields` (the controller's record in scontrol's words) when given, else from scontrol."""
+    fields = job_record(job_id, env) if fields is None else fields
     if fields is None:
         return None
     restarts = fields.get("Restarts", "0")
@@ -98,12 +101,23 @@ def files_for(job_id: str, spec_path: Path, workdir: Path, slurm_restarts: int =
     )
 
 
-def locate(job_id: str, env: Mapping[str, str] | None = None, name: str | None = None) -> JobFiles | None:
+def locate(
+    job_id: str,
+    env: Mapping[str, str] | None = None,
+    name: str | None = None,
+    polled: tuple[bool, Mapping[str, str] | None] = (False, None),
+) -> JobFiles | None:
     """The job's training files, or None for a job that is not an hpkit training job (or is forgotten).
 
     The controller's record first; once it has forgotten the job, the note `hpkit submit` left (for a job
-    named `name`, where the caller knows Slurm's name for it)."""
-    record = controller_record(job_id, env) or _noted(job_id, name)
+    named `name`, where the caller knows Slurm's name for it). `polled` (hpkit.slurm.polled_fields): what
+    the caller's own poll just had from the controller, so that scontrol is not asked again."""
+    asked, fields = polled
+    if asked:  # None: the poll found the controller had forgotten the job
+        record = controller_record(job_id, env, fields) if fields is not None else None
+    else:
+        record = controller_record(job_id, env)
+    record = record or _noted(job_id, name)
     if record is None or record.script is None or record.workdir is None:
         return None
     spec = spec_of_script(record.script)

@@ -14,7 +14,16 @@ from hpkit.errors import SlurmError
 from hpkit.jobs.files import JobFiles, locate
 from hpkit.metrics_file import MetricsReader
 from hpkit.progress import Progress, progress
-from hpkit.slurm import OUTAGE_LIMIT_S, Backend, JobInfo, JobState, print_progress, wait, wait_all
+from hpkit.slurm import (
+    OUTAGE_LIMIT_S,
+    Backend,
+    JobInfo,
+    JobState,
+    polled_fields,
+    print_progress,
+    wait,
+    wait_all,
+)
 
 
 class JobWatcher:
@@ -30,11 +39,12 @@ class JobWatcher:
         self, info: JobInfo | None = None, *, locate_files: bool = True
     ) -> tuple[JobInfo, Progress | None]:
         """Slurm's record (or `info`, already polled) and the progress; `locate_files=False` only re-reads the
-        metrics file, asking the controller nothing."""
+        metrics file, asking the controller nothing. The files are found from the same poll's record: one
+        Slurm call in all (the CLI backend)."""
         info = info or self.backend.info(self.job_id)
         if locate_files:
             try:
-                located = locate(self.job_id, name=info.name)
+                located = locate(self.job_id, name=info.name, polled=polled_fields(self.backend, self.job_id))
             except SlurmError:  # the controller did not answer: keep what it said last
                 located = None
             if located is not None:
@@ -194,6 +204,7 @@ def wait_for(
 
 
 def exit_status(infos: dict[str, JobInfo]) -> int:
-    """0 when every job completed, else the first failed job's exit code (1 when it has none)."""
+    """0 when every job completed, else the exit code of the first that did not (1 when it has none): failed,
+    cancelled, or preempted without a requeue. A requeued preemption is never here: wait_all waits on."""
     failed = [i for i in infos.values() if i.state != JobState.COMPLETED]
     return failed[0].exit_code or 1 if failed else 0

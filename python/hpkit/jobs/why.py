@@ -75,6 +75,8 @@ TRAIN_DONE = "train_done"  # "hpkit train: done ..." or the metrics file's end r
 TRAIN_STOPPED = "train_stopped"  # "hpkit train: stopping at step N on signal S"
 LAST_STEP = "last_step"  # the metrics file's last step record
 
+# Slurm's state of a run that a requeue ended (sacct's; the completion log of 24.11 writes PENDING: why_scan).
+REQUEUED_STATE = "REQUEUED"
 ENDED_STATES = {
     "COMPLETED",
     "FAILED",
@@ -255,6 +257,13 @@ def _decide(facts: Facts, record: SlurmRecord | None, found: _Found, name_of: Ca
         return _completed(record, found)
     if state is not None and state not in ENDED_STATES:
         requeued = found.first(REQUEUE, PREEMPT_RECORD, NODE_LOST, REQUEUED_AFTER_NODE)
+        if requeued is None and state == REQUEUED_STATE:
+            # Nothing read says why (an admin's `scontrol requeue`, say): the record alone, not a pending run.
+            return _Call(
+                NOT_ENDED,
+                "requeued: Slurm requeued the job's last run (`scontrol requeue`, or a requeue on failure); "
+                "no later run has ended",
+            )
         if requeued is None or state == "RUNNING":
             where = f" on {record.nodes}" if record and record.nodes and state == "RUNNING" else ""
             return _Call(NOT_ENDED, f"not ended: {state}{where}")

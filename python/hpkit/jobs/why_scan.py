@@ -40,6 +40,7 @@ from hpkit.jobs.why import (
     PROGRAM_FAILED,
     REQUEUE,
     REQUEUED_AFTER_NODE,
+    REQUEUED_STATE,
     RUN_START,
     TASK_FAILED,
     TIME_LIMIT_RECORD,
@@ -314,10 +315,15 @@ def scan_jobcomp(lines: Iterable[str], source: str, job_id: str) -> list[SlurmRe
         if raw.startswith(prefix):
             line = raw.rstrip("\r\n")
             fields = parse_scontrol_record(line)
+            state = fields.get("JobState", "").split()[0] if fields.get("JobState") else ""
+            if state == "PENDING":
+                # A line is written when a run ends; for a run ended by a requeue (`scontrol requeue`) Slurm
+                # 24.11 writes the job's new state, PENDING. The run itself was requeued (sacct's REQUEUED).
+                state = REQUEUED_STATE
             records.append(
                 SlurmRecord(
                     source=source,
-                    state=fields.get("JobState", "").split()[0] if fields.get("JobState") else "",
+                    state=state,
                     exit_code=fields.get("ExitCode", ""),
                     time_limit=fields.get("TimeLimit", ""),
                     end=fields.get("EndTime", ""),

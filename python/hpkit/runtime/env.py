@@ -18,6 +18,7 @@ from typing import Any
 
 from hpkit.errors import HpkitError
 from hpkit.rendezvous import DEFAULT_PORT, port_for_job, socket_ifname_env
+from hpkit.topology import expand
 
 SCONTROL_TIMEOUT_S = 20
 
@@ -41,11 +42,31 @@ class LaunchEnv:
         return self.rank == 0
 
 
-def node_name(env: Mapping[str, str] | None = None) -> str:
+def node_name(env: Mapping[str, str] | None = None, host: str | None = None) -> str:
     """The node this process runs on, as Slurm names it; the host name outside Slurm. (Nodes of one
-    host, as in the development cluster, share a host name but not a Slurm name.)"""
+    host, as in the development cluster, share a host name but not a Slurm name.)
+
+    In a Slurm OCI container (SLURM_CONTAINER) Slurm 22.05 hands every node's container the same environment
+    (measured: SLURMD_NODENAME, SLURM_TOPOLOGY_ADDR and SLURM_NODEID of one node on both nodes of a job; 24.11
+    gives each its own): there, a host name that is another of the job's nodes is this node's name (hpkit's
+    bundles share the host's name). Else SLURMD_NODENAME, else the node that ends SLURM_TOPOLOGY_ADDR (the
+    switches above it, then the node, joined by dots as SLURM_TOPOLOGY_ADDR_PATTERN says), else the host name."""
     env = os.environ if env is None else env
-    return env.get("SLURMD_NODENAME") or socket.gethostname()
+    host = socket.gethostname() if host is None else host
+    named = env.get("SLURMD_NODENAME", "")
+    if env.get("SLURM_CONTAINER") and host != named:
+        nodes = expand(env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "")
+        short = host.split(".", 1)[0]
+        if host in nodes or short in nodes:
+            return host if host in nodes else short
+    if named:
+        return named
+    addr = env.get("SLURM_TOPOLOGY_ADDR", "")
+    if addr:
+        # The pattern ("switch.switch.node") counts the parts: a node name may itself hold dots.
+        pattern = env.get("SLURM_TOPOLOGY_ADDR_PATTERN", "")
+        return addr.split(".", pattern.count("."))[-1] if pattern else addr.rsplit(".", 1)[-1]
+    return host
 
 
 def _int(env: Mapping[str, str], name: str) -> int:

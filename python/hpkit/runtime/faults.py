@@ -10,6 +10,8 @@ and torchft's injectors do). Off unless the variable is set.
                                                that leaves out a collective: the others wait in it, it goes on)
     HPKIT_FAULT="stop:rank=1,step=12"          rank 1 sends itself SIGSTOP before step 12: every thread of it
                                                stops, its watchdog's too (a stopped process, or a frozen host)
+    HPKIT_FAULT="hang_eval:rank=1,step=4"      rank 1 sleeps in Python as the validation after step 4 begins
+                                               (the others wait in its collectives, in phase "eval")
 
 `HPKIT_FAULT_LOG=FILE` appends one JSON line per fault fired (`{"kind", "rank", "step", "at", "pid", "node"}`,
 `at` in Unix seconds, taken just before the fault acts; a slow save writes one per rank and save): the drills measure
@@ -24,17 +26,17 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from hpkit.job_events import FAULT_ENV, fault_line
+from hpkit.runtime.env import node_name
 
 ENV = FAULT_ENV  # the fault line names it
 LOG_ENV = "HPKIT_FAULT_LOG"
-KINDS = ("hang", "slow_save", "exit", "skip", "stop")
+KINDS = ("hang", "slow_save", "exit", "skip", "stop", "hang_eval")
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,15 @@ class Fault:
         while True:  # a rank stuck in Python: it never reaches the step's collectives
             time.sleep(3600)
 
+    def before_eval(self, rank: int, step: int) -> None:
+        """Called as a validation begins, inside its phase: hang_eval is a rank stuck in Python there."""
+        if self.kind != "hang_eval" or self.step != step or not self._armed(rank):
+            return
+        print(fault_line(self.kind, rank, step, in_eval=True), file=sys.stderr, flush=True)
+        _log(self.kind, rank, step)
+        while True:
+            time.sleep(3600)
+
     def before_save(self, rank: int, step: int) -> None:
         """Called by every save that will write (in-loop, on a signal, final), inside the save phase."""
         if self.kind != "slow_save" or self.step not in (None, step) or not self._armed(rank):
@@ -99,7 +110,7 @@ def _log(kind: str, rank: int, step: int) -> None:
     path = os.environ.get(LOG_ENV)
     if path:
         with open(path, "a", encoding="utf-8") as f:
-            node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+            node = node_name()
             record = {
                 "kind": kind,
                 "rank": rank,

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from hpkit.runtime.hang_board import Freshness, pause
-from hpkit.runtime.hang_rules import STALE_S, RankView, Verdict, decide
+from hpkit.runtime.hang_rules import STALE_S, NodeAggregate, RankView, Verdict, decide_nodes
 
 STANDBYS = 2
 VERDICT_MARK = "V"
@@ -51,7 +51,7 @@ def judge_line(nodes: int) -> list[int]:
 
 
 # A rank's entry in a node summary, compact: the judge reads thousands a second.
-# [rank, pid, step, since_step_s, phase, age_s, median_step_s, collectives, groups]
+# [rank, pid, step, since_step_s, phase, age_s, median_step_s, collectives, groups, eval_rounds]
 def summarize(
     node: str, index: int, seq: int, reports: dict[int, dict[str, Any]], ages: dict[int, float]
 ) -> str:
@@ -70,22 +70,57 @@ def summarize(
                 rep.get("median_step_s"),
                 rep.get("collectives", 0),
                 _aged_groups(rep.get("groups") or {}, age),
+                rep.get("eval_rounds", 0),
             ]
         )
-    # A header line the judge reads every second, then the ranks, which it reads only once the job may be
-    # stalled: parsing 16k ranks a second would cost the judge's rank most of a 100 ms budget.
+    # A header line the judge reads every second, the node's aggregate, which it reads once the job may be
+    # stalled, then the ranks, which it reads only for the nodes that matter then (a node with a late or
+    # stopped rank; every node when the live ranks' collectives are compared): parsing 16k ranks costs the
+    # judge's rank more than a 100 ms budget.
     newest = min((entry[3] for entry in ranks), default=0.0)
     header = {"node": node, "index": index, "seq": seq, "newest_step_s": newest}
-    return json.dumps(header, separators=(",", ":")) + "\n" + json.dumps(ranks, separators=(",", ":"))
+    phases: dict[str, float] = {}
+    for entry in ranks:
+        phases[entry[4]] = min(phases.get(entry[4], entry[3]), entry[3])
+    aggregate = {
+        "ranks": [entry[0] for entry in ranks],
+        "medians": [entry[6] for entry in ranks if entry[6]],
+        "oldest_age_s": max((entry[5] for entry in ranks), default=0.0),
+        "least_step": min((entry[2] for entry in ranks), default=0),
+        "phases": phases,
+        "eval_rounds": max((entry[9] for entry in ranks), default=0),
+    }
+    return "\n".join(json.dumps(part, separators=(",", ":")) for part in (header, aggregate, ranks))
+
+
+# Parses one JSON value from a position and says where it ended: a summary's lines are read one at a time,
+# without splitting the text (json.loads adds a copy and a whitespace scan per call, thousands a second).
+_decode = json.JSONDecoder().raw_decode
 
 
 def parse_summary(text: str, ranks: bool = True) -> dict[str, Any]:
     """A node summary: its header, and its ranks (`ranks` False: the header alone, which is cheap)."""
-    head, _, body = text.partition("\n")
-    summary = json.loads(head)
+    summary, end = _decode(text)
     if ranks:
-        summary["ranks"] = json.loads(body) if body else []
+        end = _decode(text, end + 1)[1] if end < len(text) else end
+        summary["ranks"] = _decode(text, end + 1)[0] if end < len(text) else []
     return summary
+
+
+def node_aggregate(header: dict[str, Any], text: str, summary_age: float) -> NodeAggregate:
+    """The aggregate in a node summary (`header`: its header, parsed) as the judge sees it, `summary_age` after
+    the leader sent it."""
+    agg = _decode(text, text.index("\n") + 1)[0]
+    return NodeAggregate(
+        node=str(header["node"]),
+        ranks=agg["ranks"],
+        medians=agg["medians"],
+        oldest_age_s=float(agg["oldest_age_s"]) + summary_age,
+        newest_step_s=float(header["newest_step_s"]) + summary_age,
+        least_step=int(agg["least_step"]),
+        phases={phase: float(since) + summary_age for phase, since in agg["phases"].items()},
+        eval_rounds=int(agg["eval_rounds"]),
+    )
 
 
 def _aged_groups(groups: dict[str, list[Any]], age: float) -> dict[str, list[Any]]:
@@ -97,7 +132,7 @@ def _aged_groups(groups: dict[str, list[Any]], age: float) -> dict[str, list[Any
 def views(summary: dict[str, Any], summary_age: float) -> list[RankView]:
     """The ranks of one node summary as the judge sees them, `summary_age` after the leader sent it."""
     out = []
-    for rank, pid, step, since, phase, age, median, collectives, groups in summary["ranks"]:
+    for rank, pid, step, since, phase, age, median, collectives, groups, eval_rounds in summary["ranks"]:
         out.append(
             RankView(
                 rank=int(rank),
@@ -111,6 +146,7 @@ def views(summary: dict[str, Any], summary_age: float) -> list[RankView]:
                 collectives=int(collectives),
                 groups=groups or {},
                 groups_age_s=summary_age,
+                eval_rounds=int(eval_rounds),
             )
         )
     return out
@@ -137,7 +173,7 @@ class Judge:
             self._all_seen = True
         raw = store.multi_get(keys)
         started = time.perf_counter()
-        texts, ages, newest = [], [], float("inf")
+        texts, headers, ages, newest = [], [], [], float("inf")
         for value in raw:
             text = value.decode() if isinstance(value, bytes) else str(value)
             if text.startswith(VERDICT_MARK):
@@ -145,15 +181,21 @@ class Judge:
             header = parse_summary(text, ranks=False)
             age = self.fresh.see(header["index"], header["seq"])
             texts.append(text)
+            headers.append(header)
             ages.append(age)
             newest = min(newest, float(header.get("newest_step_s", 0.0)) + age)
         verdict = None
         # Some rank finished a step within min_s (the smallest limit there is): not stalled, whatever the rest.
         if newest >= self.min_s:
-            seen: list[RankView] = []
-            for text, age in zip(texts, ages, strict=True):
-                seen.extend(views(parse_summary(text), age))
-            verdict = decide(seen, self.min_s, self.factor, self.world, self.start_s)
+            unpacked: dict[int, list[RankView]] = {}
+
+            def unpack(i: int) -> list[RankView]:
+                if i not in unpacked:
+                    unpacked[i] = views(parse_summary(texts[i]), ages[i])
+                return unpacked[i]
+
+            nodes = [node_aggregate(*parts) for parts in zip(headers, texts, ages, strict=True)]
+            verdict = decide_nodes(nodes, unpack, self.min_s, self.factor, self.world, self.start_s)
         self.last_decision_s = time.perf_counter() - started
         return verdict
 

@@ -5,7 +5,8 @@ travelled (the rank's own clock, then its node leader's, then the judge's): no w
 ever compared with another host's, so nodes whose clocks disagree by minutes are judged the same.
 
 - stalled: no rank has finished a step for `max(min_s, factor x median step time)`; a live rank in a checkpoint
-  save or in the start-up load (first step included) holds the clock, since those are long by design; no
+  save or in the start-up load (first step included) holds the clock, since those are long by design; a live
+  rank in a validation holds it for as long as the validation's own length allows (`eval_limit_s`); no
   verdict while some rank's report is between fresh and stale (`LATE_S`..`STALE_S` old: it may be freezing);
   a rank silent for the whole limit is judged whatever the phase (the others wait for it in the save);
   ranks are compared once every rank has reported, but a rank that reported and stopped is named before that;
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +50,7 @@ class RankView:
     pid: int
     step: int  # steps finished
     since_step_s: float  # since its last step ended (or its watchdog started)
-    phase: str  # "start", "step", "save"
+    phase: str  # "start", "step", "save", "eval"
     age_s: float  # since its report was last seen changing
     median_step_s: float | None = None
     collectives: int = 0
@@ -57,6 +59,7 @@ class RankView:
     # Seconds to add to each op's age: how old the report is (kept apart so that a judge reading thousands of
     # ranks does not rebuild every rank's groups)
     groups_age_s: float = 0.0
+    eval_rounds: int = 0  # the batches this rank runs in a validation (0: no validation)
 
     @property
     def live(self) -> bool:
@@ -129,42 +132,117 @@ def threshold_s(medians: list[float], min_s: float, factor: float) -> float:
     return max(min_s, factor * statistics.median(medians)) if medians else min_s
 
 
+def eval_limit_s(medians: list[float], min_s: float, factor: float, start_s: float, rounds: int) -> float:
+    """How long a validation of `rounds` batches may take: as long as that many steps are allowed (each batch is
+    one forward, less than a step's forward and backward), or start_s before any step time is known."""
+    if not medians:
+        return start_s
+    return max(min_s, factor * statistics.median(medians) * max(1, rounds))
+
+
+@dataclass
+class NodeAggregate:
+    """One node's ranks in a few figures, enough to decide whether the job is stalled and which nodes to look
+    into: a judge reading thousands of ranks unpacks the per-rank views only of the nodes where a rank may be
+    late or stopped, or of every node when the live ranks must be compared."""
+
+    node: str
+    ranks: list[int]
+    medians: list[float]  # the ranks' median step times that are known (a threshold is a median of them all)
+    oldest_age_s: float  # the oldest report's age
+    newest_step_s: float  # since_step_s of the rank that finished a step last
+    least_step: int  # the fewest steps a rank finished
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> the least since_step_s of its ranks
+    eval_rounds: int = 0  # the most batches a rank of it runs in a validation
+
+    def fresh(self) -> bool:
+        """Every rank's report is fresh: none is late or stopped, so its views add nothing but their count."""
+        return self.oldest_age_s < LATE_S
+
+
+def aggregate(views: list[RankView]) -> NodeAggregate:
+    """The aggregate of one node's views (the judge gets it ready-made in each node's summary)."""
+    phases: dict[str, float] = {}
+    for v in views:
+        phases[v.phase] = min(phases.get(v.phase, v.since_step_s), v.since_step_s)
+    return NodeAggregate(
+        node=views[0].node if views else "",
+        ranks=[v.rank for v in views],
+        medians=[v.median_step_s for v in views if v.median_step_s],
+        oldest_age_s=max((v.age_s for v in views), default=0.0),
+        newest_step_s=min((v.since_step_s for v in views), default=float("inf")),
+        least_step=min((v.step for v in views), default=0),
+        phases=phases,
+        eval_rounds=max((v.eval_rounds for v in views), default=0),
+    )
+
+
 def decide(
     views: list[RankView], min_s: float, factor: float, world: int, start_s: float = 600.0
 ) -> Verdict | None:
     """A verdict when the job is stalled, else None."""
-    limit = threshold_s([v.median_step_s for v in views if v.median_step_s], min_s, factor)
+    by_node: dict[str, list[RankView]] = {}
+    for v in views:
+        by_node.setdefault(v.node, []).append(v)
+    groups = list(by_node.values())
+    return decide_nodes([aggregate(g) for g in groups], groups.__getitem__, min_s, factor, world, start_s)
+
+
+def decide_nodes(
+    nodes: list[NodeAggregate],
+    unpack: Callable[[int], list[RankView]],
+    min_s: float,
+    factor: float,
+    world: int,
+    start_s: float = 600.0,
+) -> Verdict | None:
+    """`decide` from the nodes' aggregates, calling `unpack(i)` for node i's views only where they matter: the
+    nodes that may hold a late or stopped rank once the job looks stalled, and every node when the live ranks'
+    collectives are compared. The verdict is the one `decide` gives on every view."""
+    medians = [m for n in nodes for m in n.medians]
+    limit = threshold_s(medians, min_s, factor)
     # Not every rank has reported yet (a node's first summary may precede its last ranks' first reports): nothing
     # to compare, but a rank that reported and then stopped is named all the same.
-    complete = len(views) >= world
-    if not complete and all(v.live for v in views):
+    complete = sum(len(n.ranks) for n in nodes) >= world
+    oldest = max((n.oldest_age_s for n in nodes), default=0.0)
+    if not complete and oldest < STALE_S:
         return None
+    stalled = min((n.newest_step_s for n in nodes), default=float("inf"))
+    if stalled < limit:
+        return None  # the running job's round: decided from the aggregates alone
+    fresh = [n for n in nodes if n.fresh()]
+    looked = [v for i, n in enumerate(nodes) if not n.fresh() for v in unpack(i)]
+    if any(LATE_S <= v.age_s < STALE_S for v in looked):
+        return None  # a rank may be freezing right now: judge once its report is fresh again or stale
+    live = [v for v in looked if v.live]  # and every rank of a fresh node
     # Only the live ranks' phases count: a rank that stopped inside a save would otherwise hold the clock
     # for ever (it is the culprit, not a reason to wait). And none counts once a rank has been silent for the
     # whole limit: its live peers wait for it in the save's (or the first step's) collectives, still saying
     # "save", and would hold the clock until the collective timeout ended the job with no one named.
-    live = [v for v in views if v.live]
-    if not any(v.age_s >= limit for v in views):
-        if any(v.phase == "save" for v in live):
+    if oldest < limit:
+        if any("save" in n.phases for n in fresh) or any(v.phase == "save" for v in live):
             return None  # a checkpoint save is long by design (and ends in a collective the others wait in)
-        if any(v.phase == "start" and v.since_step_s < start_s for v in live):
+        if any(n.phases.get("start", start_s) < start_s for n in fresh) or any(
+            v.phase == "start" and v.since_step_s < start_s for v in live
+        ):
             return None  # the start-up load and first step: allowed start_s
-    stalled = min(v.since_step_s for v in views)
-    if stalled < limit:
-        return None
-    if any(LATE_S <= v.age_s < STALE_S for v in views):
-        return None  # a rank may be freezing right now: judge once its report is fresh again or stale
+        allowed = eval_limit_s(medians, min_s, factor, start_s, max(n.eval_rounds for n in nodes))
+        if any(n.phases.get("eval", allowed) < allowed for n in fresh) or any(
+            v.phase == "eval" and v.since_step_s < allowed for v in live
+        ):
+            return None  # a validation: allowed its own length, then judged (a rank stuck in it is named)
     # The step the live ranks are held in: a stopped rank's last report may be many steps old (its node's first
     # summary, sent before step 1, for a rank that stopped within a second).
-    step = min(v.step for v in (live or views))
-    nodes = {v.rank: v.node for v in views}
-    stopped = sorted(v.rank for v in views if not v.live)
+    held = [n.least_step for n in fresh] + [v.step for v in live]
+    step = min(held) if held else min(v.step for v in looked)
+    where = {r: n.node for n in nodes for r in n.ranks}
+    stopped = sorted(v.rank for v in looked if not v.live)
     if stopped:
-        return Verdict(step, stalled, limit, stopped, "stopped", nodes, {})
+        return Verdict(step, stalled, limit, stopped, "stopped", where, {})
     if not complete:
         return None
-    culprits, reason, group = blame(views)
-    return Verdict(step, stalled, limit, culprits, reason, nodes, {}, group)
+    culprits, reason, group = blame([v for i in range(len(nodes)) for v in unpack(i)])
+    return Verdict(step, stalled, limit, culprits, reason, where, {}, group)
 
 
 def blame(views: list[RankView]) -> tuple[list[int], str, str]:

@@ -34,7 +34,6 @@ import json
 import math
 import os
 import signal
-import socket
 import statistics
 import sys
 import threading
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpkit.job_events import CULPRIT_NODES, HANG_EXIT, VERDICT, hang_attempt, hang_folder, hang_line
+from hpkit.runtime.env import node_name
 from hpkit.runtime.hang_board import Freshness, NodeBoard, board_dir, board_root, pause, remove_leftovers
 from hpkit.runtime.hang_channel import Judge, Store, Uplink, summarize
 from hpkit.runtime.hang_rules import LATE_S, STALE_S, Verdict, store_verdict, threshold_s
@@ -255,7 +255,7 @@ class HangWatchdog:
         self.attempt = attempt_id(dict(env))
         self.rank, self.world = rank, world
         self.min_s, self.factor, self.start_s = min_s, factor, start_s
-        self.node = env.get("SLURMD_NODENAME") or socket.gethostname()
+        self.node = node_name(env)  # Slurm's name: an OCI container's host name is the container's own
         self.index, self.nodes = node_place(rank, world, env)
         self.address = address_from_env(env) if self.nodes > 1 else None
         self.board = NodeBoard(board_dir(self.folder, self.attempt, dict(env)), self.node, rank)
@@ -268,6 +268,7 @@ class HangWatchdog:
         self._step = 0
         self._step_end = time.monotonic()
         self._phase = "start"
+        self.eval_rounds = 0  # this rank's batches in a validation: the length a validation is judged by
         self._durations: list[float] = []
         self._median: float | None = None
         self._fresh = Freshness()
@@ -368,6 +369,7 @@ class HangWatchdog:
             "step": self._step,
             "since_step_s": round(time.monotonic() - self._step_end, 3),
             "phase": self._phase,
+            "eval_rounds": self.eval_rounds,
             "median_step_s": self._median,
             "collectives": sum(int(g[0]) for g in groups.values()),
             # The ops and their ages matter only once a rank is suspect: leave them out before.

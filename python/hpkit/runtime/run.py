@@ -32,6 +32,7 @@ from hpkit.runtime.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.report import StepReporter
 from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths
 from hpkit.runtime.trainer import StepResult, Trainer
+from hpkit.supervise.ready import announce as announce_ready
 
 if TYPE_CHECKING:
     from hpkit.runtime.prometheus import PrometheusExporter
@@ -107,6 +108,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
     last: StepResult | None = None
     watchdog = watchdog_phase.watchdog = _watchdog(cfg, launch, paths)
+    if watchdog is not None and evaluator is not None:
+        watchdog.eval_rounds = len(evaluator.rounds)
     fault = faults.from_env()
 
     def save(step: int, *, final: bool = False, forced: bool = False) -> None:
@@ -120,6 +123,8 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
 
     try:
         with _stop_on_signals(trainer.request_stop):
+            # The job's supervisor holds a USR1 until every rank's handler is in place (it would kill the rank).
+            announce_ready(os.environ, launch.rank, launch.world_size)
             while trainer.step < cfg.train.steps:
                 if fault is not None:
                     fault.before_step(launch.rank, trainer.step + 1)
@@ -131,9 +136,12 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                     _check_finite(last)
                 evaluation = None
                 if evaluator is not None and evaluator.due(last.step) and not trainer.stop_requested:
-                    # Judged as a save by the hang watchdog: a long held-out set is no hang (its
-                    # collectives still end at the collective timeout if a peer is gone).
-                    with watchdog_phase("save"):
+                    # A phase of its own for the hang watchdog: a long held-out set is no hang, but a rank
+                    # stuck in it is named once the validation outlasts its own length (hang_rules), not
+                    # at the collective timeout as in a save.
+                    with watchdog_phase("eval"):
+                        if fault is not None:
+                            fault.before_eval(launch.rank, last.step)
                         evaluation = evaluator.run()
                 report.step(last, evaluation)
                 if checkpointer is not None:

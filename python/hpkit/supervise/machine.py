@@ -13,6 +13,7 @@ Every restart, in the allocation or by a requeue, is paid from one budget (hpkit
 from __future__ import annotations
 
 import contextlib
+import shutil
 import signal
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,7 @@ from hpkit.supervise.budget import Budget
 from hpkit.supervise.cluster import Cluster, Step, TaskExit
 from hpkit.supervise.hangs import culprit_nodes, verdict_path
 from hpkit.supervise.plan import Plan, Run
+from hpkit.supervise.ready import READY_ENV, all_ready
 
 POLL_S = 0.5
 # A step that has started to fail (a failed task, a hang verdict) and still runs this long after is stopped
@@ -68,6 +70,7 @@ class Supervisor:
         self.signalled = False
         self.step: Step | None = None
         self._forwarded: Step | None = None
+        self._held: Step | None = None
         self.step_nodes: list[str] = []
         self.spares: list[str] = []
         self.logs: Callable[[], dict[str, int]] = dict
@@ -99,9 +102,21 @@ class Supervisor:
             self.signalled = True
             self.say("USR1 received: asking the ranks to checkpoint and stop")
             self.event(ev.USR1)
-        if self.step is not None and self._forwarded is not self.step:
-            self._forwarded = self.step
-            self.step.signal(signal.SIGUSR1)
+        self._pass_usr1()
+
+    def _pass_usr1(self) -> None:
+        """Pass USR1 to the running step once, and only once its ranks have their handlers: before that, the
+        signal's default action would kill them (a step just started, or restarted, is still setting up)."""
+        step = self.step
+        if step is None or self._forwarded is step:
+            return
+        if self.plan.ranks_ready and not all_ready(self.ready_dir()):
+            if self._held is not step:
+                self._held = step
+                self.say("USR1 held until the step's ranks have installed their signal handlers")
+            return
+        self._forwarded = step
+        step.signal(signal.SIGUSR1)
 
     def _check_flag(self) -> None:
         if self.usr1_flag is not None and self.usr1_flag.exists():
@@ -243,10 +258,17 @@ class Supervisor:
             *placement,
         ]
 
+    def ready_dir(self) -> Path:
+        """Where this attempt's ranks announce their signal handlers (hpkit.supervise.ready)."""
+        run = self.run_
+        return run.path(self.plan.output_dir) / ".ready" / f"{run.job_id}-{run.restart}-{self.attempt}"
+
     def step_env(self) -> dict[str, str]:
         first = self.step_nodes[0] if self.step_nodes else self.run_.batch_host
+        ready = {READY_ENV: str(self.ready_dir())} if self.plan.ranks_ready else {}
         return {
             **self.env,
+            **ready,
             "HPKIT_STEP_ATTEMPT": str(self.attempt),
             # Rendezvous on the step's first node, by its NodeAddr (node names need not resolve in DNS);
             # hpkit-torchrun serves the store there, and only there.
@@ -260,12 +282,14 @@ class Supervisor:
         step = self.cluster.start_step(self.step_argv(), self.step_env())
         self.step = step
         if self.signalled:
-            self.on_usr1()  # a signal that came before the step: passed on now
+            self.on_usr1()  # a signal that came before the step: passed on once its ranks are ready
         self._probe, self.probed = None, None
         failing_since: float | None = None
         with ThreadPoolExecutor(max_workers=1) as pool:
             while step.poll() is None:
                 self._check_flag()
+                if self.signalled:
+                    self._pass_usr1()  # held until the ranks' handlers are in place
                 if self.plan.spare_nodes and not self.signalled:
                     now = self.cluster.monotonic()
                     if failing_since is None and (step.task_exits() or self.verdict() is not None):
@@ -283,6 +307,8 @@ class Supervisor:
             status = step.wait()
             self.probed = self._probe.result() if self._probe is not None else None
         self.step = None
+        if self.plan.ranks_ready:
+            shutil.rmtree(self.ready_dir(), ignore_errors=True)
         self.event(
             ev.STEP_ENDED,
             exit=status,

@@ -27,6 +27,9 @@ class Plan:
     lost_node_states: str  # a regex over sinfo's short states (%t)
     # Serve the hang watchdog's store on the batch host (launcher srun | mpi, running hpkit train's watchdog).
     watch_store: bool = False
+    # The step's ranks announce when their signal handlers are in place (hpkit train: hpkit.supervise.ready): a
+    # USR1 is held until then.
+    ranks_ready: bool = False
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
