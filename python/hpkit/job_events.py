@@ -1,9 +1,10 @@
 """What a training job leaves for others to read: its files beside its log, its hang folders, its exit code
 for a hang, and the status lines `hpkit why` reads in its output.
 
-`hpkit.supervise` (the batch script's supervisor) writes them; `hpkit why` reads them. They live in the job's
-output folder (where `#SBATCH --output` puts the log), named by the job id, so that every run of a requeued
-job, on whichever batch host, finds the same ones:
+`hpkit.supervise` (the batch script's supervisor) writes the first three, `hpkit train`'s hang watchdog the
+hang folders; the supervisor and `hpkit why` read them. They live in the job's output folder (where `#SBATCH
+--output` puts the log), named by the job id, so that every run of a requeued job, on whichever batch host,
+finds the same ones:
 
 - `.hpkit-<job>.events.jsonl`: one JSON object a line, appended: what the supervisor saw and did. Every event
   has `type`, `time` (Unix seconds), `job`, `restart` (Slurm's restart count of the run) and `attempt` (the
@@ -104,9 +105,8 @@ def write_atomically(path: Path, data: dict[str, Any]) -> None:
 
 
 # The hang watchdog's folders.
-HANG_EXIT = (
-    75  # EX_TEMPFAIL: every rank exits so after the watchdog stops a hung step; the supervisor restarts it
-)
+# Every rank's exit after the watchdog stopped a hung step (EX_TEMPFAIL): the supervisor restarts the step.
+HANG_EXIT = 75
 HANGS = "hangs"  # beside the job's log, in its output folder
 VERDICT = "verdict.json"
 CULPRIT_NODES = "culprit_nodes"
