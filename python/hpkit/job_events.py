@@ -1,24 +1,34 @@
-"""A training job's own files beside its log: the events file, the runs file and the restart budget.
+"""What a training job leaves for others to read: its files beside its log, its hang folders, its exit code
+for a hang, and the status lines `hpkit why` reads in its output.
 
-`hpkit.supervise` (the batch script's supervisor) writes them; `hpkit why` reads them. They live in the job's
-output folder (where `#SBATCH --output` puts the log), named by the job id, so that every run of a requeued
-job, on whichever batch host, finds the same ones:
+`hpkit.supervise` (the batch script's supervisor) writes the first three, `hpkit train`'s hang watchdog the
+hang folders; the supervisor and `hpkit why` read them. They live in the job's output folder (where `#SBATCH
+--output` puts the log), named by the job id, so that every run of a requeued job, on whichever batch host,
+finds the same ones:
 
 - `.hpkit-<job>.events.jsonl`: one JSON object a line, appended: what the supervisor saw and did. Every event
   has `type`, `time` (Unix seconds), `job`, `restart` (Slurm's restart count of the run) and `attempt` (the
   step's attempt inside the run); the other fields are the type's (see the constants below).
 - `.hpkit-<job>.runs`: `nodes LIST` for the current run, `requeued-by-hpkit K` when hpkit requeued the job.
 - `.hpkit-<job>.budget.json`: the one restart budget, across requeues and restarts inside the allocation.
+- `<output_dir>/hangs/<job>-<restart>-<attempt>-<elastic restart>-step<N>/`: the hang watchdog's stacks of
+  every rank, `culprit_nodes` (one node a line, written first) and `verdict.json` (last: its appearance is the
+  signal). The watchdog writes them; the supervisor and `hpkit why` read them.
+
+Each status line another program reads (`hpkit why`, hpkit.jobs.why_scan) has its pair here: the function the
+writer formats it with and, beside it, the parser the reader calls, so that a rewording cannot pass unseen.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import time
-from collections.abc import Iterator, Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+from typing import Any, TypeVar
 
 # Event types.
 RUN_STARTED = (
@@ -109,3 +119,154 @@ def write_atomically(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
     os.replace(tmp, path)
+
+
+# The hang watchdog's folders.
+# Every rank's exit after the watchdog stopped a hung step (EX_TEMPFAIL): the supervisor restarts the step.
+HANG_EXIT = 75
+HANGS = "hangs"  # beside the job's log, in its output folder
+VERDICT = "verdict.json"
+CULPRIT_NODES = "culprit_nodes"
+_HANG_FOLDER = re.compile(r"^(\d+(?:_\d+)?)-(\d+)-(\d+)-[^/]*-step\d+$")  # JOB or JOB_TASK
+
+_P = TypeVar("_P", bound=PurePath)
+
+
+def hangs_dir(output_dir: _P) -> _P:
+    """Where `hpkit train`'s watchdog writes under the job's output folder."""
+    return output_dir / HANGS
+
+
+def hang_attempt(job: str, restart: str, attempt: str, elastic_restart: str) -> str:
+    """One attempt's key (the start of its hang folders' names): Slurm's job id (or torchrun's run id), its restart
+    count, the supervisor's step attempt and torchrun's restart count."""
+    return "-".join(p.replace("/", "_") for p in (job, restart, attempt, elastic_restart))
+
+
+def hang_folder(hangs: Path, attempt: str, step: int) -> Path:
+    """The folder of the hang of `step` (the step that did not finish) in the attempt `hang_attempt` names."""
+    return hangs / f"{attempt}-step{step}"
+
+
+def verdict_paths(
+    hangs: Path, job_id: str, restart: int | None = None, attempt: int | None = None
+) -> list[Path]:
+    """The job's verdicts, sorted; only those of one run (`restart`) and step attempt when given."""
+    run = "" if restart is None and attempt is None else f"-{_or_any(restart)}-{_or_any(attempt)}"
+    return sorted(hangs.glob(f"{job_id}{run}-*-step*/{VERDICT}"))
+
+
+def _or_any(number: int | None) -> str:
+    return "*" if number is None else str(number)
+
+
+def verdict_restart(verdict: Path) -> int | None:
+    """The Slurm restart count of the run a verdict is from (its folder's name says it)."""
+    match = _HANG_FOLDER.match(verdict.parent.name)
+    return int(match.group(2)) if match else None
+
+
+def verdict_folder(verdict: str) -> str:
+    """The hang folder of a verdict's path as the events file holds it."""
+    return verdict.removesuffix(f"/{VERDICT}")
+
+
+# Status lines. The writer formats with the first function of each pair; `hpkit why` parses with the second.
+HANG_PREFIX = "hpkit: hang: "
+_STACKS_IN = "; stacks of every rank in "
+CULPRIT_UNKNOWN = "the culprit cannot be told"
+_HANG = re.compile(rf"^{re.escape(HANG_PREFIX)}.*?{re.escape(_STACKS_IN)}(\S+)$")
+_HANG_WHO = re.compile(r"rank (\d+) on (\S+?)[ ,]")
+
+
+def hang_culprits(culprits: Iterable[tuple[int, str]]) -> str:
+    """`rank R on NODE, ...`: the ranks a hang line names, with their nodes."""
+    return ", ".join(f"rank {rank} on {node}" for rank, node in culprits)
+
+
+def hang_text(text: str) -> str:
+    """A hang verdict's line (verdict.json's `line`): `hpkit: hang: ` and what the watchdog saw."""
+    return HANG_PREFIX + text
+
+
+def hang_line(text: str, stacks: str | PurePath) -> str:
+    """The line the verdict's writer prints: the verdict's line and where the stacks are."""
+    return f"{text}{_STACKS_IN}{stacks}"
+
+
+@dataclass(frozen=True)
+class HangLine:
+    text: str  # the verdict's line
+    stacks: str  # the hang folder
+    rank: int | None  # the first culprit, where the line names one
+    node: str | None
+
+
+def parse_hang_line(line: str) -> HangLine | None:
+    match = _HANG.match(line)
+    if match is None:
+        return None
+    who = _HANG_WHO.search(line) if CULPRIT_UNKNOWN not in line else None
+    rank, node = (int(who.group(1)), who.group(2)) if who else (None, None)
+    return HangLine(line.split(_STACKS_IN)[0], match.group(1), rank, node)
+
+
+FAULT_ENV = "HPKIT_FAULT"
+_BEFORE_STEP = "before step"
+_IN_EVAL = "in the validation after step"
+_FAULT = re.compile(
+    rf"^hpkit: fault injected \({FAULT_ENV}\): (\w+) on rank (\d+) (?:{_BEFORE_STEP}|{_IN_EVAL}) (\d+)"
+)
+
+
+def fault_line(kind: str, rank: int, step: int, in_eval: bool = False) -> str:
+    """The fault injector's line, printed by the rank it acts on just before it does: before `step`, or in the
+    validation after it."""
+    return f"hpkit: fault injected ({FAULT_ENV}): {kind} on rank {rank} {_IN_EVAL if in_eval else _BEFORE_STEP} {step}"
+
+
+def parse_fault_line(line: str) -> tuple[str, int, int] | None:
+    """(kind, rank, step) of a fault injector's line."""
+    match = _FAULT.match(line)
+    return (match.group(1), int(match.group(2)), int(match.group(3))) if match else None
+
+
+TRAIN_PREFIX = "hpkit train: "
+_STOPPED = re.compile(rf"^{re.escape(TRAIN_PREFIX)}(stopping at step (\d+) on signal (\d+))")
+
+
+def stopping_text(step: int, signal: int) -> str:
+    """A run stopped by a signal, after a checkpoint at `step`: the line's words, which `why` also shows for
+    the metrics file's end record."""
+    return f"stopping at step {step} on signal {signal}"
+
+
+def stopping_line(step: int, signal: int) -> str:
+    return TRAIN_PREFIX + stopping_text(step, signal)
+
+
+def parse_stopping_line(line: str) -> tuple[str, int, int] | None:
+    """(the words, step, signal) of a stopping line."""
+    match = _STOPPED.match(line)
+    return (match.group(1), int(match.group(2)), int(match.group(3))) if match else None
+
+
+_DONE = TRAIN_PREFIX + "done "
+
+
+def done_line(fields: dict[str, str]) -> str:
+    """The run's summary when it finished its steps: `hpkit train: done steps=N final_loss=X ...` (values have no
+    spaces)."""
+    return _DONE + " ".join(f"{key}={value}" for key, value in fields.items())
+
+
+def parse_done_line(line: str) -> dict[str, str] | None:
+    """The fields of a done line."""
+    if not line.startswith(_DONE):
+        return None
+    fields = {}
+    for part in line[len(_DONE) :].split():
+        key, sep, value = part.partition("=")
+        if sep:
+            fields[key] = value
+    return fields

@@ -19,6 +19,7 @@ import jinja2
 
 from hpkit import __version__
 from hpkit.catalog import lookup
+from hpkit.job_events import hangs_dir
 from hpkit.oci import IMAGE_PATH_VAR
 from hpkit.rendezvous import port_shell_expression
 from hpkit.slurm_job import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, SlurmJob
@@ -217,7 +218,7 @@ def supervise_plan(spec: JobSpec) -> str:
         launcher=spec.launcher,
         output_dir=str(PurePosixPath(spec.output_dir)),
         # Where hpkit train's watchdog writes (hpkit.runtime.run_identity.run_paths), from the job's directory.
-        hangs_dir=str(PurePosixPath(spec.output_dir) / "hangs"),
+        hangs_dir=str(hangs_dir(PurePosixPath(spec.output_dir))),
         lost_node_states=LOST_NODE_STATES,
         # The batch host serves the watchdog's store under srun and mpi (hpkit-torchrun serves it under torchrun):
         # only for hpkit train with its watchdog on, since serving it imports torch (memory in the batch step).

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from hpkit.errors import HpkitError
-from hpkit.job_events import events_path, runs_path
+from hpkit.job_events import events_path, hangs_dir, runs_path, verdict_paths, verdict_restart
 from hpkit.jobs.files import files_for, spec_of_script, split_task
 from hpkit.jobs.index import recall
 from hpkit.jobs.why import Facts, Finding, SlurmRecord, Verdict, decide
@@ -39,7 +39,6 @@ from hpkit.jobs.why_scan import (
 from hpkit.slurm import expand_output_pattern
 
 CLI_TIMEOUT_S = 30
-_HANG_DIR = re.compile(r"^(\d+(?:_\d+)?)-(\d+)-(\d+)-[^/]*-step\d+$")  # JOB or JOB_TASK
 
 
 def explain(job_id: str, env: Mapping[str, str] | None = None) -> Verdict:
@@ -281,14 +280,11 @@ def _hpkit_files(
     found: list[Finding] = []
     # The hang watchdog's folder: the events name it; else the one beside the log (`<output_dir>/hangs`).
     hangs = Path(events.hangs_dir) if events is not None and events.hangs_dir else None
-    hangs = hangs or (outputs[0].parent / "hangs" if outputs else None)
+    hangs = hangs or (hangs_dir(outputs[0].parent) if outputs else None)
     if hangs is not None:
-        for path in sorted(hangs.glob(f"{job_id}-*-step*/verdict.json")):
-            match = _HANG_DIR.match(path.parent.name)
+        for path in verdict_paths(hangs, job_id):
             text = read.text(path, "hang verdict")
-            finding = (
-                scan_hang_verdict(text, str(path), int(match.group(2)) if match else None) if text else None
-            )
+            finding = scan_hang_verdict(text, str(path), verdict_restart(path)) if text else None
             if finding is not None:
                 found.append(finding)
     for folder in dict.fromkeys(o.parent for o in outputs):

@@ -79,10 +79,6 @@ _OOM = re.compile(
     re.IGNORECASE,
 )
 _STEPD_NODE = re.compile(r"slurmstepd-([^:\s]+):")
-_HANG = re.compile(r"^hpkit: hang: .*?; stacks of every rank in (\S+)$")
-_HANG_WHO = re.compile(r"rank (\d+) on (\S+?)[ ,]")
-_FAULT = re.compile(r"^hpkit: fault injected \(HPKIT_FAULT\): (\w+) on rank (\d+) before step (\d+)")
-_STOPPED = re.compile(r"^hpkit train: (stopping at step (\d+) on signal (\d+))")
 _ROOT_FIELD = re.compile(r"^\s*(\w+)\s*: (.*)$")
 # srun names a task's signal with strsignal(): "Killed", "Terminated", "Segmentation fault (core dumped)".
 _SIGNAL_BY_TEXT = {
@@ -263,16 +259,17 @@ def _stepd_findings(content: str, ev: Evidence) -> list[Finding]:
 
 
 def _hpkit_findings(content: str, ev: Evidence) -> list[Finding]:
-    if match := _HANG.match(content):
-        who = _HANG_WHO.search(content) if "the culprit cannot be told" not in content else None
-        rank, node = (int(who.group(1)), who.group(2)) if who else (None, None)
-        text = content.split("; stacks of every rank in ")[0]
-        return [Finding(HANG_LINE, (ev,), rank=rank, node=node, detail=text, where=match.group(1))]
-    if match := _FAULT.match(content):
-        return [Finding(FAULT, (ev,), rank=int(match.group(2)), detail=match.group(1))]
-    if match := _STOPPED.match(content):
-        return [Finding(TRAIN_STOPPED, (ev,), detail=match.group(1), signal=int(match.group(3)))]
-    if content.startswith("hpkit train: done "):
+    if hang := job_events.parse_hang_line(content):
+        return [
+            Finding(HANG_LINE, (ev,), rank=hang.rank, node=hang.node, detail=hang.text, where=hang.stacks)
+        ]
+    if fault := job_events.parse_fault_line(content):
+        kind, rank, _ = fault
+        return [Finding(FAULT, (ev,), rank=rank, detail=kind)]
+    if stopped := job_events.parse_stopping_line(content):
+        words, _, sig = stopped
+        return [Finding(TRAIN_STOPPED, (ev,), detail=words, signal=sig)]
+    if job_events.parse_done_line(content) is not None:
         return [Finding(TRAIN_DONE, (ev,))]
     return []
 
@@ -467,7 +464,7 @@ def scan_metrics(lines: Iterable[str], source: str) -> list[Finding]:
                 end = Finding(
                     TRAIN_STOPPED,
                     (ev,),
-                    detail=f"stopping at step {record.step} on signal {record.stopped_by_signal}",
+                    detail=job_events.stopping_text(record.step, record.stopped_by_signal),
                     signal=record.stopped_by_signal,
                 )
     return [f for f in (end, last_step if end is None else None) if f is not None]
@@ -509,7 +506,9 @@ def scan_events(lines: Iterable[str], source: str) -> JobEvents:
         elif kind == job_events.RESTART:
             found = [f for f in found if f.kind in (RUN_START, HANG_RESTARTED)]
             if event.get("verdict"):
-                found.append(Finding(HANG_RESTARTED, evidence, where=_folder_of(event["verdict"])))
+                found.append(
+                    Finding(HANG_RESTARTED, evidence, where=job_events.verdict_folder(event["verdict"]))
+                )
         elif kind == job_events.REQUEUE:
             detail = f"restart {event.get('to_restart')} of {event.get('max_restarts')}"
             found.append(Finding(REQUEUE, evidence, detail=detail))
@@ -522,16 +521,12 @@ def scan_events(lines: Iterable[str], source: str) -> JobEvents:
     return JobEvents(found, logs, hangs_dir, launcher)
 
 
-def _folder_of(verdict: str) -> str:
-    return verdict.removesuffix("/verdict.json")
-
-
 def _end_findings(event: dict, evidence: tuple[Evidence, ...]) -> list[Finding]:
     outcome = event.get("outcome")
     if outcome == job_events.PROGRAM_FAILED:
         return [Finding(PROGRAM_FAILED, evidence, detail=f"exit {event.get('exit')}")]
     if outcome in (job_events.HANG_BUDGET_SPENT, job_events.BUDGET_SPENT) and event.get("verdict"):
-        return [Finding(HANG_END, evidence, where=_folder_of(event["verdict"]))]
+        return [Finding(HANG_END, evidence, where=job_events.verdict_folder(event["verdict"]))]
     if outcome == job_events.NODE_LOST_UNHANDLED:
         return [Finding(NODE_LOST, evidence, node=str(n)) for n in event.get("nodes") or []]
     return []

@@ -31,9 +31,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from hpkit.job_events import FAULT_ENV, fault_line
 from hpkit.runtime.env import node_name
 
-ENV = "HPKIT_FAULT"
+ENV = FAULT_ENV  # the fault line names it
 LOG_ENV = "HPKIT_FAULT_LOG"
 KINDS = ("hang", "slow_save", "exit", "skip", "stop", "hang_eval")
 
@@ -74,11 +75,7 @@ class Fault:
     def before_step(self, rank: int, step: int) -> None:
         if self.kind not in ("hang", "exit", "skip", "stop") or self.step != step or not self._armed(rank):
             return
-        print(
-            f"hpkit: fault injected ({ENV}): {self.kind} on rank {rank} before step {step}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(fault_line(self.kind, rank, step), file=sys.stderr, flush=True)
         if self.kind == "skip":
             _skip_next_all_reduce(lambda: _log(self.kind, rank, step))
             return
@@ -96,11 +93,7 @@ class Fault:
         """Called as a validation begins, inside its phase: hang_eval is a rank stuck in Python there."""
         if self.kind != "hang_eval" or self.step != step or not self._armed(rank):
             return
-        print(
-            f"hpkit: fault injected ({ENV}): {self.kind} on rank {rank} in the validation after step {step}",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(fault_line(self.kind, rank, step, in_eval=True), file=sys.stderr, flush=True)
         _log(self.kind, rank, step)
         while True:
             time.sleep(3600)

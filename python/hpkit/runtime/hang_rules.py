@@ -32,6 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpkit.job_events import CULPRIT_UNKNOWN, hang_culprits, hang_text
+
 # A report older than this is a stopped rank or node (its watchdog thread stopped too), not a busy one:
 # one report a second, and room for a loaded host's scheduling.
 STALE_S = 5.0
@@ -94,12 +96,12 @@ class Verdict:
     def line(self) -> str:
         if self.reason == "store":
             where = f"node {self.store_node} ({self.store})" if self.store_node else self.store
-            return (
-                f"hpkit: hang: the watchdog's store on {where} has not answered node {self.reporter} for "
+            return hang_text(
+                f"the watchdog's store on {where} has not answered node {self.reporter} for "
                 f"{self.stalled_s:.0f} s while no step finished (limit {self.threshold_s:.0f} s): "
                 f"{self.store_node or 'its node'} froze or is cut off, or {self.reporter}'s own link is down"
             )
-        where = ", ".join(f"rank {r} on {self.nodes.get(r, '?')}" for r in self.culprits)
+        where = hang_culprits((r, self.nodes.get(r, "?")) for r in self.culprits)
         frame = self.top_frames.get(self.culprits[0], "") if len(self.culprits) == 1 else ""
         at = f" at {frame}" if frame else ""
         group = f" (process group {self.group})" if self.group else ""
@@ -116,12 +118,12 @@ class Verdict:
         elif self.reason == "mismatch":
             why = f"its collective differs from the one the other ranks are in{group}"
         else:
-            return (
-                f"hpkit: hang: no rank finished step {self.step + 1} for {self.stalled_s:.0f} s "
-                f"(limit {self.threshold_s:.0f} s); the culprit cannot be told, candidates: {where}"
+            return hang_text(
+                f"no rank finished step {self.step + 1} for {self.stalled_s:.0f} s "
+                f"(limit {self.threshold_s:.0f} s); {CULPRIT_UNKNOWN}, candidates: {where}"
             )
-        return (
-            f"hpkit: hang: {where} held up step {self.step + 1} for {self.stalled_s:.0f} s "
+        return hang_text(
+            f"{where} held up step {self.step + 1} for {self.stalled_s:.0f} s "
             f"(limit {self.threshold_s:.0f} s): {why}{at}"
         )
 

@@ -44,14 +44,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpkit.job_events import job_key
+from hpkit.job_events import CULPRIT_NODES, HANG_EXIT, VERDICT, hang_attempt, hang_folder, hang_line, job_key
 from hpkit.runtime.env import node_name
 from hpkit.runtime.hang_board import Freshness, NodeBoard, board_dir, board_root, pause, remove_leftovers
 from hpkit.runtime.hang_channel import Judge, Store, Uplink, summarize
 from hpkit.runtime.hang_rules import LATE_S, STALE_S, Verdict, store_verdict, threshold_s
 from hpkit.watch_store import KEY_PREFIX, StoreAddress, address_from_env
 
-HANG_EXIT = 75  # EX_TEMPFAIL: the supervisor restarts from the last checkpoint within max_restarts
 BEAT_S = 1.0
 # Without a finished step for this long a rank reads its flight recorder into each report.
 SUSPECT_S = 2.0
@@ -68,13 +67,12 @@ STORE_TIMEOUT_S = 10.0
 def attempt_id(env: dict[str, str] | None = None) -> str:
     """The same on every rank of one attempt, different across requeues, restarts and elastic restarts."""
     env = dict(os.environ if env is None else env)
-    parts = [
+    return hang_attempt(
         job_key(env) or env.get("TORCHELASTIC_RUN_ID") or "local",  # JOB_TASK in a job array
         env.get("SLURM_RESTART_COUNT") or "0",
         env.get("HPKIT_STEP_ATTEMPT") or "0",
         env.get("TORCHELASTIC_RESTART_COUNT") or "0",
-    ]
-    return "-".join(p.replace("/", "_") for p in parts)
+    )
 
 
 def enable_flight_recorder(env: dict[str, str] | None = None) -> None:
@@ -480,7 +478,7 @@ class HangWatchdog:
         leader = self._uplink is not None
         if leader:
             self.board.post_verdict(record)  # the node's other ranks read it on their next beat
-        out = self.folder / f"{self.attempt}-step{verdict.step + 1}"
+        out = hang_folder(self.folder, self.attempt, verdict.step + 1)
         out.mkdir(parents=True, exist_ok=True)
         # The flight-recorder trace first, the stacks last, each whole when it appears: the verdict's
         # writer waits for every live rank's stack file.
@@ -522,13 +520,11 @@ class HangWatchdog:
         verdict = Verdict(**{**asdict(verdict), "top_frames": frames})
         # For the supervisor, to leave the culprits' nodes out of the next step when it has spares; written
         # first, since verdict.json's appearance is the signal.
-        (out / "culprit_nodes").write_text(
-            "".join(f"{n}\n" for n in verdict.culprit_nodes()), encoding="utf-8"
-        )
+        (out / CULPRIT_NODES).write_text("".join(f"{n}\n" for n in verdict.culprit_nodes()), encoding="utf-8")
         missing = sorted(set(verdict.nodes) - {int(p.stem[4:]) for p in out.glob("rank*.txt")})
         record = {**verdict_record(verdict), "stacks": str(out), "no_stacks": missing, "judge": self.node}
-        _write_whole(out / "verdict.json", json.dumps(record, indent=1))
-        self._say(f"{verdict.line()}; stacks of every rank in {out}")
+        _write_whole(out / VERDICT, json.dumps(record, indent=1))
+        self._say(hang_line(verdict.line(), out))
 
     def _claim(self) -> bool:
         """True for the one process of this attempt that writes the verdict."""

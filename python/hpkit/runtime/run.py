@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hpkit.errors import SpecError
+from hpkit.job_events import done_line, stopping_line
 from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
 from hpkit.runtime import faults
 from hpkit.runtime.checkpoint import Checkpointer
@@ -150,7 +151,7 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
                     with watchdog_phase("save"):
                         memory.save(last.step, trainer.checkpoint_state())
                 if trainer.stop_requested:
-                    say(f"hpkit train: stopping at step {trainer.step} on signal {trainer.stop_signal}")
+                    say(stopping_line(trainer.step, trainer.stop_signal))
                     break
             if (window := trainer.last_window()) is not None:
                 report.window(window)
@@ -238,10 +239,18 @@ class Throughput:
         mfu = f"{tflops / peak * 100:.1f}%" if peak else "n/a"
         layout = ",".join(f"{k}:{v}" for k, v in trainer.dims.degrees().items() if v > 1) or "single"
         loss = f"{last.loss:.4f}" if last.loss is not None else "n/a"
-        return (
-            f"hpkit train: done steps={last.step} final_loss={loss} tokens_per_s={tps:.0f} "
-            f"tflops_per_device={tflops:.3f} mfu={mfu} step_ms={self.seconds / max(1, self.steps) * 1000:.0f} "
-            f"world={launch.world_size} layout={layout} device={device.type}"
+        return done_line(
+            {
+                "steps": str(last.step),
+                "final_loss": loss,
+                "tokens_per_s": f"{tps:.0f}",
+                "tflops_per_device": f"{tflops:.3f}",
+                "mfu": mfu,
+                "step_ms": f"{self.seconds / max(1, self.steps) * 1000:.0f}",
+                "world": str(launch.world_size),
+                "layout": layout,
+                "device": device.type,
+            }
         )
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpkit.job_events import job_key
+from hpkit.job_events import hangs_dir, job_key
 
 if TYPE_CHECKING:
     from hpkit.runtime.config import RunConfig
@@ -89,5 +89,5 @@ def run_paths(cfg: RunConfig, identity: RunIdentity, workdir: Path | None = None
     )
     checkpoints = base / identity.expand(cfg.checkpoint.dir) if cfg.checkpoint.dir else None
     return RunPaths(
-        metrics, out / "tensorboard" / f"{cfg.name}-{identity.run_id}", checkpoints, out / "hangs"
+        metrics, out / "tensorboard" / f"{cfg.name}-{identity.run_id}", checkpoints, hangs_dir(out)
     )

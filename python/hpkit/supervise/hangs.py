@@ -1,4 +1,4 @@
-"""The hang watchdog's verdicts, as the supervisor looks them up (the layout is hpkit.runtime.hang_watchdog's):
+"""The hang watchdog's verdicts, as the supervisor looks them up (the layout is hpkit.job_events'):
 `<hangs_dir>/<job>-<restart>-<attempt>-<n>-step<N>/verdict.json`, with `culprit_nodes` beside it (one node a
 line, written first)."""
 
@@ -6,17 +6,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-HANG_EXIT = 75  # what every rank exits with after the watchdog stops a hung step
+from hpkit.job_events import CULPRIT_NODES, verdict_paths
 
 
 def verdict_path(hangs_dir: Path, job_id: str, restart: int, attempt: int) -> Path | None:
-    found = sorted(hangs_dir.glob(f"{job_id}-{restart}-{attempt}-*-step*/verdict.json"))
+    found = verdict_paths(hangs_dir, job_id, restart, attempt)
     return found[0] if found else None
 
 
 def culprit_nodes(verdict: Path) -> list[str]:
     try:
-        text = (verdict.parent / "culprit_nodes").read_text(encoding="utf-8")
+        text = (verdict.parent / CULPRIT_NODES).read_text(encoding="utf-8")
     except OSError:
         return []
     return sorted({line.strip() for line in text.splitlines() if line.strip()})
