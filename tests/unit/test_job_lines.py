@@ -106,3 +106,14 @@ def test_the_watchdogs_hang_folder_is_where_the_supervisor_and_why_look(tmp_path
     ]
     assert job_events.verdict_restart(found_verdict) == 2
     assert job_events.verdict_folder(str(found_verdict)) == str(folder)
+
+
+def test_a_job_array_tasks_hang_folder_names_its_restart(tmp_path):
+    from hpkit.job_events import VERDICT, verdict_paths, verdict_restart
+
+    folder = tmp_path / "7200_3-2-0-0-step9"
+    folder.mkdir()
+    (folder / VERDICT).write_text("{}")
+    (verdict,) = verdict_paths(tmp_path, "7200_3")
+    assert verdict_restart(verdict) == 2
+    assert verdict_paths(tmp_path, "7200_3", restart=2, attempt=0) == [verdict]
