@@ -745,10 +745,9 @@ class JobAccounting:
         )
 
 
-# What sacct says when the cluster keeps no accounting it can read (accounting_storage/none; no slurmdbd).
-_NO_ACCOUNTING = re.compile(
-    r"accounting storage is disabled|slurmdbd|Connection refused|persistent connection", re.I
-)
+# What sacct says on a cluster that keeps no accounting (AccountingStorageType=accounting_storage/none). A
+# slurmdbd that does not answer ("Connection refused") is not this: it may answer the next poll.
+_NO_ACCOUNTING = re.compile(r"accounting storage is disabled", re.I)
 
 
 def accounting(

@@ -5,14 +5,24 @@ and one requeued by hand), read by hpkit.slurm.parse_sacct_json, and `hpkit why`
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
 
 import pytest
 
+from hpkit.errors import SlurmError
 from hpkit.jobs import why
 from hpkit.jobs.why import Facts, decide
 from hpkit.jobs.why_scan import scan_accounting
-from hpkit.slurm import JobAccounting, JobState, needs_text_exit_codes, parse_sacct_json
+from hpkit.slurm import (
+    AccountingUnavailable,
+    JobAccounting,
+    JobState,
+    accounting,
+    needs_text_exit_codes,
+    parse_sacct_json,
+)
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "sacct"
 VERSIONS = ["22.05", "24.11"]
@@ -142,7 +152,25 @@ def test_22_05_json_exit_codes_are_all_0_and_the_text_is_read_instead():
 
 
 def test_unreadable_json_is_one_error():
-    from hpkit.errors import SlurmError
-
     with pytest.raises(SlurmError, match="no JSON"):
         parse_sacct_json("sacct: error: Problem talking to the database")
+
+
+def _conf(tmp_path: Path, storage: str) -> dict[str, str]:
+    path = tmp_path / "slurm.conf"
+    path.write_text(
+        f"ClusterName=x\nSlurmctldHost=localhost\n{storage}\nNodeName=n1 CPUs=1\nPartitionName=p Nodes=n1\n"
+    )
+    return {**os.environ, "SLURM_CONF": str(path)}
+
+
+@pytest.mark.skipif(shutil.which("sacct") is None, reason="needs Slurm's sacct (slurm-client)")
+def test_a_cluster_without_accounting_is_told_from_a_slurmdbd_that_does_not_answer(tmp_path):
+    """The real sacct: accounting_storage/none is AccountingUnavailable (status and wait go to the completion log
+    for good); a slurmdbd that refuses the connection is a SlurmError (asked again at the next poll)."""
+    with pytest.raises(AccountingUnavailable, match="accounting storage is disabled"):
+        accounting(["1"], _conf(tmp_path, "AccountingStorageType=accounting_storage/none"))
+    down = "AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=127.0.0.1\nAccountingStoragePort=1"
+    with pytest.raises(SlurmError) as raised:
+        accounting(["1"], _conf(tmp_path, down))
+    assert not isinstance(raised.value, AccountingUnavailable) and "Connection refused" in str(raised.value)
