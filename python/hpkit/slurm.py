@@ -763,16 +763,16 @@ def accounting(
     if not wanted:
         return {}
     if shutil.which("sacct") is None:
-        raise AccountingUnavailable("sacct not found: no Slurm client on PATH")
+        raise AccountingUnavailable("not found here (no Slurm client on PATH)")
     proc = _run(["sacct", "--json", "-D", "-j", ",".join(wanted)], env=env, check=False, timeout_s=timeout_s)
     lines = (proc.stderr or "").strip().splitlines()
     if proc.returncode != 0:
         last = lines[-1] if lines else f"exit {proc.returncode}"
         if _NO_ACCOUNTING.search(proc.stderr or ""):
-            raise AccountingUnavailable(f"sacct: {last}")
+            raise AccountingUnavailable(last)
         raise SlurmError(f"sacct --json failed: {last}")
     if not proc.stdout.strip() and _NO_ACCOUNTING.search(proc.stderr or ""):
-        raise AccountingUnavailable(f"sacct: {lines[-1]}")
+        raise AccountingUnavailable(lines[-1])
     found = parse_sacct_json(proc.stdout)
     if found and needs_text_exit_codes(proc.stdout):
         args = ["sacct", "-D", "-P", "-n", "-j", ",".join(wanted), "-o", "JobIDRaw,ExitCode"]

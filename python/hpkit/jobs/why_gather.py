@@ -36,7 +36,7 @@ from hpkit.jobs.why_scan import (
     scan_scontrol,
     scan_slurm_log,
 )
-from hpkit.slurm import AccountingUnavailable, accounting, expand_output_pattern
+from hpkit.slurm import accounting, expand_output_pattern
 
 CLI_TIMEOUT_S = 30
 _HANG_DIR = re.compile(r"^(\d+)-(\d+)-(\d+)-[^/]*-step\d+$")
@@ -228,10 +228,7 @@ def _sacct(read: _Reader, job_id: str) -> tuple[SlurmRecord | None, list[Finding
     """Accounting's record (hpkit.slurm.accounting: sacct --json, every run of a requeued job)."""
     try:
         found = accounting([job_id], read.env, CLI_TIMEOUT_S).get(job_id)
-    except AccountingUnavailable as exc:
-        read.unreadable.append(f"accounting: {exc}")
-        return None, []
-    except SlurmError as exc:
+    except SlurmError as exc:  # AccountingUnavailable included: "sacct: Slurm accounting storage is disabled"
         read.unreadable.append(f"sacct: {exc}")
         return None, []
     if found is None:
