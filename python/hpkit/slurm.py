@@ -344,50 +344,59 @@ class CliBackend:
         if shutil.which("sacct") is None:
             return {}
         found: dict[str, JobInfo] = {}
-        if not self._no_slurmdbd:
-            try:
-                found = {j: a.info() for j, a in accounting(job_ids, self.env).items() if j in job_ids}
-            except AccountingUnavailable:
-                # Without slurmdbd only the job-completion log answers (`sacct -c`), and not in JSON; once
-                # accounting has failed, later polls go to the log directly.
-                self._no_slurmdbd = True
-            except SlurmError:
-                pass  # this time: the completion log may answer
-        missing = [j for j in job_ids if j not in found]
-        if not missing:
-            return found
-        proc = _run(
-            [
-                "sacct",
-                "-c",
-                "-n",
-                "-P",
-                "-X",
-                "-j",
-                ",".join(missing),
-                "-o",
-                "JobID,JobName,State,ExitCode,NodeList",
-            ],
-            env=self.env,
-            check=False,
-        )
-        if proc.returncode != 0:
-            return found
-        for line in proc.stdout.splitlines():
-            cols = line.split("|")
-            job_id = cols[0].split(".")[0]
-            if len(cols) >= 4 and job_id in missing:
-                code, _, sig = cols[3].partition(":")
-                # The completion log keeps one line per run of a requeued job: the last one wins.
-                found[job_id] = JobInfo(
-                    job_id=job_id,
-                    name=cols[1],
-                    state=JobState.parse(cols[2]),
-                    exit_code=int(code) if code.isdigit() else None,
-                    signal=int(sig) if sig.isdigit() else None,
-                    nodes=cols[4] if len(cols) > 4 else "",
-                )
+        # Without slurmdbd only the job-completion log answers (`sacct -c`), and not in JSON; once
+        # accounting has said it is off, later polls go to the log directly.
+        for extra in ([], ["-c"]):
+            missing = [j for j in job_ids if j not in found]
+            if not missing:
+                break
+            if not extra and self._no_slurmdbd:
+                continue
+            if not extra:
+                found.update(self._from_accounting(missing))
+                continue
+            proc = _run(
+                [
+                    "sacct",
+                    *extra,
+                    "-n",
+                    "-P",
+                    "-X",
+                    "-j",
+                    ",".join(missing),
+                    "-o",
+                    "JobID,JobName,State,ExitCode,NodeList",
+                ],
+                env=self.env,
+                check=False,
+            )
+            if proc.returncode != 0:
+                self._no_slurmdbd = self._no_slurmdbd or not extra
+                continue
+            for line in proc.stdout.splitlines():
+                cols = line.split("|")
+                job_id = cols[0].split(".")[0]
+                if len(cols) >= 4 and job_id in missing:
+                    code, _, sig = cols[3].partition(":")
+                    # The completion log keeps one line per run of a requeued job: the last one wins.
+                    found[job_id] = JobInfo(
+                        job_id=job_id,
+                        name=cols[1],
+                        state=JobState.parse(cols[2]),
+                        exit_code=int(code) if code.isdigit() else None,
+                        signal=int(sig) if sig.isdigit() else None,
+                        nodes=cols[4] if len(cols) > 4 else "",
+                    )
         return found
+
+    def _from_accounting(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        try:
+            return {j: a.info() for j, a in accounting(job_ids, self.env).items() if j in job_ids}
+        except AccountingUnavailable:
+            self._no_slurmdbd = True
+        except SlurmError:
+            pass  # slurmdbd did not answer this time: the completion log may
+        return {}
 
 
 def user_jobs(backend: CliBackend, user: str | None = None) -> list[JobInfo]:
