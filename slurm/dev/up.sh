@@ -89,6 +89,9 @@ fi
 if alive "$dir/run/slurmctld.pid" && [[ $(cat "$dir/etc/net-layout" 2>/dev/null || echo loopback) != "$net" ]]; then
   die "the cluster in $dir runs with NET=$(cat "$dir/etc/net-layout" 2>/dev/null || echo loopback), not $net: stop it first (make cluster-down)"
 fi
+if alive "$dir/run/slurmctld.pid" && [[ $(cat "$dir/etc/accounting" 2>/dev/null || echo 0) != "$accounting" ]]; then
+  die "the cluster in $dir runs with ACCOUNTING=$(cat "$dir/etc/accounting" 2>/dev/null || echo 0), not $accounting: stop it first (make cluster-down)"
+fi
 mkdir -p "$dir"/{etc,state,run,log,munge,spool,tmp}
 chmod 0755 "$dir/munge"
 conf=$dir/etc/slurm.conf
@@ -150,6 +153,7 @@ if [[ $net == netns ]]; then
   ctld_addr=10.$((port / 256)).$((port % 256)).1
 fi
 echo "$net" >"$dir/etc/net-layout"
+alive "$dir/run/slurmctld.pid" || echo "$accounting" >"$dir/etc/accounting"
 
 # A running cluster keeps its config: rewriting it under live daemons would split their view.
 if ! alive "$dir/run/slurmctld.pid"; then
