@@ -150,7 +150,10 @@ def test_why_and_status_of_a_forgotten_job_read_accounting_and_agree_with_the_co
     for name in jobs:
         print(f"\n{name}: before {before[name]['summary']!r}; after {after[name]['summary']!r}")
         assert any("no longer remembers" in u for u in after[name]["unreadable"]), after[name]
-        for key in ("kind", "summary", "state", "status", "exit_code"):
+        # A preempted job's exit code is a race in the controller (0 when the job ends, then the batch script's
+        # 143 once its SIGTERM exit arrives); accounting keeps the 0 and the batch step's signal 15.
+        keys = ("kind", "summary", "state", "status") + (("exit_code",) if name != "preempted" else ())
+        for key in keys:
             assert after[name][key] == before[name][key], (name, key, before[name], after[name])
     assert before["failed"]["kind"] == "program_error" and before["failed"]["state"] == "FAILED"
     assert before["requeued"]["summary"].startswith("completed after 1 restart(s)"), before["requeued"]
