@@ -73,6 +73,7 @@ def _reading(job: str, env: dict[str, str], work: Path) -> dict:
         "status": got["state"],
         "exit_code": got.get("exit_code"),
         "unreadable": verdict["unreadable"],
+        "sacct": [e["text"] for e in verdict["evidence"] if e["source"].startswith("sacct")],
     }
 
 
@@ -157,4 +158,8 @@ def test_why_and_status_of_a_forgotten_job_read_accounting_and_agree_with_the_co
             assert after[name][key] == before[name][key], (name, key, before[name], after[name])
     assert before["failed"]["kind"] == "program_error" and before["failed"]["state"] == "FAILED"
     assert before["requeued"]["summary"].startswith("completed after 1 restart(s)"), before["requeued"]
+    # Accounting's runs, each on its node: the lost one, then the other.
+    runs = after["requeued"]["sacct"]
+    assert any(r.startswith(f"run 1 of 2: NODE_FAIL on {lost},") for r in runs), runs
+    assert any(r.startswith("run 2 of 2: COMPLETED on node") and f"on {lost}," not in r for r in runs), runs
     assert before["preempted"]["kind"] == "preempted" and before["preempted"]["state"] == "PREEMPTED"
