@@ -18,6 +18,9 @@ export SLURM_CONF := $(DEV_CLUSTER_DIR)/etc/slurm.conf
 SLURM ?= 22.05
 # The nodes' network: loopback (every node 127.0.0.1) or netns (a network namespace and an address per node).
 NET ?= loopback
+# 1: the cluster keeps accounting (its own slurmdbd; MariaDB 10.11 from Debian 12, one server per machine that
+# slurm/dev/mariadb.sh starts), so sacct answers for jobs the controller has forgotten. Off by default.
+ACCOUNTING ?= 0
 ifeq ($(SLURM),24.11)
 export PATH := $(DEV_CLUSTER_DIR)/bin:$(PATH)
 endif
@@ -30,7 +33,7 @@ help:
 	@echo "make demo         install, start the local Slurm cluster, run a 2-node training job"
 	@echo "make demo-container  the same job inside the CPU image (Slurm's OCI containers, runc; root)"
 	@echo "make test         install and run the whole test suite (lint included)"
-	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2 SLURM=22.05|24.11 NET=loopback|netns)"
+	@echo "make cluster-up   start the local development cluster (NODES=2 CPUS=2 SLURM=22.05|24.11 NET=loopback|netns ACCOUNTING=0|1)"
 	@echo "make cluster-down stop it"
 	@echo "make test-gpu     the CUDA half of the suite (tests/gpu), on a GPU machine"
 	@echo "make lint         ruff + shellcheck"
@@ -51,6 +54,10 @@ system-deps:
 	command -v iptables >/dev/null || missing="$$missing iptables"; \
 	ls /usr/lib/*/libpmix.so >/dev/null 2>&1 || missing="$$missing libpmix-dev"; \
 	if [ "$(SLURM)" = 24.11 ]; then command -v mmdebstrap >/dev/null || missing="$$missing mmdebstrap"; fi; \
+	if [ "$(ACCOUNTING)" = 1 ]; then \
+	  command -v slurmdbd >/dev/null || missing="$$missing slurmdbd"; \
+	  command -v mariadbd >/dev/null || missing="$$missing mariadb-server"; \
+	fi; \
 	$(PYTHON) -c 'import ensurepip, venv' 2>/dev/null || missing="$$missing python3-venv"; \
 	if [ -n "$$missing" ]; then \
 	  if [ "$$(id -u)" != 0 ]; then echo "missing Debian packages:$$missing; run: sudo apt-get install$$missing" >&2; exit 1; fi; \
@@ -69,7 +76,7 @@ venv: $(VENV)/.installed
 setup: system-deps venv
 
 cluster-up: system-deps
-	SLURM=$(SLURM) NET=$(NET) slurm/dev/up.sh
+	SLURM=$(SLURM) NET=$(NET) ACCOUNTING=$(ACCOUNTING) slurm/dev/up.sh
 
 # The Slurm 24.11 root (SLURM=24.11 clusters, and the tests marked slurm_24_11), built once per machine.
 slurm-root: image-test-deps
@@ -97,6 +104,8 @@ lint: venv
 # Three workers, whole files each (a file shares its clusters and fixtures): the suite mostly waits on
 # Slurm and on torch launches, so side by side it takes about half the wall time (tests/_clusters.py gives
 # every worker its own clusters).
+# ACCOUNTING=1 for system-deps: tests/integration/test_forgotten_accounting.py starts a cluster with slurmdbd.
+test: ACCOUNTING = 1
 test: setup lint image-test-deps slurm-root
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
 	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 3 --dist loadfile tests

@@ -26,7 +26,11 @@ OFFSETS = {
     "node-loss": (10, 400),
     "all-nodes": (20, 500),
     "polling": (30, 600),
-    "forgotten": (40, 700),  # 50 job ids
+    "forgotten": (40, 700),  # 25 job ids
+    "accounting": (
+        370,
+        725,
+    ),  # 10 ports past "scale"'s 65 (its workers' ranges, 100 apart, do not meet), 25 job ids
     "dev-cluster": (50, 750),  # 15 job ids (it submits none)
     "scale": (300, 765),  # 65 ports (controller + 64 nodes) and 10 job ids: test_cluster_scale.py
     "node-network": (90, 775),  # 25 job ids: NET=netns, an address per node (test_node_network.py)

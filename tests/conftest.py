@@ -145,6 +145,7 @@ SLOW_FILES_FIRST = (
     "test_node_loss.py",
     "test_why_jobs.py",
     "test_slurm_polling.py",
+    "test_forgotten_accounting.py",  # 2-2.5 min a Slurm version: node loss, preemption, slurmctld's purge
     "test_training_resume.py",
     "test_resilience.py",
     "test_install_paths.py",

@@ -42,6 +42,7 @@ def client_env(
     memory_kill: bool = False,
     slurm: str = "22.05",
     net: str = "loopback",
+    accounting: bool = False,
 ) -> dict[str, str]:
     """The environment for slurm/dev's scripts and the cluster's clients (sbatch, squeue, its jobs).
 
@@ -51,7 +52,9 @@ def client_env(
     where None); `memory_kill`: schedule memory and kill a step over its job's --mem
     (slurm/dev/up.sh's MEMORY_KILL); `slurm`: "22.05" (the host's packages) or "24.11" (from a Debian
     trixie root, through the wrappers that up.sh writes in `<state_dir>/bin`, first on this PATH); `net`:
-    "loopback" (every NodeAddr 127.0.0.1) or "netns" (a network namespace and an address per node).
+    "loopback" (every NodeAddr 127.0.0.1) or "netns" (a network namespace and an address per node);
+    `accounting`: the cluster's own slurmdbd, its records in the machine's MariaDB (up.sh's ACCOUNTING=1), so
+    that sacct answers for jobs the controller has forgotten.
     """
     if slurm not in SLURM_VERSIONS:
         raise DevClusterError(f"slurm must be one of {', '.join(SLURM_VERSIONS)}, not {slurm!r}")
@@ -80,6 +83,8 @@ def client_env(
         env["BF_INTERVAL"] = str(bf_interval)
     if memory_kill:
         env["MEMORY_KILL"] = "1"
+    # Always set: an ACCOUNTING=1 in the caller's environment must not give every test cluster a slurmdbd.
+    env["ACCOUNTING"] = "1" if accounting else "0"
     return env
 
 

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Protocol
 
@@ -153,7 +153,10 @@ class Backend(Protocol):
 
 
 def _run(
-    args: list[str], env: Mapping[str, str] | None = None, check: bool = True
+    args: list[str],
+    env: Mapping[str, str] | None = None,
+    check: bool = True,
+    timeout_s: float = CLI_TIMEOUT_S,
 ) -> subprocess.CompletedProcess:
     if shutil.which(args[0]) is None:
         raise SlurmError(
@@ -165,12 +168,13 @@ def _run(
             args,
             capture_output=True,
             text=True,
-            timeout=CLI_TIMEOUT_S,
+            timeout=timeout_s,
             env=dict(env) if env is not None else None,
         )
     except subprocess.TimeoutExpired:
+        daemon = "slurmdbd" if args[0] in ("sacct", "sacctmgr") else "slurmctld"
         raise SlurmError(
-            f"{' '.join(args[:2])} did not answer in {CLI_TIMEOUT_S} s: is slurmctld up?"
+            f"{' '.join(args[:2])} did not answer in {timeout_s:.0f} s: is {daemon} up?"
         ) from None
     if check and proc.returncode != 0:
         message = (proc.stderr or proc.stdout).strip().splitlines()
@@ -376,12 +380,15 @@ class CliBackend:
             return {}
         found: dict[str, JobInfo] = {}
         # Without slurmdbd only the job-completion log answers (`sacct -c`), and not in JSON; once
-        # plain sacct has failed, later polls go to the log directly.
+        # accounting has said it is off, later polls go to the log directly.
         for extra in ([], ["-c"]):
             missing = [j for j in job_ids if j not in found]
             if not missing:
                 break
             if not extra and self._no_slurmdbd:
+                continue
+            if not extra:
+                found.update(self._from_accounting(missing))
                 continue
             proc = _run(
                 [
@@ -416,6 +423,15 @@ class CliBackend:
                         nodes=cols[4] if len(cols) > 4 else "",
                     )
         return found
+
+    def _from_accounting(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
+        try:
+            return {j: a.info() for j, a in accounting(job_ids, self.env).items() if j in job_ids}
+        except AccountingUnavailable:
+            self._no_slurmdbd = True
+        except SlurmError:
+            pass  # slurmdbd did not answer this time: the completion log may
+        return {}
 
 
 def polled_fields(backend: Backend, job_id: str) -> tuple[bool, dict[str, str] | None]:
@@ -763,3 +779,242 @@ def wait(backend: Backend, job_id: str, **kwargs) -> JobInfo:
 
 def print_progress(info: JobInfo, elapsed: float) -> None:
     print(f"[{elapsed:6.1f}s] {info.summary()}", file=sys.stderr, flush=True)
+
+
+# Accounting (slurmdbd, read through `sacct --json`): the record of jobs that the controller has forgotten
+# (MinJobAge after their end). This is the only place that runs sacct; the others call `accounting`.
+
+
+class AccountingUnavailable(SlurmError):
+    """This cluster keeps no accounting that sacct can read (no sacct here, accounting_storage/none, no slurmdbd)."""
+
+
+@dataclass(frozen=True)
+class AccountedStep:
+    """One step of one run: `batch`, `extern`, `0`, ..."""
+
+    step: str
+    state: JobState
+    exit_code: int | None = None
+    signal: int | None = None
+    nodes: str = ""
+
+
+@dataclass(frozen=True)
+class AccountedRun:
+    """One run of a job as accounting keeps it; a requeued job has one per run, oldest first."""
+
+    job_id: str  # as sbatch and squeue name it: "123", or "123_4" for task 4 of array job 123
+    name: str
+    state: JobState
+    reason: str = ""
+    exit_code: int | None = None
+    signal: int | None = None
+    nodes: str = ""
+    start_time: int | None = None  # Unix seconds
+    end_time: int | None = None
+    elapsed_s: int | None = None
+    workdir: str = ""
+    cancelled_by: str = ""  # the user who asked for the cancel, where Slurm names one
+    steps: tuple[AccountedStep, ...] = ()
+
+
+@dataclass(frozen=True)
+class JobAccounting:
+    """Everything accounting knows of one job (one array task): its runs, oldest first."""
+
+    job_id: str
+    runs: tuple[AccountedRun, ...]
+
+    @property
+    def last(self) -> AccountedRun:
+        return self.runs[-1]
+
+    @property
+    def requeues(self) -> int:
+        return len(self.runs) - 1
+
+    def info(self) -> JobInfo:
+        """The last run as a JobInfo (what `poll` gives for jobs the controller still knows)."""
+        run = self.last
+        return JobInfo(
+            job_id=self.job_id,
+            name=run.name,
+            state=run.state,
+            exit_code=run.exit_code,
+            signal=run.signal,
+            reason=run.reason,
+            nodes=run.nodes,
+            start_time=run.start_time,
+            end_time=run.end_time,
+        )
+
+
+# What sacct says on a cluster that keeps no accounting (AccountingStorageType=accounting_storage/none). A
+# slurmdbd that does not answer ("Connection refused") is not this: it may answer the next poll.
+_NO_ACCOUNTING = re.compile(r"accounting storage is disabled", re.I)
+
+
+def accounting(
+    job_ids: Sequence[str], env: Mapping[str, str] | None = None, timeout_s: float = CLI_TIMEOUT_S
+) -> dict[str, JobAccounting]:
+    """Accounting's record of the jobs (`sacct --json -D -j ...`: every run of a requeued job), by job id; an
+    array job's id gives its tasks, as "ID_TASK". Jobs accounting does not know are missing from the result.
+
+    Raises AccountingUnavailable when this cluster keeps no accounting that sacct reads, SlurmError when sacct
+    does not answer in `timeout_s`, fails otherwise, or gives unreadable JSON.
+    """
+    wanted = [str(j) for j in job_ids]
+    if not wanted:
+        return {}
+    if shutil.which("sacct") is None:
+        raise AccountingUnavailable("not found here (no Slurm client on PATH)")
+    proc = _run(["sacct", "--json", "-D", "-j", ",".join(wanted)], env=env, check=False, timeout_s=timeout_s)
+    lines = (proc.stderr or "").strip().splitlines()
+    if proc.returncode != 0:
+        last = lines[-1] if lines else f"exit {proc.returncode}"
+        if _NO_ACCOUNTING.search(proc.stderr or ""):
+            raise AccountingUnavailable(last)
+        raise SlurmError(f"sacct --json failed: {last}")
+    if not proc.stdout.strip() and _NO_ACCOUNTING.search(proc.stderr or ""):
+        raise AccountingUnavailable(lines[-1])
+    found = parse_sacct_json(proc.stdout)
+    if found and needs_text_exit_codes(proc.stdout):
+        args = ["sacct", "-D", "-P", "-n", "-j", ",".join(wanted), "-o", "JobIDRaw,ExitCode"]
+        text = _run(args, env=env, check=False, timeout_s=timeout_s)
+        if text.returncode == 0:
+            found = parse_sacct_json(proc.stdout, text.stdout)
+    return found
+
+
+def needs_text_exit_codes(text: str) -> bool:
+    """22.05's `sacct --json` (openapi/dbv0.0.38) gives every exit code as 0 (SUCCESS): a job that exited 3 and its
+    steps included (tests/fixtures/sacct/22.05). Its text output has them right."""
+    return "dbv0.0.38" in text  # "openapi\/dbv0.0.38": 22.05 escapes the slash
+
+
+def parse_sacct_json(text: str, exit_codes: str | None = None) -> dict[str, JobAccounting]:
+    """`sacct --json` of Slurm 22.05 (v0.0.38) to 24.11 (v0.0.42), by job id (array tasks as "ID_TASK").
+
+    `exit_codes`: `sacct -D -P -n -o JobIDRaw,ExitCode` of the same jobs, whose exit codes replace the JSON's
+    (22.05's are all 0: `needs_text_exit_codes`)."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise SlurmError(f"sacct --json gave no JSON: {exc}") from None
+    jobs = data.get("jobs") if isinstance(data, dict) else None
+    if not isinstance(jobs, list):
+        raise SlurmError("sacct --json gave no jobs list")
+    runs: dict[str, list[tuple[int, AccountedRun]]] = {}
+    codes = _text_exit_codes(exit_codes) if exit_codes is not None else None
+    seen: dict[str, int] = {}
+    for job in jobs:
+        if isinstance(job, dict):
+            run = _accounted_run(job)
+            if codes is not None:
+                # The text lists a job's runs in the JSON's order: the n-th run of a raw id is the n-th's codes.
+                raw = str(_json_int(job.get("job_id")))
+                seen[raw] = seen.get(raw, 0) + 1
+                run = _with_exit_codes(run, codes.get((raw, seen[raw]), {}))
+            submitted = _json_int((job.get("time") or {}).get("submission")) or 0
+            runs.setdefault(run.job_id, []).append((submitted, run))
+    return {
+        job_id: JobAccounting(job_id, tuple(run for _, run in sorted(found, key=lambda pair: pair[0])))
+        for job_id, found in runs.items()
+    }
+
+
+def _text_exit_codes(text: str) -> dict[tuple[str, int], dict[str, tuple[int | None, int | None]]]:
+    """`JobIDRaw|ExitCode` lines: (raw job id, its run number from 1) -> {step ("" for the job): (code, signal)}."""
+    found: dict[tuple[str, int], dict[str, tuple[int | None, int | None]]] = {}
+    runs: dict[str, int] = {}
+    for line in text.splitlines():
+        raw, _, exit_code = line.strip().partition("|")
+        job, _, step = raw.partition(".")
+        if not job:
+            continue
+        if not step:
+            runs[job] = runs.get(job, 0) + 1
+        code, _, signal = exit_code.partition(":")
+        value = (int(code) if code.isdigit() else None, int(signal) if signal.isdigit() else None)
+        found.setdefault((job, max(runs.get(job, 1), 1)), {})[step] = value
+    return found
+
+
+def _with_exit_codes(run: AccountedRun, codes: dict[str, tuple[int | None, int | None]]) -> AccountedRun:
+    if not codes:
+        return run
+    # A step that never reported (its node lost) has an empty ExitCode: the JSON's word stands.
+    codes = {step: value for step, value in codes.items() if value != (None, None)}
+    code, signal = codes.get("", (run.exit_code, run.signal))
+    steps = tuple(
+        replace(s, exit_code=codes[s.step][0], signal=codes[s.step][1] or None) if s.step in codes else s
+        for s in run.steps
+    )
+    return replace(run, exit_code=code, signal=signal or None, steps=steps)
+
+
+def _accounted_run(job: dict) -> AccountedRun:
+    job_id = str(_json_int(job.get("job_id")) or "")
+    array = job.get("array") or {}
+    task = _json_int(array.get("task_id")) if isinstance(array, dict) else None
+    array_id = _json_int(array.get("job_id")) if isinstance(array, dict) else None
+    if task is not None and array_id:
+        job_id = f"{array_id}_{task}"
+    state = job.get("state") or {}
+    times = job.get("time") or {}
+    code, signal = _json_exit(job.get("exit_code"))
+    if code is None and signal is None:
+        code, signal = _json_exit(job.get("derived_exit_code"))
+    start = _json_int(times.get("start"))
+    end = _json_int(times.get("end"))
+    steps = tuple(_accounted_step(s) for s in job.get("steps") or [] if isinstance(s, dict))
+    return AccountedRun(
+        job_id=job_id,
+        name=str(job.get("name") or ""),
+        state=JobState.parse(_json_state(state.get("current"))),
+        reason=str(state.get("reason") or ""),
+        exit_code=code,
+        signal=signal,
+        nodes=str(job.get("nodes") or ""),
+        start_time=start or None,  # 0: never started
+        end_time=end or None,
+        elapsed_s=_json_int(times.get("elapsed")),
+        workdir=str(job.get("working_directory") or ""),
+        cancelled_by=str(job.get("kill_request_user") or ""),
+        steps=steps,
+    )
+
+
+def _accounted_step(step: dict) -> AccountedStep:
+    ids = step.get("step") or {}
+    # 22.05: {"id": "batch"} or {"id": 0}; 24.11: {"id": "123.batch", "name": "batch"}
+    raw = str(ids.get("id", "")) if isinstance(ids, dict) else str(ids)
+    nodes = step.get("nodes") or {}
+    code, signal = _json_exit(step.get("exit_code"))
+    return AccountedStep(
+        step=raw.rsplit(".", 1)[-1],
+        state=JobState.parse(
+            _json_state(
+                (step.get("state") or "")
+                if not isinstance(step.get("state"), dict)
+                else step["state"].get("current")
+            )
+        ),
+        exit_code=code,
+        signal=signal,
+        nodes=str(nodes.get("range") or ",".join(nodes.get("list") or []))
+        if isinstance(nodes, dict)
+        else str(nodes),
+    )
+
+
+def _json_exit(value: object) -> tuple[int | None, int | None]:
+    """(exit code, signal) from sacct's exit_code object: 22.05's {"status", "return_code": N, "signal":
+    {"signal_id"}} or 23.02+'s {"status": [...], "return_code": {number}, "signal": {"id": {number}}}."""
+    if not isinstance(value, dict):
+        return None, None
+    code = _json_int(value.get("return_code"))
+    signal = value.get("signal")
+    sig = _json_int(signal.get("id", signal.get("signal_id"))) if isinstance(signal, dict) else None
+    return code, sig or None

@@ -36,6 +36,12 @@ stop() {
 
 stop "$dir"/run/slurmd-*.pid
 stop "$dir/run/slurmctld.pid"
+# ACCOUNTING=1: the cluster's slurmdbd, and its database in the machine's MariaDB (mariadb.sh).
+stop "$dir/run/slurmdbd.pid"
+if [[ -s $dir/etc/accounting-db ]]; then
+  "$here/mariadb.sh" drop "$(cat "$dir/etc/accounting-db")" || true
+  rm -f "$dir/etc/accounting-db"
+fi
 stop "$dir/run/munged.pid"
 # NET=netns: every namespace, veth and the bridge that up.sh made (net.sh).
 if [[ -s $dir/etc/net ]]; then "$here/net.sh" "$dir" teardown; fi

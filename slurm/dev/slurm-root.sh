@@ -3,7 +3,7 @@
 # which slurm/dev/up.sh runs a SLURM=24.11 cluster (HyperPod's Slurm) on a Debian 12 host. Packages come from
 # Debian's registry only: the mirror named in the host's apt sources (DEBIAN_MIRROR overrides it).
 #
-#   HPKIT_SLURM_ROOT  where the root lives (default: ${XDG_CACHE_HOME:-$HOME/.cache}/hpkit/slurm-24.11-trixie-r2)
+#   HPKIT_SLURM_ROOT  where the root lives (default: ${XDG_CACHE_HOME:-$HOME/.cache}/hpkit/slurm-24.11-trixie-r3)
 #
 # Built once per machine and shared by every cluster (the tests' too): concurrent callers wait on a lock, and a
 # root appears only when complete (built beside it, then renamed). Besides Slurm, the root holds the libraries
@@ -13,12 +13,13 @@
 set -euo pipefail
 
 # The default path names the root's revision: a root with other packages is built beside an older one, never over
-# it (clusters running from the older one keep their files). r2: runc, for Slurm's OCI containers.
-root=${HPKIT_SLURM_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/hpkit/slurm-24.11-trixie-r2}
+# it (clusters running from the older one keep their files). r2: runc, for Slurm's OCI containers. r3: slurmdbd
+# (ACCOUNTING=1 clusters; it talks to the host's MariaDB over TCP on the loopback).
+root=${HPKIT_SLURM_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/hpkit/slurm-24.11-trixie-r3}
 release=trixie
 # The marker the command wrappers look for: inside the root, run Slurm's binaries directly.
 marker=etc/hpkit-slurm-root
-packages=slurm-wlm,slurm-client,munge,libffi8,libssl3t64,zlib1g,libbz2-1.0,liblzma5,libsqlite3-0,libreadline8t64,libncursesw6,libuuid1,libexpat1,libgdbm6t64,libmpdec4,procps,runc
+packages=slurm-wlm,slurm-client,munge,libffi8,libssl3t64,zlib1g,libbz2-1.0,liblzma5,libsqlite3-0,libreadline8t64,libncursesw6,libuuid1,libexpat1,libgdbm6t64,libmpdec4,procps,runc,slurmdbd
 
 die() { echo "slurm-root: $*" >&2; exit 1; }
 

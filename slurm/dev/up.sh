@@ -29,6 +29,12 @@
 #                          slurmd (and so its job steps) runs in a network namespace of its own, node i at
 #                          10.<port/256>.<port%256>.(i+1) on a bridge at .1 where slurmctld is reached (net.sh; its
 #                          fault helpers cut, slow and second-if act on a node's link). down.sh removes them all
+#   ACCOUNTING             0: no accounting database (AccountingStorageType=accounting_storage/none; default). 1: this
+#                          cluster's own slurmdbd (22.05: the host's; 24.11: the root's) on DBD_PORT (default: the
+#                          port after the last node's), keeping its records in database hpkit_acct_<port> of the
+#                          machine's MariaDB (mariadb.sh starts it), with cluster hpkit-dev and account hpkit made by
+#                          sacctmgr; sacct then answers for jobs the controller has forgotten. down.sh drops the database.
+#                          QOS high preempts (cancels, PreemptType=preempt/qos) normal jobs: sbatch --qos=high
 #   TOPOLOGY               none: no TopologyPlugin (default). tree | block (block: 24.11 only): TopologyPlugin=topology/...
 #                          and a topology.conf naming every node, TOPOLOGY_GROUP (default 2) nodes a leaf switch or a
 #                          block, rendered by hpkit (python3 -m hpkit.topology render), as HyperPod manages one
@@ -50,6 +56,8 @@ slurm=${SLURM:-22.05}
 net=${NET:-loopback}
 topo=${TOPOLOGY:-none}
 topo_group=${TOPOLOGY_GROUP:-2}
+accounting=${ACCOUNTING:-0}
+dbd_port=${DBD_PORT:-$((port + nodes + 1))}
 
 die() { echo "cluster-up: $*" >&2; exit 1; }
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, not '$nodes'"
@@ -65,6 +73,10 @@ fi
 [[ $slurm == 22.05 || $slurm == 24.11 ]] || die "SLURM must be 22.05 (the host's packages) or 24.11, not '$slurm'"
 [[ $net == loopback || $net == netns ]] || die "NET must be loopback or netns, not '$net'"
 [[ $topo == none || $topo == tree || $topo == block ]] || die "TOPOLOGY must be none, tree or block, not '$topo'"
+[[ $accounting =~ ^[01]$ ]] || die "ACCOUNTING must be 0 or 1, not '$accounting'"
+if ((accounting)) && { ! [[ $dbd_port =~ ^[0-9]+$ ]] || ((dbd_port < 1024 || dbd_port > 65535)); }; then
+  die "DBD_PORT must be a port in 1024..65535, not '$dbd_port'"
+fi
 [[ $topo_group =~ ^[1-9][0-9]*$ ]] || die "TOPOLOGY_GROUP must be a positive integer, not '$topo_group'"
 [[ $topo != block || $slurm != 22.05 ]] || die "TOPOLOGY=block needs Slurm 23.11 or later: use SLURM=24.11, or TOPOLOGY=tree"
 [[ $(id -u) == 0 ]] || die "run as root: slurmd must be able to start jobs as any user"
@@ -76,6 +88,9 @@ if alive "$dir/run/slurmctld.pid" && [[ $(cat "$dir/etc/slurm-version" 2>/dev/nu
 fi
 if alive "$dir/run/slurmctld.pid" && [[ $(cat "$dir/etc/net-layout" 2>/dev/null || echo loopback) != "$net" ]]; then
   die "the cluster in $dir runs with NET=$(cat "$dir/etc/net-layout" 2>/dev/null || echo loopback), not $net: stop it first (make cluster-down)"
+fi
+if alive "$dir/run/slurmctld.pid" && [[ $(cat "$dir/etc/accounting" 2>/dev/null || echo 0) != "$accounting" ]]; then
+  die "the cluster in $dir runs with ACCOUNTING=$(cat "$dir/etc/accounting" 2>/dev/null || echo 0), not $accounting: stop it first (make cluster-down)"
 fi
 mkdir -p "$dir"/{etc,state,run,log,munge,spool,tmp}
 chmod 0755 "$dir/munge"
@@ -109,7 +124,7 @@ print(*[p for p in paths if p.startswith("/usr/")], sysconfig.get_paths()["stdli
     mkdir -p "$dir/bin"
     sed -e "s|@ROOT@|$root|" -e "s|@BINDS@|${binds[*]}|" "$here/in-root.sh" >"$dir/bin/.in-root"
     chmod 0755 "$dir/bin/.in-root"
-    for cmd in munged munge slurmctld slurmd sbatch salloc srun squeue sacct scontrol sinfo scancel sstat; do
+    for cmd in munged munge slurmctld slurmd slurmdbd sbatch salloc srun squeue sacct sacctmgr scontrol sinfo scancel sstat; do
       ln -s .in-root "$dir/bin/$cmd"
     done
   fi
@@ -121,6 +136,9 @@ else
   for cmd in munged slurmctld slurmd scontrol sinfo; do
     command -v "$cmd" >/dev/null || die "$cmd not found: install Debian's slurm-wlm and munge (make system-deps)"
   done
+  if ((accounting)); then
+    command -v slurmdbd >/dev/null || die "slurmdbd not found: install Debian's slurmdbd (make system-deps ACCOUNTING=1)"
+  fi
   printf 'export SLURM_CONF=%q\n' "$conf" >"$dir/etc/env"
 fi
 echo "$slurm" >"$dir/etc/slurm-version"
@@ -135,11 +153,21 @@ if [[ $net == netns ]]; then
   ctld_addr=10.$((port / 256)).$((port % 256)).1
 fi
 echo "$net" >"$dir/etc/net-layout"
+alive "$dir/run/slurmctld.pid" || echo "$accounting" >"$dir/etc/accounting"
 
 # A running cluster keeps its config: rewriting it under live daemons would split their view.
 if ! alive "$dir/run/slurmctld.pid"; then
   select_params="SelectTypeParameters=CR_CPU"$'\n'
   jobacct="JobAcctGatherType=jobacct_gather/none"$'\n'
+  storage="AccountingStorageType=accounting_storage/none"$'\n'
+  if ((accounting)); then
+    storage="AccountingStorageType=accounting_storage/slurmdbd"$'\n'"AccountingStorageHost=127.0.0.1"$'\n'"AccountingStoragePort=$dbd_port"$'\n'
+    # The munge socket for connections to slurmdbd (AuthInfo's is for the controller's only).
+    storage+="AccountingStoragePass=$dir/munge/munge.socket.2"$'\n'
+    # Preemption as QOS "high" (sacctmgr, below) gives it: a job in QOS high cancels normal jobs in its way
+    # (state PREEMPTED). No QOS preempts another unless told, so other jobs never see it.
+    storage+="PreemptType=preempt/qos"$'\n'"PreemptMode=CANCEL"$'\n'
+  fi
   memory=2048
   if ((memory_kill)); then
     select_params="SelectTypeParameters=CR_CPU_Memory"$'\n'"DefMemPerCPU=1024"$'\n'
@@ -158,13 +186,18 @@ if ! alive "$dir/run/slurmctld.pid"; then
   done
   sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@CTLD_ADDR@|$ctld_addr|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" -e "s|@BF_INTERVAL@|$bf_interval|g" "$here/slurm.conf.in" >"$conf.tmp"
   # The node and accounting lines hold newlines, which sed's replacement cannot carry portably.
-  awk -v nodes="$node_lines" -v select_params="$select_params" -v jobacct="$jobacct" '{
+  awk -v nodes="$node_lines" -v select_params="$select_params" -v jobacct="$jobacct" -v storage="$storage" '{
     if ($0 == "@NODES@") printf "%s", nodes
     else if ($0 == "@SELECT_PARAMS@") printf "%s", select_params
     else if ($0 == "@JOBACCT_GATHER@") printf "%s", jobacct
+    else if ($0 == "@ACCOUNTING_STORAGE@") printf "%s", storage
     else print
   }' "$conf.tmp" >"$conf"
   rm -f "$conf.tmp"
+  if ((accounting)); then
+    # As on clusters that keep accounting (HyperPod's): sacct is the record of ended jobs, no completion log.
+    sed -i -e 's|^JobCompType=.*|JobCompType=jobcomp/none|' -e '/^JobCompLoc=/d' "$conf"
+  fi
   rm -f "$dir/etc/topology.conf"
   if [[ $topo != none ]]; then
     # As HyperPod's clusters: the plugin, and a topology.conf that names every node (without one, 24.11's
@@ -197,6 +230,49 @@ if ! alive "$dir/run/munged.pid"; then
     --pid-file="$dir/run/munged.pid" \
     --log-file="$dir/log/munged.log" \
     --seed-file="$dir/munge/munged.seed"
+fi
+
+if ((accounting)) && ! alive "$dir/run/slurmdbd.pid"; then
+  db=hpkit_acct_$port
+  # A fresh cluster gets a fresh database; a running one keeps its records.
+  if ! alive "$dir/run/slurmctld.pid"; then
+    "$here/mariadb.sh" create "$db"
+    # The state folder names the cluster id of the database it last ran with: slurmctld refuses a new one.
+    rm -f "$dir/state/clustername"
+  fi
+  echo "$db" >"$dir/etc/accounting-db"
+  # slurmdbd reads slurmdbd.conf beside SLURM_CONF's slurm.conf, and refuses one that others may read.
+  (umask 077 && cat >"$dir/etc/slurmdbd.conf" <<EOF
+# This cluster's slurmdbd (slurm/dev/up.sh, ACCOUNTING=1): its records in database $db of the machine's MariaDB.
+AuthType=auth/munge
+AuthInfo=socket=$dir/munge/munge.socket.2
+DbdHost=$(hostname)
+DbdAddr=127.0.0.1
+DbdPort=$dbd_port
+SlurmUser=root
+LogFile=$dir/log/slurmdbd.log
+PidFile=$dir/run/slurmdbd.pid
+StorageType=accounting_storage/mysql
+StorageHost=127.0.0.1
+StoragePort=${HPKIT_MARIADB_PORT:-13306}
+StorageUser=hpkit
+StoragePass=hpkit
+StorageLoc=$db
+EOF
+  )
+  slurmdbd
+  # Ready when it answers sacctmgr (its first start creates the tables: seconds).
+  deadline=$((SECONDS + 60))
+  until sacctmgr -n -P list cluster >/dev/null 2>&1 || ((SECONDS > deadline)); do sleep 0.5; done
+  sacctmgr -n -P list cluster >/dev/null 2>&1 || { tail -n 20 "$dir/log/slurmdbd.log" >&2; die "slurmdbd did not answer in 60 s"; }
+  if [[ -z $(sacctmgr -n -P list cluster hpkit-dev format=cluster 2>/dev/null) ]]; then
+    sacctmgr -i -Q add cluster hpkit-dev >/dev/null
+    sacctmgr -i -Q add qos high Preempt=normal >/dev/null
+    sacctmgr -i -Q add account hpkit Cluster=hpkit-dev Description=hpkit Organization=hpkit >/dev/null
+    for user in root "$(id -un)" ${SUDO_USER:+"$SUDO_USER"}; do
+      sacctmgr -i -Q add user "$user" Account=hpkit DefaultAccount=hpkit Cluster=hpkit-dev QOS=normal,high >/dev/null 2>&1 || true
+    done
+  fi
 fi
 
 if ! alive "$dir/run/slurmctld.pid"; then

@@ -111,7 +111,7 @@ class FakeSlurm:
         self.squeue = squeue
         self.sacct_c = sacct_c
 
-    def __call__(self, args, env=None, check=True):
+    def __call__(self, args, env=None, check=True, timeout_s=None):
         self.calls.append(args)
         done = lambda rc, out="", err="": subprocess.CompletedProcess(args, rc, out, err)  # noqa: E731
         if args[:2] == ["sinfo", "--version"]:
@@ -144,7 +144,7 @@ def test_a_forgotten_job_is_read_from_the_completion_log(monkeypatch):
     monkeypatch.setattr(slurm, "_run", fake)
     monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
     found = CliBackend().poll(["9003"])
-    assert [c[:2] for c in fake.calls[1:]] == [["squeue", "--json"], ["sacct", "-n"], ["sacct", "-c"]]
+    assert [c[:2] for c in fake.calls[1:]] == [["squeue", "--json"], ["sacct", "--json"], ["sacct", "-c"]]
     job = found["9003"]
     assert (job.state, job.exit_code, job.signal, job.nodes) == (JobState.FAILED, 0, 9, "node2")
 

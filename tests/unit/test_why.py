@@ -20,7 +20,6 @@ from hpkit.jobs.why_scan import (
     scan_jobcomp,
     scan_metrics,
     scan_output,
-    scan_sacct,
     scan_scontrol,
     scan_slurm_log,
 )
@@ -521,14 +520,6 @@ def test_cancelled_by_whom_from_slurmctld_and_when_from_slurmstepd():
     assert v.summary == "cancelled by root (uid 0) at 2026-11-25T11:28:16"
     assert_cited(v, CANCELLED)
     assert "STEP" not in v.evidence[0].text
-
-
-def test_cancelled_by_from_sacct():
-    text = "19824|CANCELLED by 1000|0:15|node1|2026-11-25T11:28:16\n19824.batch|CANCELLED|0:15|node1|2026-11-25T11:28:16\n"
-    rec, found = scan_sacct(text, "sacct -j 19824", "19824")
-    assert rec is not None and rec.state == "CANCELLED"
-    v = decide(Facts("19824", [rec], found), name_of=lambda uid: "alice")
-    assert v.summary == "cancelled by alice (uid 1000) at 2026-11-25T11:28:16"
 
 
 def test_preempted_and_requeued():

@@ -19,24 +19,24 @@ import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from hpkit.errors import HpkitError
+from hpkit.errors import HpkitError, SlurmError
 from hpkit.job_events import events_path, hangs_dir, runs_path, verdict_paths, verdict_restart
 from hpkit.jobs.files import files_for, spec_of_script, split_task
 from hpkit.jobs.index import recall
 from hpkit.jobs.why import Facts, Finding, SlurmRecord, Verdict, decide
 from hpkit.jobs.why_scan import (
     JobEvents,
+    scan_accounting,
     scan_events,
     scan_hang_verdict,
     scan_jobcomp,
     scan_metrics,
     scan_output,
     scan_runs_file,
-    scan_sacct,
     scan_scontrol,
     scan_slurm_log,
 )
-from hpkit.slurm import expand_output_pattern
+from hpkit.slurm import accounting, expand_output_pattern
 
 CLI_TIMEOUT_S = 30
 
@@ -226,18 +226,16 @@ def _jobcomp(read: _Reader, config: Mapping[str, str], job_id: str) -> list[Slur
 
 
 def _sacct(read: _Reader, job_id: str) -> tuple[SlurmRecord | None, list[Finding]]:
-    args = ["sacct", "-j", job_id, "-P", "-n", "-o", "JobID,State,ExitCode,NodeList,End"]
-    done = read.command(args)
-    if done is None:
+    """Accounting's record (hpkit.slurm.accounting: sacct --json, every run of a requeued job)."""
+    try:
+        found = accounting([job_id], read.env, CLI_TIMEOUT_S).get(job_id)
+    except SlurmError as exc:  # AccountingUnavailable included: "sacct: Slurm accounting storage is disabled"
+        read.unreadable.append(f"sacct: {exc}")
         return None, []
-    status, out, err = done
-    if status != 0:
-        read.unreadable.append(f"sacct: {_last_line(err) or f'exit {status}'}")
-        return None, []
-    record, found = scan_sacct(out, f"sacct -j {job_id}", job_id)
-    if record is None:
+    if found is None:
         read.unreadable.append(f"sacct: no record of job {job_id}")
-    return record, found
+        return None, []
+    return scan_accounting(found, f"sacct --json -D -j {job_id}")
 
 
 def _outputs(

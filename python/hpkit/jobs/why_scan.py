@@ -18,8 +18,10 @@ run's or attempt's end is not the job's.
 from __future__ import annotations
 
 import json
+import pwd
 import re
 import signal as signals
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
@@ -53,7 +55,7 @@ from hpkit.jobs.why import (
     SlurmRecord,
 )
 from hpkit.metrics_records import EndEvent, StartEvent, StepRecord, parse_record
-from hpkit.slurm import parse_scontrol_record
+from hpkit.slurm import AccountedRun, JobAccounting, parse_scontrol_record
 
 # `R: ` as srun --label and hpkit.line_label write it (right-aligned), then torch's own `[rankR]: `.
 _SRUN_LABEL = re.compile(r"^\s*(\d+): ")
@@ -368,32 +370,63 @@ def scan_scontrol(text: str, source: str) -> tuple[SlurmRecord, dict[str, str]]:
     return record, fields
 
 
-def scan_sacct(text: str, source: str, job_id: str) -> tuple[SlurmRecord | None, list[Finding]]:
-    """`sacct -j N -P -n -o JobID,State,ExitCode,NodeList,End`: the job's line, and its steps' words."""
-    record = None
+def scan_accounting(job: JobAccounting, source: str) -> tuple[SlurmRecord, list[Finding]]:
+    """Accounting's record (hpkit.slurm.accounting): the last run as the record, its restarts the earlier runs
+    (each cited with its state and nodes), and its steps' words (an OUT_OF_MEMORY step, who cancelled)."""
+    lines = [_run_line(run, i, len(job.runs)) for i, run in enumerate(job.runs, 1)]
+    evidence = tuple(Evidence(source, None, line) for line in reversed(lines))  # the last run first
+    last = job.last
     found: list[Finding] = []
-    for raw in text.splitlines():
-        cols = raw.strip().split("|")
-        if len(cols) < 5 or cols[0].split(".")[0].split("+")[0] != job_id:
-            continue
-        ev = Evidence(source, None, raw.strip())
-        state = cols[1]
-        if match := re.match(r"CANCELLED by (\d+)", state):
-            found.append(Finding(CANCEL_REQUEST, (ev,), uid=int(match.group(1)), when=cols[4]))
-        if state.startswith("OUT_OF_MEMORY") and "." in cols[0]:
-            found.append(
-                Finding(OOM_RECORD, (ev,), node=cols[3] or None, detail=f"step {cols[0]}: OUT_OF_MEMORY")
-            )
-        if "." not in cols[0]:
-            record = SlurmRecord(
-                source=source,
-                state=state.split()[0] if state else "",
-                exit_code=cols[2],
-                nodes=cols[3],
-                end=cols[4],
-                evidence=(ev,),
-            )
+    if last.cancelled_by:
+        uid = _uid(last.cancelled_by)
+        found.append(Finding(CANCEL_REQUEST, evidence[:1], uid=uid, when=_when(last.end_time)))
+    for step in last.steps:
+        if step.state.value == "OUT_OF_MEMORY":
+            detail = f"step {job.job_id}.{step.step}: OUT_OF_MEMORY"
+            found.append(Finding(OOM_RECORD, evidence[:1], node=step.nodes or None, detail=detail))
+    record = SlurmRecord(
+        source=source,
+        state=last.state.value,
+        exit_code=_exit_text(last.exit_code, last.signal),
+        reason=last.reason,
+        restarts=job.requeues,
+        nodes=last.nodes,
+        end=_when(last.end_time),
+        name=last.name,
+        workdir=last.workdir,
+        evidence=evidence,
+    )
     return record, found
+
+
+def _run_line(run: AccountedRun, number: int, runs: int) -> str:
+    steps = ", ".join(
+        f"{s.step} {s.state.value} {_exit_text(s.exit_code, s.signal)}"
+        for s in run.steps
+        if s.step != "extern"
+    )
+    where = f" on {run.nodes}" if run.nodes and run.nodes != "None assigned" else ""
+    reason = f", reason {run.reason}" if run.reason and run.reason != "None" else ""
+    line = f"run {number} of {runs}: {run.state.value}{where}, exit {_exit_text(run.exit_code, run.signal)}"
+    line += f", ended {_when(run.end_time)}" if run.end_time else ""
+    return line + reason + (f"; steps: {steps}" if steps else "")
+
+
+def _exit_text(code: int | None, signal: int | None) -> str:
+    """As scontrol and sacct print an exit code: CODE:SIGNAL."""
+    return f"{code or 0}:{signal or 0}"
+
+
+def _when(epoch: int | None) -> str:
+    """As scontrol prints a time (the local clock's)."""
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(epoch)) if epoch else ""
+
+
+def _uid(user: str) -> int | None:
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        return int(user) if user.isdigit() else None
 
 
 def scan_hang_verdict(text: str, source: str, restart: int | None = None) -> Finding | None:

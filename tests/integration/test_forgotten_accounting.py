@@ -1,0 +1,165 @@
+"""`hpkit why` and `hpkit status` on jobs the controller has forgotten, read from accounting (slurmdbd, `sacct --json`).
+
+A private cluster with accounting (slurm/dev ACCOUNTING=1: its own slurmdbd, a database in the machine's MariaDB,
+no job-completion log, as on HyperPod's clusters) and MinJobAge=2. Three jobs end three ways: one fails (exit 3),
+one is requeued after its node is lost (slurmd, slurmstepds and tasks killed together) and completes on another
+node, one is preempted (cancelled for a job in QOS high, PreemptType=preempt/qos). Each job's verdict and status
+are taken the moment it ends, while slurmctld still knows it, and again once slurmctld has purged it (the test
+waits for that event: `scontrol show job` no longer knows the id); they must be the same. Without accounting the
+second reading has nothing to go on: the requeue count, the exit code and the preemption live in slurmdbd only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_node_loss import kill_node
+
+from _clusters import slot
+from hpkit import devcluster
+
+pytestmark = [pytest.mark.cluster]
+
+SECOND_RUN_ENDS = 'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then srun true; else srun sleep 600; fi'
+PURGE_WAIT_S = 240  # slurmctld purges ended jobs about once a minute; room for a loaded machine
+
+
+def _run(args: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(args, env=env, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def _sbatch(env: dict[str, str], work: Path, *args: str) -> str:
+    # sbatch's default output (slurm-JOB.out in the working directory): once the controller has forgotten the job,
+    # `hpkit why` finds it from the working directory that accounting keeps.
+    done = _run(["sbatch", "--parsable", *args], env, work)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def _controller(job: str, env: dict[str, str]) -> dict[str, str] | None:
+    done = _run(["scontrol", "show", "job", "-o", job], env)
+    if done.returncode != 0 or not done.stdout.strip():
+        return None
+    return dict(
+        field.split("=", 1)
+        for field in done.stdout.split()
+        if "=" in field and field.split("=", 1)[0].isalpha()
+    )
+
+
+def _step_runs(job: str, env: dict[str, str]) -> bool:
+    done = _run(["squeue", "-h", "-s", "-j", job, "-o", "%i"], env)
+    return f"{job}.0" in done.stdout.split()
+
+
+def _reading(job: str, env: dict[str, str], work: Path) -> dict:
+    """What hpkit says of the job: its verdict (kind, summary, state) and its status (state, exit code)."""
+    why = _run([sys.executable, "-m", "hpkit", "why", job, "--json"], env, work)
+    assert why.returncode == 0 and "Traceback" not in why.stderr, why.stderr
+    verdict = json.loads(why.stdout)
+    status = _run([sys.executable, "-m", "hpkit", "status", job, "--json"], env, work)
+    assert status.returncode == 0 and "Traceback" not in status.stderr, status.stderr
+    got = json.loads(status.stdout)
+    return {
+        "kind": verdict["kind"],
+        "summary": verdict["summary"],
+        "state": verdict["state"],
+        "status": got["state"],
+        "exit_code": got.get("exit_code"),
+        "unreadable": verdict["unreadable"],
+        "sacct": [e["text"] for e in verdict["evidence"] if e["source"].startswith("sacct")],
+    }
+
+
+def _when_ended(job: str, env: dict[str, str], work: Path, deadline: float) -> dict:
+    """The reading taken as soon as the controller shows the job ended, while it still knows it."""
+    while time.monotonic() < deadline:
+        fields = _controller(job, env)
+        assert fields is not None, f"job {job} was forgotten before it was seen ended"
+        if fields["JobState"] not in ("PENDING", "RUNNING", "COMPLETING", "CONFIGURING", "REQUEUED"):
+            reading = _reading(job, env, work)
+            # MinJobAge is 2 s: a reading that took longer may have missed the controller.
+            assert not any("no longer remembers" in u for u in reading["unreadable"]), reading
+            return reading
+        time.sleep(0.2)
+    pytest.fail(f"job {job} did not end in time")
+
+
+@pytest.mark.parametrize("slurm", ["22.05", pytest.param("24.11", marks=pytest.mark.slurm_24_11)])
+def test_why_and_status_of_a_forgotten_job_read_accounting_and_agree_with_the_controller(
+    tmp_path_factory, slurm
+):
+    notes = tmp_path_factory.mktemp("notes")
+    base = {**os.environ, "HPKIT_STATE_DIR": str(notes)}
+    env = devcluster.client_env(
+        tmp_path_factory.mktemp("accounting-cluster"),
+        *slot("accounting"),
+        nodes=3,
+        base=base,
+        min_job_age=2,
+        slurmd_timeout=10,
+        bf_interval=1,
+        slurm=slurm,
+        accounting=True,
+    )
+    work = tmp_path_factory.mktemp("accounting-jobs")
+    with devcluster.running(env):
+        jobs = {
+            "failed": _sbatch(env, work, "-J", "failed", "-w", "node1", "--wrap", 'srun sh -c "exit 3"'),
+            # Its first run waits to lose its node; the run after the requeue completes.
+            "requeued": _sbatch(
+                env, work, "-J", "requeued", "--requeue", "-x", "node3", "--wrap", SECOND_RUN_ENDS
+            ),
+            "preempted": _sbatch(
+                env, work, "-J", "preempted", "-w", "node3", "--exclusive", "--wrap", "srun sleep 600"
+            ),
+        }
+        deadline = time.monotonic() + 300
+        before = {"failed": _when_ended(jobs["failed"], env, work, deadline)}
+
+        # The node under the requeued job dies; its next run goes to the other of node1 and node2.
+        # Once its step runs: a node lost before srun's launch fails the launch, and the job ends FAILED.
+        while not _step_runs(jobs["requeued"], env):
+            assert time.monotonic() < deadline, "the requeued job's step never ran"
+            time.sleep(0.2)
+        lost = (_controller(jobs["requeued"], env) or {})["NodeList"]
+        assert kill_node(env, jobs["requeued"], lost)
+
+        while (_controller(jobs["preempted"], env) or {}).get("JobState") != "RUNNING":
+            assert time.monotonic() < deadline, "the job to preempt never ran"
+            time.sleep(0.2)
+        _sbatch(
+            env, work, "-J", "preemptor", "--qos=high", "-w", "node3", "--exclusive", "--wrap", "srun true"
+        )
+        before["preempted"] = _when_ended(jobs["preempted"], env, work, deadline)
+        before["requeued"] = _when_ended(jobs["requeued"], env, work, deadline + 120)
+        subprocess.run(["slurmd", "-N", lost, "-f", env["SLURM_CONF"]], env=env, check=False)
+
+        purge_by = time.monotonic() + PURGE_WAIT_S
+        for job in jobs.values():
+            while _controller(job, env) is not None:
+                assert time.monotonic() < purge_by, f"slurmctld still knows job {job} after {PURGE_WAIT_S} s"
+                time.sleep(1)
+        after = {name: _reading(job, env, work) for name, job in jobs.items()}
+
+    for name in jobs:
+        print(f"\n{name}: before {before[name]['summary']!r}; after {after[name]['summary']!r}")
+        assert any("no longer remembers" in u for u in after[name]["unreadable"]), after[name]
+        # A preempted job's exit code is a race in the controller (0 when the job ends, then the batch script's
+        # 143 once its SIGTERM exit arrives); accounting keeps the 0 and the batch step's signal 15.
+        keys = ("kind", "summary", "state", "status") + (("exit_code",) if name != "preempted" else ())
+        for key in keys:
+            assert after[name][key] == before[name][key], (name, key, before[name], after[name])
+    assert before["failed"]["kind"] == "program_error" and before["failed"]["state"] == "FAILED"
+    assert before["requeued"]["summary"].startswith("completed after 1 restart(s)"), before["requeued"]
+    # Accounting's runs, each on its node: the lost one, then the other.
+    runs = after["requeued"]["sacct"]
+    assert any(r.startswith(f"run 1 of 2: NODE_FAIL on {lost},") for r in runs), runs
+    assert any(r.startswith("run 2 of 2: COMPLETED on node") and f"on {lost}," not in r for r in runs), runs
+    assert before["preempted"]["kind"] == "preempted" and before["preempted"]["state"] == "PREEMPTED"
