@@ -51,7 +51,14 @@ _TAG = 4417  # p2p tag of the copies, apart from anything training sends
 
 class _MemoryPlanner(DefaultSavePlanner):
     """Its own class, so that DCP's plan cache (keyed by the planner's class name) is not shared with the
-    persistent checkpoints', whose saves may run at the same time on another thread."""
+    persistent checkpoints', whose saves may run at the same time on another thread.
+
+    Entries every rank holds alike (AdamW's per-parameter step counters, the trainer's step and RNG) are
+    written once, in rank 0's file: DCP's default spreads them over every rank's file, and a restore then
+    needs every file on every node (a new node pulled the whole job's state instead of its ranks')."""
+
+    def __init__(self) -> None:
+        super().__init__(dedup_save_to_lowest_rank=True, enable_plan_caching=True)
 
 
 class MemoryCheckpointer:
@@ -129,7 +136,7 @@ class MemoryCheckpointer:
         response = dcp.async_save(
             state,
             storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
-            planner=_MemoryPlanner(enable_plan_caching=True),
+            planner=_MemoryPlanner(),
             process_group=self.group,
             async_stager=self._stager,
         )
