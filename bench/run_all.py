@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, list[str]] = {
     "train_step": [*TORCHRUN, str(BENCH / "bench_train_step.py")],
     "launch": [sys.executable, str(BENCH / "bench_launch.py")],
     "checkpoint": [*TORCHRUN, str(BENCH / "bench_checkpoint.py")],
+    "memory_checkpoint": [*TORCHRUN, str(BENCH / "bench_memory_checkpoint.py")],
     "check": [sys.executable, str(BENCH / "bench_check.py")],
     "render_scale": [sys.executable, str(BENCH / "bench_render_scale.py")],
     "gpu_mfu": [sys.executable, str(BENCH / "gpu_mfu.py")],

@@ -53,7 +53,14 @@ _TAG = 4417  # p2p tag of the copies, apart from anything training sends
 
 class _MemoryPlanner(DefaultSavePlanner):
     """Its own class, so that DCP's plan cache (keyed by the planner's class name) is not shared with the
-    persistent checkpoints', whose saves may run at the same time on another thread."""
+    persistent checkpoints', whose saves may run at the same time on another thread.
+
+    Entries every rank holds alike (AdamW's per-parameter step counters, the trainer's step and RNG) are
+    written once, in rank 0's file: DCP's default spreads them over every rank's file, and a restore then
+    needs every file on every node (a new node pulled the whole job's state instead of its ranks')."""
+
+    def __init__(self) -> None:
+        super().__init__(dedup_save_to_lowest_rank=True, enable_plan_caching=True)
 
 
 class MemoryCheckpointer:
@@ -131,7 +138,7 @@ class MemoryCheckpointer:
         response = dcp.async_save(
             state,
             storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
-            planner=_MemoryPlanner(enable_plan_caching=True),
+            planner=_MemoryPlanner(),
             process_group=self.group,
             async_stager=self._stager,
         )
@@ -225,11 +232,16 @@ class MemoryCheckpointer:
     def _exchange(self, sends: list[tuple[int, Path]], receives: list[tuple[int, Path]]) -> None:
         """Point-to-point copies of whole files: sizes first, then the bytes, every send and receive posted
         before any is waited on (no order between pairs can deadlock). Two files between one pair of ranks
-        travel in the order both sides list them (gloo keeps the order of one pair's messages of one tag)."""
-        payloads = [torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8) for _, path in sends]
+        travel in the order both sides list them (gloo keeps the order of one pair's messages of one tag).
+
+        Each file is sent from its own pages in node memory and received straight into the file it becomes
+        (both mapped), so no copy of a state passes through the process: the host memory of a save is the
+        node folder and the staging copy (`MemoryCheckpointSpec.host_copies`), not three more copies of a
+        state as buffers."""
+        payloads = [_mapped(path) for _, path in sends]
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in receives]
         works = [
-            dist.isend(torch.tensor([len(data)], dtype=torch.int64), peer, group=self.group, tag=_TAG)
+            dist.isend(torch.tensor([data.numel()], dtype=torch.int64), peer, group=self.group, tag=_TAG)
             for (peer, _), data in zip(sends, payloads, strict=True)
         ]
         works += [
@@ -238,7 +250,8 @@ class MemoryCheckpointer:
         ]
         for work in works:
             work.wait()
-        buffers = [torch.empty(int(size.item()), dtype=torch.uint8) for size in sizes]
+        parts = [_part(path) for _, path in receives]
+        buffers = [_mapped(part, int(size.item())) for part, size in zip(parts, sizes, strict=True)]
         works = [
             dist.isend(data, peer, group=self.group, tag=_TAG + 1)
             for (peer, _), data in zip(sends, payloads, strict=True)
@@ -249,8 +262,9 @@ class MemoryCheckpointer:
         ]
         for work in works:
             work.wait()
-        for (_, path), buf in zip(receives, buffers, strict=True):
-            _write_whole(path, buf.numpy().tobytes())
+        del payloads, buffers  # unmapped before the files are renamed (or removed)
+        for part, (_, path) in zip(parts, receives, strict=True):
+            os.replace(part, path)
 
     # ----------------------------------------------------------------------------------------------
     # Restore
@@ -344,7 +358,27 @@ class MemoryCheckpointer:
                 shutil.rmtree(self.node_dir, ignore_errors=True)
 
 
+def _part(path: Path) -> Path:
+    """Where a file is written before it is renamed into place (a reader never sees half of one)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.part")
+
+
 def _write_whole(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    tmp = _part(path)
     tmp.write_bytes(data)
     os.replace(tmp, path)
+
+
+def _mapped(path: Path, size: int | None = None) -> torch.Tensor:
+    """A file's bytes as a tensor over its pages (tmpfs: the node memory it already takes, not a copy);
+    with `size`, a new file of that many bytes, written through the tensor."""
+    if size is None:
+        size = path.stat().st_size
+        shared = False
+    else:
+        with path.open("wb") as f:
+            f.truncate(size)
+        shared = True
+    if size == 0:  # nothing to map
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.from_file(str(path), shared=shared, size=size, dtype=torch.uint8)
