@@ -12,16 +12,17 @@ model sizes whose state differs about 10x. Sides are measured in the same run, a
      copy (`staging_wait_s`), waiting for the previous step's write and copy before the next save, and the
      background's partner copy (`copy_s`: metadata, the p2p exchange of the files, the barrier that makes
      the step complete; it overlaps training).
-  2. restore, alternating: (a) from the rank's own node's memory (a restart on the same nodes), (b) from a
-     peer (rank 0 comes back as node "spare" with an empty folder: its file comes from its partner over
-     gloo), (c) from a persistent checkpoint (the runtime's Checkpointer: a sync save to `--dir` on disk, its
+  2. restore, every kind of both sizes in each round in rotating order (the growth between the sizes is
+     the target, so both see the same load): (a) from the rank's own node's memory (a restart on the same
+     nodes), (b) from a peer (rank 0 comes back as node "spare" with an empty folder: its file comes from
+     its partner over gloo), (c) from a persistent checkpoint (the runtime's Checkpointer: a sync save to `--dir` on disk, its
      files dropped from the page cache before each restore, then `restore`, CRC checks included); for (b)
      the bytes moved and the rate, and gloo's loopback rate for the same bytes (a plain send) measured beside
      it. Target: (b)'s time grows between the sizes by no more than the extra bytes at that link rate.
   3. host memory at the peak of a save while the previous step is still kept: the node folder (own file and
      the partner's, both generations; read at the moment the older step is removed) plus the staging copy
      (the stager's cached buffers), against host_copies x state bytes per rank; target within 10 %. The
-     process's transient growth during the save (the exchange's buffers, sampled RSS) is printed apart.
+     process's transient growth during the save (sampled RssAnon: buffers of the copy) is printed apart.
 
     torchrun --nproc-per-node 2 bench/bench_memory_checkpoint.py [--rounds 3] [--block 2] [--sizes 13M,125M]
 
@@ -37,8 +38,7 @@ import statistics
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,16 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
     for size in (s.strip() for s in args.sizes.split(",")):
         results[size] = _one_size(args, size, launch, device, spec, disk, mem_base / size)
         dist.barrier()
+    # 2. restores: every kind of both sizes in each round, in rotating order, so that the two sizes' peer
+    # restores (whose difference the target is about) see the same load.
+    sides = [(size, kind) for size in results for kind in ("own", "peer", "persistent", "link")]
+    for i in range(args.rounds):
+        shift = (i * 3) % len(sides)
+        for size, kind in sides[shift:] + sides[:shift]:
+            _restore_once(results[size], kind, launch.rank)
+    for r in results.values():
+        for key in [k for k in r if k.startswith("_")]:
+            del r[key]
     if launch.rank == 0:
         _report(args, results, spec.host_copies, load_start, mem_base)
         shutil.rmtree(mem_base, ignore_errors=True)
@@ -150,20 +160,10 @@ def _one_size(args, size: str, launch, device, spec, disk: Path, root: Path) -> 
     from hpkit.runtime.trainer import Trainer
 
     rank = launch.rank
-    rank0 = rank == 0
     node = f"node{rank}"  # each rank its own emulated node: rank 0's partner is rank 1 and back
 
     def quiet(line: str) -> None:
         """The checkpointer's lines would interleave with the figures."""
-
-    @contextmanager
-    def timed(into: list[float]) -> Iterator[None]:
-        """Seconds from all ranks starting to all finishing."""
-        dist.barrier()
-        start = time.perf_counter()
-        yield
-        dist.barrier()
-        into.append(time.perf_counter() - start)
 
     cfg = RunConfig(
         name=f"memckpt-bench-{size}",
@@ -254,65 +254,82 @@ def _one_size(args, size: str, launch, device, spec, disk: Path, root: Path) -> 
     state_bytes = memory.state_bytes
     memory.close(completed=False)  # its copies stay for the restores
 
-    # 2. restores, alternating; the link rate (a plain gloo send of the same bytes) beside them.
+    # 2. restores (measured later, alternating with the other size's): a persistent checkpoint to restore.
     persistent = Checkpointer(CheckpointSpec(keep=1), disk / "persist" / size, rank)
     persistent.save(trainer.step, trainer.checkpoint_state(), forced=True)
     persistent.close()
-    persisted = committed(disk / "persist" / size)[-1][1]
-    restore_s: dict[str, list[float]] = {"own": [], "peer": [], "persistent": [], "link": []}
-    moved: list[int] = []
-    moved_files: list[str] = []
     sent: list[Any] = [state_bytes]
     dist.broadcast_object_list(sent, src=1)  # rank 1's file: what the peer restore sends rank 0
-    payload = torch.empty(sent[0], dtype=torch.uint8)
-    kinds = ("own", "peer", "persistent", "link")
-    for i in range(args.rounds):
-        for kind in kinds[i % len(kinds) :] + kinds[: i % len(kinds)]:
-            if kind == "link":
-                with timed(restore_s[kind]):
-                    if rank == 1:
-                        dist.send(payload, 0)
-                    else:
-                        dist.recv(payload, 1)
-            elif kind == "persistent":
-                _drop_cache(persisted)
-                with timed(restore_s[kind]):
-                    loaded, _ = persistent.restore(trainer.checkpoint_state())
-                assert loaded is not None, "the persistent restore loaded nothing"
-            else:
-                where = "spare" if kind == "peer" and rank0 else node
-                if rank0:
-                    real_rmtree(root / "spare", ignore_errors=True)
-                restorer = MemoryCheckpointer(spec, root, where, log=quiet)
-                with timed(restore_s[kind]):
-                    step = restorer.restore(trainer.checkpoint_state(), newer_than=None)
-                assert step == trainer.step, f"{kind} restore gave step {step}, not {trainer.step}"
-                if kind == "peer" and rank0:
-                    folder = next((root / "spare").glob("step-*"))
-                    files = sorted(f for f in folder.iterdir() if f.suffix == ".distcp")
-                    moved.append(sum(f.stat().st_size for f in files))
-                    moved_files = [f.name for f in files]
-                restorer.close(completed=False)
-    if rank0:
-        real_rmtree(root / "spare", ignore_errors=True)
     everyone: list[Any] = [None] * 2
     dist.all_gather_object(everyone, (state_bytes, staging, peak_folder[0], sampled["rss"], sampled["sum"]))
-    result = {
+    return {
         "params": params,
         "block": block_s,
         "cpu": block_cpu,
-        "moved_files": moved_files,
         "parts": parts,
-        "restore": restore_s,
-        "moved": moved,
+        "restore": {"own": [], "peer": [], "persistent": [], "link": []},
+        "moved": [],
+        "moved_files": [],
         "ranks": everyone,
         "state_tensors": state_tensors,
         "link_bytes": sent[0],
+        # for the restores, not reported
+        "_trainer": trainer,
+        "_persistent": persistent,
+        "_persisted": committed(disk / "persist" / size)[-1][1],
+        "_root": root,
+        "_spec": spec,
     }
+
+
+def _restore_once(r: dict[str, Any], kind: str, rank: int) -> None:
+    """One restore of `kind` into this size's Trainer (or, for "link", a plain gloo send of rank 1's file's
+    bytes), timed from every rank starting to every rank finishing."""
+    import torch
+    import torch.distributed as dist
+
+    from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
+
+    trainer, root = r["_trainer"], r["_root"]
+    node = f"node{rank}"
+
+    def quiet(line: str) -> None:
+        """The checkpointer's lines would interleave with the figures."""
+
+    restorer = None
+    if kind == "link":
+        payload = torch.empty(r["link_bytes"], dtype=torch.uint8)
+    elif kind == "persistent":
+        _drop_cache(r["_persisted"])  # read from disk, as after a node is lost
+    else:
+        if rank == 0:
+            shutil.rmtree(root / "spare", ignore_errors=True)
+        # (b): rank 0 comes back as node "spare", which holds nothing; its file comes from its partner.
+        where = "spare" if kind == "peer" and rank == 0 else node
+        restorer = MemoryCheckpointer(r["_spec"], root, where, log=quiet)
     dist.barrier()
-    if rank0:
-        real_rmtree(root, ignore_errors=True)
-    return result
+    start = time.perf_counter()
+    if kind == "link":
+        if rank == 1:
+            dist.send(payload, 0)
+        else:
+            dist.recv(payload, 1)
+    elif kind == "persistent":
+        loaded, _ = r["_persistent"].restore(trainer.checkpoint_state())
+        assert loaded is not None, "the persistent restore loaded nothing"
+    else:
+        assert restorer is not None
+        step = restorer.restore(trainer.checkpoint_state(), newer_than=None)
+        assert step == trainer.step, f"{kind} restore gave step {step}, not {trainer.step}"
+    dist.barrier()
+    r["restore"][kind].append(time.perf_counter() - start)
+    if restorer is not None:
+        if kind == "peer" and rank == 0:
+            folder = next((root / "spare").glob("step-*"))
+            files = sorted(f for f in folder.iterdir() if f.suffix == ".distcp")
+            r["moved"].append(sum(f.stat().st_size for f in files))
+            r["moved_files"] = [f.name for f in files]
+        restorer.close(completed=False)
 
 
 def _tensors(state: Any, torch) -> list[Any]:
