@@ -57,7 +57,7 @@ net=${NET:-loopback}
 topo=${TOPOLOGY:-none}
 topo_group=${TOPOLOGY_GROUP:-2}
 accounting=${ACCOUNTING:-0}
-dbd_port=${DBD_PORT:-$((port + nodes + 1))}
+dbd_port=${DBD_PORT:-}  # default below, once NODES and the port are known to be numbers
 
 die() { echo "cluster-up: $*" >&2; exit 1; }
 [[ $nodes =~ ^[1-9][0-9]*$ ]] || die "NODES must be a positive integer, not '$nodes'"
@@ -74,6 +74,7 @@ fi
 [[ $net == loopback || $net == netns ]] || die "NET must be loopback or netns, not '$net'"
 [[ $topo == none || $topo == tree || $topo == block ]] || die "TOPOLOGY must be none, tree or block, not '$topo'"
 [[ $accounting =~ ^[01]$ ]] || die "ACCOUNTING must be 0 or 1, not '$accounting'"
+[[ -n $dbd_port ]] || dbd_port=$((port + nodes + 1))
 if ((accounting)) && { ! [[ $dbd_port =~ ^[0-9]+$ ]] || ((dbd_port < 1024 || dbd_port > 65535)); }; then
   die "DBD_PORT must be a port in 1024..65535, not '$dbd_port'"
 fi

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -191,14 +192,19 @@ def _wait_for(backend, job_ids: list[str], args: argparse.Namespace) -> int:
 
 def _wait(args: argparse.Namespace) -> int:
     from hpkit.jobs.files import array_tasks
-    from hpkit.slurm import JobState, get_backend
+    from hpkit.slurm import JobState, TransientSlurmError, get_backend, polled_fields
 
     backend = get_backend(args.backend)
-    # A sweep's job array is waited for as all its tasks (Slurm's record of the array id is one task's).
+    # A sweep's job array is waited for as all its tasks (Slurm's record of the array id is one task's). One
+    # poll of every job tells which are arrays (their scripts), not one scontrol call per job.
+    with contextlib.suppress(TransientSlurmError):  # the wait below rides out an outage
+        backend.poll(args.job_ids)
     job_ids = [
         task_id
         for job_id in args.job_ids
-        for task_id in ([t.task_id for t in array_tasks(job_id) or []] or [job_id])
+        for task_id in (
+            [t.task_id for t in array_tasks(job_id, polled=polled_fields(backend, job_id)) or []] or [job_id]
+        )
     ]
     if not args.follow or len(job_ids) > 1:
         return _wait_for(backend, job_ids, args)
@@ -222,9 +228,10 @@ def _status(args: argparse.Namespace) -> int:
     if args.job_id is None:
         return _status_table(args)
     backend = get_backend(args.backend)
+    # One poll (squeue) answers for the job and for whether it is a sweep's array: no scontrol after it.
+    info, prog = JobWatcher(backend, args.job_id).poll()
     if _array_table(args, backend):
         return 0
-    info, prog = JobWatcher(backend, args.job_id).poll()
     if args.json:
         print(json.dumps(record(info, prog), indent=2))
     else:
@@ -236,8 +243,9 @@ def _array_table(args: argparse.Namespace, backend) -> bool:
     """A sweep's job array: one row per task (overrides, state, final loss); False for any other job."""
     from hpkit.jobs.files import array_tasks
     from hpkit.jobs.sweep_status import format_rows, task_rows
+    from hpkit.slurm import polled_fields
 
-    tasks = array_tasks(args.job_id)
+    tasks = array_tasks(args.job_id, polled=polled_fields(backend, args.job_id))
     if tasks is None:
         return False
     rows = task_rows(backend, tasks)

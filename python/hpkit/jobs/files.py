@@ -160,15 +160,23 @@ class ArrayTask:
 
 
 def array_tasks(
-    job_id: str, env: Mapping[str, str] | None = None, name: str | None = None
+    job_id: str,
+    env: Mapping[str, str] | None = None,
+    name: str | None = None,
+    polled: tuple[bool, Mapping[str, str] | None] = (False, None),
 ) -> list[ArrayTask] | None:
-    """The tasks of the sweep `job_id` (hpkit submit --sweep), each with its files; None for any other job."""
+    """The tasks of the sweep `job_id` (hpkit submit --sweep), each with its files; None for any other job.
+    `polled` as for `locate`: the caller's own poll, so that scontrol is not asked again."""
     from hpkit.jobs.sweep import read_manifest
 
     if not job_id.isdigit():
         return None
+    asked, fields = polled
     try:
-        record = controller_record(job_id, env)
+        if asked:
+            record = controller_record(job_id, env, fields) if fields is not None else None
+        else:
+            record = controller_record(job_id, env)
     except HpkitError:  # no Slurm client here: the note may still know the job
         record = None
     record = record or _noted(job_id, name)
