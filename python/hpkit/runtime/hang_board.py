@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,15 +29,19 @@ BOARD_ENV = "HPKIT_WATCH_BOARD"  # another root for the boards (tests; hosts wit
 LEFTOVER_S = 24 * 3600.0
 
 
-def board_root(env: dict[str, str] | None = None) -> Path:
-    env = dict(os.environ if env is None else env)
-    if env.get(BOARD_ENV):
-        base = Path(env[BOARD_ENV])
-    elif os.access("/dev/shm", os.W_OK):
-        base = Path("/dev/shm")
-    else:
-        base = Path(tempfile.gettempdir())
-    return base / f"hpkit-watch-{os.getuid()}"
+def node_local_base(env: Mapping[str, str] | None, override: str) -> Path:
+    """Where a node keeps what lives in its memory: the folder `override` names, else /dev/shm (tmpfs), else the
+    temporary folder on hosts without it. The boards here and the in-memory checkpoints (memory_layout) use it."""
+    env = os.environ if env is None else env
+    if env.get(override):
+        return Path(env[override])
+    if os.access("/dev/shm", os.W_OK):
+        return Path("/dev/shm")
+    return Path(tempfile.gettempdir())
+
+
+def board_root(env: Mapping[str, str] | None = None) -> Path:
+    return node_local_base(env, BOARD_ENV) / f"hpkit-watch-{os.getuid()}"
 
 
 def run_key(hangs_dir: Path) -> str:

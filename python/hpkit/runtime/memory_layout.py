@@ -20,13 +20,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpkit.runtime.checkpoint_record import STEP_DIR
+from hpkit.runtime.hang_board import node_local_base
 
 ROOT_ENV = "HPKIT_MEMORY_ROOT"  # another root for the copies (tests; hosts without /dev/shm)
 COMPLETE = "complete"
@@ -38,14 +38,7 @@ LEFTOVER_S = 24 * 3600.0
 
 
 def memory_root(env: Mapping[str, str] | None = None) -> Path:
-    env = os.environ if env is None else env
-    if env.get(ROOT_ENV):
-        base = Path(env[ROOT_ENV])
-    elif os.access("/dev/shm", os.W_OK):
-        base = Path("/dev/shm")
-    else:
-        base = Path(tempfile.gettempdir())
-    return base / f"hpkit-mem-{os.getuid()}"
+    return node_local_base(env, ROOT_ENV) / f"hpkit-mem-{os.getuid()}"
 
 
 def run_key(anchor: Path, job_id: str) -> str:
