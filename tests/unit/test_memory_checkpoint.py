@@ -35,6 +35,13 @@ saver.save(5, state(5))
 saver.wait()
 saver.close(completed=False)
 
+# Rank 0 and rank 2 (which held rank 0's copy) both on new nodes: rank 0's state is lost, and rank 0's line names
+# the rank and the node it was saved on (that map comes from the one node left holding the step).
+lines = []
+lost = MemoryCheckpointer(spec, root, f"spare{rank}" if rank in (0, 2) else f"n{rank}", log=lines.append)
+lost_step = lost.restore(state(0), newer_than=None)
+lost.close(completed=False)
+
 # Rank 2 comes back on a new node, which holds nothing: what it reads comes from its peers.
 restorer = MemoryCheckpointer(spec, root, "spare" if rank == 2 else f"n{rank}", log=lambda line: None)
 loaded = state(0)
@@ -42,7 +49,8 @@ step = restorer.restore(loaded, newer_than=None)
 values = sorted({float(v[0]) for v in loaded.values()})
 received = sorted(p.name for p in (root / "spare").glob("step-*/*.distcp")) if rank == 2 else []
 restorer.close(completed=False)
-print(json.dumps({"rank": rank, "step": step, "values": values, "received": received}))
+
+print(json.dumps({"rank": rank, "step": step, "values": values, "received": received, "lost_step": lost_step, "lines": lines}))
 dist.destroy_process_group()
 """
 
@@ -74,3 +82,8 @@ def test_a_rank_on_a_new_node_receives_its_own_state_and_rank_0s_not_every_ranks
         assert r["step"] == 5
         assert r["values"] == sorted({5.0, 5.0 + r["rank"]})  # every entry as saved
     assert results[2]["received"] == ["__0_0.distcp", "__2_0.distcp"]
+    assert [r["lost_step"] for r in results] == [None, None, None]
+    (line,) = results[0]["lines"]
+    assert "in-memory checkpoint step 5 is incomplete: the state of rank(s) 0 was held only on n0" in line, (
+        line
+    )

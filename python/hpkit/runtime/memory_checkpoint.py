@@ -16,6 +16,7 @@ and nodes, and the run resumes from `checkpoint.dir` instead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -272,11 +273,16 @@ class MemoryCheckpointer:
     def restore(self, state: dict[str, Any], newer_than: int | None) -> int | None:
         """Load the newest whole in-memory step into `state` if it is newer than `newer_than` (the persistent
         checkpoint's step, or None); returns its step, or None (nothing loaded: resume from checkpoint.dir)."""
+        mine = read_holdings(self.node_dir)
+        # Without each step's saved rank -> node map: gathered from every rank it would be world x world names.
+        slim = [dataclasses.replace(h, rank_nodes=()) for h in mine]
         views: list[Any] = [None] * self.world_size
-        dist.all_gather_object(views, (read_holdings(self.node_dir), newer_than), group=self.group)
+        dist.all_gather_object(views, (slim, newer_than), group=self.group)
         newer_than = views[0][1]  # rank 0's view of checkpoint.dir decides, as the persistent resume's does
         holdings = {rank: held for rank, (held, _) in enumerate(views)}
         plan: RestorePlan = choose_step(self.world_size, holdings, self.rank_nodes)
+        if plan.lost:
+            self._name_lost_nodes(plan, holdings, mine)
         if plan.step is None:
             if self.rank == 0 and (plan.lost_step is not None or newer_than is not None):
                 # Nothing held at all after training began: every node that held a copy is gone.
@@ -322,6 +328,18 @@ class MemoryCheckpointer:
                 "nothing read from checkpoint.dir"
             )
         return plan.step
+
+    def _name_lost_nodes(self, plan: RestorePlan, holdings: dict[int, Any], mine: list[Any]) -> None:
+        """The nodes that held the lost ranks' states, from the saved map of the lowest rank whose node holds the
+        incomplete step: one broadcast, only when something is lost."""
+        source = min(r for r, held in holdings.items() if any(h.step == plan.lost_step for h in held))
+        saved: list[Any] = [
+            next((h.rank_nodes for h in mine if h.step == plan.lost_step), ())
+            if self.rank == source
+            else None
+        ]
+        dist.broadcast_object_list(saved, src=source, group=self.group)
+        plan.lost_nodes = sorted({saved[0][r] for r in plan.lost}) if saved[0] else []
 
     def _fetch_metadata(self, folder: Path, plan: RestorePlan) -> None:
         have = (folder / METADATA).exists()
