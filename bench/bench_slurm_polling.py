@@ -26,20 +26,14 @@ import sys
 import time
 from pathlib import Path
 
-from _cluster import ClusterError, private_cluster
-from hpkit.slurm import poll_interval
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "tests"), str(REPO / "tests" / "integration")]
 
-# The RPC types a job query sends to slurmctld (22.05: squeue --json is REQUEST_JOB_INFO; scontrol show job
-# is REQUEST_FED_INFO + REQUEST_JOB_INFO_SINGLE).
-QUERY_RPCS = (
-    "REQUEST_JOB_INFO",
-    "REQUEST_JOB_INFO_SINGLE",
-    "REQUEST_JOB_USER_INFO",
-    "REQUEST_FED_INFO",
-    "REQUEST_PARTITION_INFO",
-    "REQUEST_NODE_INFO",
-    "REQUEST_BUILD_INFO",
-)
+from test_slurm_polling import QUERY_RPCS  # noqa: E402  (the test's rule of which RPCs a job query sends)
+
+from _cluster import ClusterError, private_cluster  # noqa: E402
+from hpkit.slurm import poll_interval  # noqa: E402
+
 SDIAG_RPC = "REQUEST_STATS_INFO"
 
 
