@@ -377,7 +377,9 @@ def _resume(
     else from checkpoint.dir; the name of what was loaded, or None."""
     dirty = False
     if memory is not None:
-        latest = checkpointer.latest() if checkpointer is not None else None
+        # Rank 0's view of checkpoint.dir decides (memory.restore gathers it): one read of the shared
+        # filesystem per restart, not one per rank.
+        latest = checkpointer.latest() if checkpointer is not None and memory.rank == 0 else None
         step = memory.restore(trainer.checkpoint_state(), newer_than=step_of(latest) if latest else None)
         if step is not None:
             return f"memory:{step_dir_name(step)}"
