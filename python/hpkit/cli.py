@@ -6,11 +6,13 @@ and works without torch.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import os
 import sys
 
-# command -> (module, one-line help). Each module exposes main(argv, prog) -> exit code.
+# command -> (module, one-line help). Each module exposes main(argv, prog) -> exit code and
+# parse_args(argv, prog) -> argparse.Namespace, what main reads its command line with.
 COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("hpkit.commands.check", "check whether this node can run distributed training"),
     "render": ("hpkit.commands.jobs", "render a job spec to an sbatch script (dry run)"),
@@ -55,6 +57,16 @@ def _usage() -> str:
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
     lines += ["", "Run `hpkit COMMAND --help` for a command's options."]
     return "\n".join(lines)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    """Read `hpkit ARGV` as `main` would, without running the command (the docs' examples are checked with
+    it). A usage error exits 2 after one message, as argparse does; argv[0] is the command."""
+    if not argv or argv[0] not in COMMANDS:
+        print(f"hpkit: unknown command {argv[0] if argv else ''!r}\n\n{_usage()}", file=sys.stderr)
+        raise SystemExit(USAGE_EXIT)
+    name = argv[0]
+    return importlib.import_module(COMMANDS[name][0]).parse_args(argv, prog=f"hpkit {name}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from hpkit.arg_types import byte_size, positive_int
@@ -19,23 +20,35 @@ subcommands:
 Run `hpkit bench SUBCOMMAND --help` for its options."""
 
 
-def main(argv: list[str], prog: str = "hpkit bench") -> int:
+def parse_args(argv: list[str], prog: str = "hpkit bench") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name); the
+    subcommand is `args.subcommand`. Usage errors exit 2 after one message, as argparse's own do."""
     rest = argv[1:] if argv and argv[0] == "bench" else argv
     if not rest or rest[0] in ("-h", "--help", "help"):
         print(USAGE)
-        return 0 if rest else 2
+        raise SystemExit(0 if rest else 2)
     sub, rest = rest[0], rest[1:]
-    if sub == "collectives":
-        return _collectives(rest, f"{prog} collectives")
     if sub == "nccl-tests":
-        if rest[:1] == ["render"]:
-            return _render(rest[1:], f"{prog} nccl-tests render")
-        if rest[:1] == ["parse"]:
-            return _parse(rest[1:], f"{prog} nccl-tests parse")
-        print(f"{prog} nccl-tests: give `render` or `parse`\n\n{USAGE}", file=sys.stderr)
-        return 2
-    print(f"{prog}: unknown subcommand {sub!r}\n\n{USAGE}", file=sys.stderr)
-    return 2
+        if rest[:1] not in (["render"], ["parse"]):
+            print(f"{prog} nccl-tests: give `render` or `parse`\n\n{USAGE}", file=sys.stderr)
+            raise SystemExit(2)
+        sub, rest = f"nccl-tests {rest[0]}", rest[1:]
+    if sub not in SUBCOMMANDS:
+        print(f"{prog}: unknown subcommand {sub!r}\n\n{USAGE}", file=sys.stderr)
+        raise SystemExit(2)
+    args = SUBCOMMANDS[sub][0](rest, f"{prog} {sub}")
+    args.subcommand = sub
+    return args
+
+
+def main(argv: list[str], prog: str = "hpkit bench") -> int:
+    try:
+        args = parse_args(argv, prog)
+    except SystemExit as exc:  # a usage message, or --help
+        if isinstance(exc.code, str):
+            raise
+        return int(exc.code or 0)
+    return SUBCOMMANDS[args.subcommand][1](args)
 
 
 def _ops(text: str) -> tuple[str, ...]:
@@ -78,8 +91,7 @@ def _collectives_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _collectives(argv: list[str], prog: str) -> int:
-    from hpkit.bench.collectives import SweepConfig
+def _collectives_args(argv: list[str], prog: str) -> argparse.Namespace:
     from hpkit.sizes import sweep
 
     parser = _collectives_parser(prog)
@@ -87,10 +99,16 @@ def _collectives(argv: list[str], prog: str) -> int:
     if args.warmup < 0:
         parser.error("argument -w/--warmup: must be 0 or more")
     try:
-        sizes = sweep(args.min_bytes, args.max_bytes, args.factor)
+        args.sizes = tuple(sweep(args.min_bytes, args.max_bytes, args.factor))
     except ValueError as exc:
         parser.error(f"argument -b/-e/-f: {exc}")
-    cfg = SweepConfig(args.ops, tuple(sizes), args.iters, args.warmup, args.dtype, not args.no_check)
+    return args
+
+
+def _collectives(args: argparse.Namespace) -> int:
+    from hpkit.bench.collectives import SweepConfig
+
+    cfg = SweepConfig(args.ops, args.sizes, args.iters, args.warmup, args.dtype, not args.no_check)
 
     from hpkit.bench.collectives import measure
     from hpkit.bench.results import table, write_outputs
@@ -127,10 +145,8 @@ def _env_pair(text: str) -> tuple[str, str]:
     return key, value
 
 
-def _render(argv: list[str], prog: str) -> int:
-    from hpkit.bench.nccl_job import DEFAULT_TESTS, NcclTestsArgs, render_nccl_tests
-    from hpkit.slurm_job import SlurmJob
-    from hpkit.validation import parse_document
+def _render_args(argv: list[str], prog: str) -> argparse.Namespace:
+    from hpkit.bench.nccl_job import DEFAULT_TESTS
 
     parser = argparse.ArgumentParser(prog=prog, description="Render an sbatch script that runs nccl-tests.")
     parser.add_argument("--nodes", type=int, default=2)
@@ -154,7 +170,13 @@ def _render(argv: list[str], prog: str) -> int:
     parser.add_argument("-n", "--iters", type=int, default=20)
     parser.add_argument("-w", "--warmup", type=int, default=5)
     parser.add_argument("-o", "--output", help="write the script here instead of printing it")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _render(args: argparse.Namespace) -> int:
+    from hpkit.bench.nccl_job import NcclTestsArgs, render_nccl_tests
+    from hpkit.slurm_job import SlurmJob
+    from hpkit.validation import parse_document
 
     data: dict = {
         "name": args.name,
@@ -190,10 +212,7 @@ def _render(argv: list[str], prog: str) -> int:
     return 0
 
 
-def _parse(argv: list[str], prog: str) -> int:
-    from hpkit.bench.nccl_tests import parse, rows_of
-    from hpkit.bench.results import table, write_outputs
-
+def _parse_args(argv: list[str], prog: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog=prog, description="Read nccl-tests output into a table, CSV and JSON."
     )
@@ -203,7 +222,13 @@ def _parse(argv: list[str], prog: str) -> int:
     )
     parser.add_argument("--csv", help="write the rows as CSV here")
     parser.add_argument("--json", help="write the rows as JSON here")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _parse(args: argparse.Namespace) -> int:
+    from hpkit.bench.nccl_tests import parse, rows_of
+    from hpkit.bench.results import table, write_outputs
+
     if args.log == "-":
         text = sys.stdin.read()
     else:
@@ -219,3 +244,13 @@ def _parse(argv: list[str], prog: str) -> int:
         print(f"# {run.op}: {run.ranks} rank(s), {len(run.rows)} row(s), nccl-tests' avg busbw {avg} GB/s")
     write_outputs(rows, args.csv, args.json)
     return 0
+
+
+# subcommand -> (its command line's parser, what runs it)
+SUBCOMMANDS: dict[
+    str, tuple[Callable[[list[str], str], argparse.Namespace], Callable[[argparse.Namespace], int]]
+] = {
+    "collectives": (_collectives_args, _collectives),
+    "nccl-tests render": (_render_args, _render),
+    "nccl-tests parse": (_parse_args, _parse),
+}

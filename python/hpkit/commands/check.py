@@ -133,25 +133,16 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None, prog: str = "hpkit check") -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv and argv[0] == "check":
-        argv = argv[1:]
-    parser = build_parser(prog)
-    try:
-        args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse exits 2 on bad usage, 0 after --help
-        return int(exc.code or 0)
-
+def parse_args(argv: list[str], prog: str = "hpkit check") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name), usage
+    errors included: each exits 2 after the usage and one line, as argparse's own do."""
     from hpkit.checks.registry import all_checks
 
-    catalogue = all_checks()
-    only, skip = _names(args.only), _names(args.skip)
-    unknown = sorted(set(only + skip) - set(catalogue))
+    parser = build_parser(prog)
+    args = parser.parse_args(argv[1:] if argv and argv[0] == "check" else argv)
+    unknown = sorted(set(_names(args.only) + _names(args.skip)) - set(all_checks()))
     if unknown:
-        parser.print_usage(sys.stderr)
-        print(f"{prog}: error: unknown check(s): {', '.join(unknown)}; see `{prog} --list`", file=sys.stderr)
-        return USAGE_EXIT
+        parser.error(f"unknown check(s): {', '.join(unknown)}; see `{prog} --list`")
     fleet_only = [
         flag
         for flag, given in (
@@ -163,17 +154,24 @@ def main(argv: list[str] | None = None, prog: str = "hpkit check") -> int:
         if given
     ]
     if fleet_only and not args.all_nodes:
-        parser.print_usage(sys.stderr)
-        print(f"{prog}: error: {fleet_only[0]} goes with --all-nodes; add it", file=sys.stderr)
-        return USAGE_EXIT
+        parser.error(f"{fleet_only[0]} goes with --all-nodes; add it")
+    if args.all_nodes and args.profile not in (None, "compute"):
+        parser.error("--all-nodes runs the compute profile on each node; drop --profile")
+    return args
+
+
+def main(argv: list[str] | None = None, prog: str = "hpkit check") -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse_args(argv, prog)
+    except SystemExit as exc:  # argparse exits 2 on bad usage, 0 after --help
+        return int(exc.code or 0)
+
+    from hpkit.checks.registry import all_checks
+
+    catalogue = all_checks()
+    only, skip = _names(args.only), _names(args.skip)
     if args.all_nodes:
-        if args.profile not in (None, "compute"):
-            parser.print_usage(sys.stderr)
-            print(
-                f"{prog}: error: --all-nodes runs the compute profile on each node; drop --profile",
-                file=sys.stderr,
-            )
-            return USAGE_EXIT
         return _all_nodes(args)
     args.profile = args.profile or "login"
     if args.list:

@@ -50,8 +50,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str], prog: str = "hpkit ckpt") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
+    return _parser(prog).parse_args(argv[1:] if argv and argv[0] == "ckpt" else argv)
+
+
 def main(argv: list[str], prog: str = "hpkit ckpt") -> int:
-    args = _parser(prog).parse_args(argv[1:] if argv and argv[0] == "ckpt" else argv)
+    args = parse_args(argv, prog)
     root = Path(args.dir)
     if not root.exists():
         raise HpkitError(f"{root}: no such directory")

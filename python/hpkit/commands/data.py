@@ -56,8 +56,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str], prog: str = "hpkit data") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
+    return _parser(prog).parse_args(argv[1:] if argv and argv[0] == "data" else argv)
+
+
 def main(argv: list[str], prog: str = "hpkit data") -> int:
-    args = _parser(prog).parse_args(argv[1:] if argv and argv[0] == "data" else argv)
+    args = parse_args(argv, prog)
     if args.format == "chat":
         return _chat(args)
     try:

@@ -93,8 +93,13 @@ def _build(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_args(argv: list[str], prog: str = "hpkit image") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
+    return _parser(prog).parse_args(argv[1:])
+
+
 def main(argv: list[str], prog: str = "hpkit image") -> int:
-    args = _parser(prog).parse_args(argv[1:])
+    args = parse_args(argv, prog)
     if args.action == "build":
         return _build(args)
     if args.action == "tags":

@@ -89,9 +89,14 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str], prog: str = "hpkit") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
+    return _parser(argv[0], prog).parse_args(argv[1:])
+
+
 def main(argv: list[str], prog: str = "hpkit") -> int:
-    command, rest = argv[0], argv[1:]
-    args = _parser(command, prog).parse_args(rest)
+    command = argv[0]
+    args = parse_args(argv, prog)
     return {
         "render": _render,
         "submit": _submit,

@@ -171,8 +171,13 @@ def _torch_line(check: dict[str, Any]) -> str:
     )
 
 
+def parse_args(argv: list[str], prog: str = "hpkit plan") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
+    return _parser(prog).parse_args(argv[1:])
+
+
 def main(argv: list[str], prog: str = "hpkit plan") -> int:
-    args = _parser(prog).parse_args(argv[1:])
+    args = parse_args(argv, prog)
     args.command_line = shlex.join(["hpkit", "plan", *argv[1:]])
     if args.goodput:
         return plan_goodput.main(args)

@@ -63,8 +63,13 @@ def output_format(output: str, fmt: str | None) -> str:
     return fmt
 
 
+def parse_args(argv: list[str], prog: str = "hpkit plot") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
+    return _parser(prog).parse_args(argv[1:] if argv and argv[0] == "plot" else argv)
+
+
 def main(argv: list[str], prog: str = "hpkit plot") -> int:
-    args = _parser(prog).parse_args(argv[1:] if argv and argv[0] == "plot" else argv)
+    args = parse_args(argv, prog)
     size = parse_size(args.size)
     fmt = output_format(args.output, args.format)
     kinds = {_kind(i) for i in args.inputs}

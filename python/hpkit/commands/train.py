@@ -21,8 +21,13 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return parser
 
 
+def parse_args(argv: list[str], prog: str = "hpkit train") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
+    return _parser(prog).parse_args(argv[1:] if argv and argv[0] == "train" else argv)
+
+
 def main(argv: list[str], prog: str = "hpkit train") -> int:
-    args = _parser(prog).parse_args(argv[1:] if argv and argv[0] == "train" else argv)
+    args = parse_args(argv, prog)
     if not args.config:
         raise SpecError(f"no config: pass --config job.yaml or export {SPEC_ENV}")
     cfg = load_run_config(args.config)

@@ -6,7 +6,8 @@ import argparse
 import json
 
 
-def main(argv: list[str], prog: str = "hpkit why") -> int:
+def parse_args(argv: list[str], prog: str = "hpkit why") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Print why a job ended: the verdict, then each line it rests on (file:line or the Slurm "
@@ -17,7 +18,11 @@ def main(argv: list[str], prog: str = "hpkit why") -> int:
         "job_id", help="Slurm job id; JOB_TASK for a task of a job array, JOB for a table of its tasks"
     )
     parser.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
-    args = parser.parse_args(argv[1:])
+    return parser.parse_args(argv[1:])
+
+
+def main(argv: list[str], prog: str = "hpkit why") -> int:
+    args = parse_args(argv, prog)
 
     from hpkit.jobs.files import array_tasks
     from hpkit.jobs.why_gather import explain

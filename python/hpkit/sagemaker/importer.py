@@ -27,12 +27,17 @@ def spec_text(imported: Imported, source: str) -> str:
     return "\n".join(header) + "\n" + body
 
 
-def main(argv: list[str], prog: str = "hpkit import-sagemaker") -> int:
+def parse_args(argv: list[str], prog: str = "hpkit import-sagemaker") -> argparse.Namespace:
+    """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("estimator", help="the estimator's arguments as JSON or YAML")
     parser.add_argument("-o", "--output", help="write the job spec here (default: print it)")
     parser.add_argument("--name", help="the job name (default: base_job_name, else the entry point's name)")
-    args = parser.parse_args(argv[1:])
+    return parser.parse_args(argv[1:])
+
+
+def main(argv: list[str], prog: str = "hpkit import-sagemaker") -> int:
+    args = parse_args(argv, prog)
     imported = convert(load_document(Estimator, args.estimator), source=args.estimator, name=args.name)
     text = spec_text(imported, args.estimator)
     for warning in imported.warnings:
