@@ -292,7 +292,7 @@ def test_plot_extra_plots_a_training_run(
 def test_train_hf_extras_export_and_start_from_the_export(
     wheel: Path, wheelhouse: Path, tmp_path: Path, trained: tuple[Path, Path], train_venv: TrainVenv
 ) -> None:
-    """README's fine-tuning path: `hpkit ckpt export --hf`, then `model.init_from` of what it wrote."""
+    """docs/finetuning.md's path: `hpkit ckpt export --hf`, then `model.init_from` of what it wrote."""
     venv = train_venv.venv  # its [train] runs are done (the fixture): from here on it is a [train,hf] venv
     _install(venv, wheel, wheelhouse, "train,hf")
     checkpoints, _ = trained

@@ -299,7 +299,7 @@ def test_a_program_missing_from_the_jobs_path_is_refused_before_sbatch(slurm_clu
 
 
 def test_the_python_job_api_submits_waits_and_reads_the_log(slurm_cluster, tmp_path, monkeypatch):
-    """What README's "From Python" shows, in this process: prepare, submit, wait_for, exit_status."""
+    """What docs/jobs.md's "From Python" shows, in this process: prepare, submit, wait_for, exit_status."""
     from hpkit.jobs.submission import prepare, submit
     from hpkit.jobs.watch import exit_status, wait_for
 

@@ -61,7 +61,7 @@ class GoodputInputs:
     # Seconds to read the state back from the file system after a fault (None: state / read rate, every node
     # at once, each bound by its own share too).
     restore_s: float | None = None
-    # Measured on the local cluster (README "A cut link", BENCHMARKS "The local cluster at scale"): cut -> node
+    # Measured on the local cluster (docs/local-cluster.md "A cut link", BENCHMARKS "The local cluster at scale"): cut -> node
     # named in 7 s -> spare in place at 12 s -> next step at 49-60 s, almost all of it processes starting again.
     detection_s: float = 7.0
     restart_s: float = 53.0  # 60 - 7: the slower run, from the verdict to the next step
