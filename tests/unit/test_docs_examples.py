@@ -26,6 +26,7 @@ import yaml
 
 from hpkit.cli import parse
 from hpkit.errors import SpecError
+from hpkit.render import render
 from hpkit.sagemaker.convert import convert
 from hpkit.sagemaker.estimator import Estimator
 from hpkit.spec import JobSpec
@@ -35,6 +36,9 @@ REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 DEFAULT_BASE = "slurm/jobs/demo.yaml"
 SHELLS = ("bash", "sh", "console")
+REPO_PATH = (
+    r"^(slurm|tests|bench|docker|scripts|python|docs)/"  # an argument naming a file of this repository
+)
 
 # Fragments, per page: each is still loaded (merged onto its base), so a wrong key in one fails; the count is
 # here so that marking a block `fragment` stays a decision someone made, not a way around the check.
@@ -91,7 +95,8 @@ def merged(base: dict, part: dict) -> dict:
 
 
 def load_spec(block: Block) -> None:
-    """Load a ```yaml block as a job spec; SpecError (one line per problem) when it is not one."""
+    """Load a ```yaml block as a job spec and render its script, as `hpkit render` would; SpecError (one line per
+    problem) when it is not one."""
     data = yaml.safe_load(block.text)
     if "fragment" in block.options:
         bases = [o.removeprefix("base=") for o in block.options if o.startswith("base=")]
@@ -101,7 +106,7 @@ def load_spec(block: Block) -> None:
                 f"{block.where}: a fragment is a mapping of a spec's keys, not {type(data).__name__}"
             )
         data = merged(base, data)
-    parse_document(JobSpec, data, block.where)
+    render(parse_document(JobSpec, data, block.where))
 
 
 def command_lines(block: Block) -> list[tuple[int, str]]:
@@ -208,7 +213,10 @@ def test_every_hpkit_command_line_parses() -> None:
         for line, command in command_lines(block):
             for argv in hpkit_argvs(command):
                 seen += 1
-                if problem := parse_problem(argv):
+                missing = [a for a in argv if re.match(REPO_PATH, a) and not (REPO / a).exists()]
+                if problem := parse_problem(argv) or (
+                    missing and f"no such file in this repository: {missing}"
+                ):
                     problems.append(
                         f"{block.page.relative_to(REPO)}:{line}: hpkit {shlex.join(argv)}: {problem}"
                     )
@@ -287,6 +295,11 @@ def test_a_broken_example_is_caught() -> None:
     assert parse_problem(["plan", "job.yaml", "[--instance", "p5.48xlarge]"]) is not None
     assert parse_problem(["submit", "job.yaml", "--wiat"]) is not None
     assert parse_problem(["submit", "job.yaml", "--wait", "--follow"]) is None
+    fragment = next(b for b in blocks(page) if "base=slurm/jobs/moe.yaml" in b.options)
+    load_spec(fragment)
+    # merged onto moe.yaml's 4 ranks, ep 3 cannot split them
+    with pytest.raises(SpecError, match=r"docs/spec.md:\d+: parallelism: .* ep=3 .* world size 4"):
+        load_spec(Block(page, fragment.line, "yaml", fragment.options, "parallelism: {dp_shard: 2, ep: 3}"))
 
 
 def test_command_lines_are_read_as_a_shell_reads_them() -> None:
