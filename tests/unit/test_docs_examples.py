@@ -9,10 +9,13 @@ How a YAML block is read follows its info string:
 - ```yaml not-a-spec        YAML that is no job spec: not loaded. Each such block is named in NOT_SPECS below.
 Command lines are read from ```bash, ```sh and ```console blocks (in console blocks, the lines after `$ `).
 A ```json block that is a SageMaker estimator, followed by a ```yaml block, must import as that spec.
+Every file of this repository (`slurm/...`, `tests/...`) and every `hpkit.module.name` a page names exists, and
+every `make TARGET` in a shell block is a target.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import json
@@ -266,6 +269,53 @@ def test_every_make_target_named_exists_and_the_readme_keeps_the_two_commands() 
     assert any(c.startswith("make demo ") for c in readme) and any(c.startswith("make test ") for c in readme)
 
 
+def python_name_exists(dotted: str) -> bool:
+    """Whether `hpkit.a.b.name` is a module of python/, or a name defined at the top of one, read from the source
+    (importing would run what the module does on import)."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        base = REPO / "python" / Path(*parts[:cut])
+        source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if not source.is_file():
+            continue
+        rest = parts[cut:]
+        if not rest:
+            return True
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        defined = {
+            n.name for n in tree.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+        }
+        defined |= {
+            t.id for n in tree.body if isinstance(n, ast.Assign) for t in n.targets if isinstance(t, ast.Name)
+        }
+        defined |= {
+            n.target.id for n in tree.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+        }
+        defined |= {a.asname or a.name for n in tree.body if isinstance(n, ast.ImportFrom) for a in n.names}
+        return len(rest) == 1 and rest[0] in defined  # a method (JobWatcher.poll) is not checked
+    return False
+
+
+def test_every_repository_file_and_hpkit_name_the_docs_mention_exists() -> None:
+    """`tests/integration/test_lora.py`, `hpkit.jobs.watch.JobWatcher`: each named in prose or code leads to one."""
+    problems, seen = [], 0
+    for page in PAGES:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), start=1):
+            where = f"{page.relative_to(REPO)}:{n}"
+            for path in re.findall(
+                r"(?<![\w/.-])((?:slurm|tests|bench|docker|scripts|python|docs)/[\w./-]*\w)", line
+            ):
+                seen += 1
+                if not (REPO / path).exists():
+                    problems.append(f"{where}: {path}: no such file in this repository")
+            for name in re.findall(r"(?<![\w/.-])(hpkit(?:\.\w+)+)", line):
+                seen += 1
+                if not python_name_exists(name):
+                    problems.append(f"{where}: {name}: no such module or name in python/")
+    assert not problems, "names in the docs that lead nowhere:\n" + "\n".join(problems)
+    assert seen >= 80
+
+
 def test_every_relative_link_leads_to_a_file_and_heading() -> None:
     problems = []
     for page in PAGES:
@@ -293,6 +343,8 @@ def test_a_broken_example_is_caught() -> None:
     with pytest.raises(SpecError, match=r"docs/spec.md:\d+: time_limt"):
         load_spec(broken)
     assert parse_problem(["plan", "job.yaml", "[--instance", "p5.48xlarge]"]) is not None
+    assert python_name_exists("hpkit.jobs.watch.JobWatcher") and python_name_exists("hpkit.plan.memory")
+    assert not python_name_exists("hpkit.jobs.watch.JobWatch") and not python_name_exists("hpkit.plan.memry")
     assert parse_problem(["submit", "job.yaml", "--wiat"]) is not None
     assert parse_problem(["submit", "job.yaml", "--wait", "--follow"]) is None
     fragment = next(b for b in blocks(page) if "base=slurm/jobs/moe.yaml" in b.options)
