@@ -39,9 +39,8 @@ REPO = Path(__file__).resolve().parents[2]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 DEFAULT_BASE = "slurm/jobs/demo.yaml"
 SHELLS = ("bash", "sh", "console")
-REPO_PATH = (
-    r"^(slurm|tests|bench|docker|scripts|python|docs)/"  # an argument naming a file of this repository
-)
+# An argument naming a file of this repository.
+REPO_PATH = r"^(slurm|tests|bench|docker|scripts|python|docs)/"
 
 # Fragments, per page: each is still loaded (merged onto its base), so a wrong key in one fails; the count is
 # here so that marking a block `fragment` stays a decision someone made, not a way around the check.
