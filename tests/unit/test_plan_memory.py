@@ -12,7 +12,7 @@ import pytest
 
 from hpkit.errors import SpecError
 from hpkit.plan.layout import Layout
-from hpkit.plan.memory import in_flight, predict, stage_ids, stage_layers
+from hpkit.plan.memory import in_flight, predict
 from hpkit.plan.shapes import ModelShape, parse_hf, resolve_model, shape_named, shape_of_spec
 from hpkit.runtime.config import ModelSpec, RunConfig
 from hpkit.validation import parse_document
@@ -111,15 +111,6 @@ def test_a_layout_the_runtime_refuses_gets_the_validators_message():
         Layout(pp=4, microbatches=2).to_parallelism()
     with pytest.raises(SpecError, match="inferred from the world size"):
         Layout.from_run_config(parse_document(RunConfig, {"parallelism": {"dp_shard": -1}}))
-
-
-def test_pipeline_placement_matches_the_runtime():
-    from hpkit.runtime import pipeline
-
-    for schedule, spr in (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)):
-        for rank in range(4):
-            assert stage_ids(rank, 4, spr, schedule) == pipeline.stage_ids(rank, 4, spr, schedule)
-    assert [stage_layers(10, 4, s) for s in range(4)] == [pipeline.stage_layers(10, 4, s) for s in range(4)]
 
 
 def test_microbatches_in_flight_per_schedule():

@@ -77,6 +77,16 @@ class ModelShape:
     def is_moe_block(self, index: int) -> bool:
         return self.is_moe and (index + 1) % (self.every or 1) == 0
 
+    def tp_dims(self) -> dict[str, int]:
+        """The dimensions tensor parallel splits (hpkit.arch.parallel.tp_problem's keywords)."""
+        return {
+            "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads,
+            "ffn_dim": self.ffn_dim,
+            "vocab_size": self.vocab_size,
+            "seq_len": self.seq_len,
+        }
+
     def moe_blocks(self) -> list[int]:
         return [i for i in range(self.n_layers) if self.is_moe_block(i)]
 

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpkit import catalog
+from hpkit.arch.pipeline import stage_ids, stage_layers
 from hpkit.plan.kernels import HPKIT, MATMULS, TrainingLoop, sdpa_kernel
-from hpkit.plan.memory import stage_ids, stage_layers
 
 if TYPE_CHECKING:
     from hpkit.plan.layout import Layout
