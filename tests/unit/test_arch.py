@@ -3,6 +3,7 @@ here once, on its own function; the planner and the runtime call that function r
 
 from __future__ import annotations
 
+from hpkit.arch.llama.shape import shape_named
 from hpkit.arch.parallel import ep_problem, tp_problem
 from hpkit.arch.pipeline import (
     MULTI_STAGE_SCHEDULES,
@@ -15,7 +16,6 @@ from hpkit.arch.pipeline import (
 )
 from hpkit.plan.layout import Layout
 from hpkit.plan.search import TRIED_SCHEDULES, runtime_problem
-from hpkit.plan.shapes import shape_named
 
 DIMS = {"n_heads": 12, "n_kv_heads": 4, "ffn_dim": 2048, "vocab_size": 32000, "seq_len": 30}
 

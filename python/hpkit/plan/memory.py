@@ -42,11 +42,11 @@ import math
 from dataclasses import dataclass, fields
 
 from hpkit import catalog
+from hpkit.arch.llama.shape import ModelShape
 from hpkit.arch.pipeline import stage_ids, stage_layers
 from hpkit.plan.fixed_costs import fixed_costs
 from hpkit.plan.kernels import HPKIT, TrainingLoop, sdpa_kernel
 from hpkit.plan.layout import Layout
-from hpkit.plan.shapes import ModelShape
 
 PARTS = (
     "params",

@@ -15,13 +15,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from hpkit.arch.llama.shape import ModelShape
 from hpkit.arch.parallel import tp_problem
 from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, microbatch_problem, stages_problem
 from hpkit.errors import SpecError
 from hpkit.plan import memory
 from hpkit.plan.host_memory import plan_host
 from hpkit.plan.layout import Layout
-from hpkit.plan.shapes import ModelShape
 from hpkit.plan.speed import Hardware, SpeedPlan, predict
 from hpkit.runtime.config import ParallelismSpec, RunConfig
 

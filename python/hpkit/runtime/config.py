@@ -13,9 +13,10 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from hpkit.arch.families import SHAPE_NAMES, family_of
+from hpkit.arch.llama.shape import ModelShape, shape_named
 from hpkit.arch.parallel import ep_problem
 from hpkit.arch.pipeline import Schedule, schedule_problem, stages_problem
-from hpkit.model_families import SHAPE_NAMES, family_of
 from hpkit.smp_params import DEGREE_ALIASES
 from hpkit.validation import StrictModel, check_no_control_chars
 
@@ -206,7 +207,7 @@ class LoraSpec(StrictModel):
 
 
 class ModelSpec(StrictModel):
-    """A model family's named shape (hpkit.model_families), optionally with some dimensions overridden, or
+    """A model family's named shape (hpkit.arch.families), optionally with some dimensions overridden, or
     the shape and weights of a Hugging Face Llama checkpoint (init_from)."""
 
     name: Literal[SHAPE_NAMES] = "debug"  # type: ignore[valid-type]
@@ -244,6 +245,21 @@ class ModelSpec(StrictModel):
                 f"leave {shaped[0]} out"
             )
         return self
+
+    def named_shape(self) -> ModelShape:
+        """The named shape with this block's overrides, moe merged onto the shape's own (or the defaults): what
+        the runtime's adapters build and the planner plans. SpecError naming the field when it makes no model."""
+        return shape_named(
+            self.name,
+            self.seq_len,
+            vocab_size=self.vocab_size,
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_dim=self.ffn_dim,
+            moe=self.moe.model_dump() if self.moe is not None else None,
+        )
 
 
 class DataSpec(StrictModel):

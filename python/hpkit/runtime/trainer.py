@@ -26,10 +26,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hpkit.arch.families import family_for, hf_family
 from hpkit.arch.pipeline import stages_problem
 from hpkit.errors import SpecError
-from hpkit.hf.config import hf_family
-from hpkit.model_families import family_for
 from hpkit.models.moe import MoE
 from hpkit.runtime import data as data_mod
 from hpkit.runtime.activation_checkpoint import apply_ac

@@ -42,24 +42,11 @@ from hpkit.runtime.tp_styles import ReplicateParallel
 class LlamaAdapter(ModelAdapter):
     family = "llama"
     hf = hf_config.LLAMA
-    shapes = tuple(name for name, cfg in llama.SHAPES.items() if cfg.moe is None)
 
     # ---- configuration ---------------------------------------------------------------------------
 
     def config(self, spec: ModelSpec) -> llama.LlamaConfig:
-        try:
-            return llama.config_for(
-                spec.name,
-                spec.seq_len,
-                vocab_size=spec.vocab_size,
-                dim=spec.dim,
-                n_layers=spec.n_layers,
-                n_heads=spec.n_heads,
-                n_kv_heads=spec.n_kv_heads,
-                ffn_dim=spec.ffn_dim,
-            )
-        except ValueError as exc:
-            raise SpecError(f"model: {exc}") from None
+        return llama.config_of_shape(spec.named_shape())
 
     def config_to_dict(self, cfg: llama.LlamaConfig) -> dict[str, Any]:
         return llama.config_to_dict(cfg)
