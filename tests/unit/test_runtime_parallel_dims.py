@@ -51,6 +51,13 @@ def test_degrees_that_do_not_make_the_world(world, kw, message):
         dims(world, **kw)
 
 
+def test_every_schedule_a_spec_may_name_has_a_torch_class():
+    from hpkit.arch.pipeline import SCHEDULES
+    from hpkit.runtime import pipeline
+
+    assert sorted(pipeline.SCHEDULES) == sorted(SCHEDULES)
+
+
 @pytest.mark.parametrize(("schedule", "style"), [("interleaved_1f1b", "loop"), ("zero_bubble", "v")])
 def test_stage_placement_is_torchs(schedule, style):
     """Each rank builds the stages that torch's schedule will send to and receive from it."""
