@@ -172,8 +172,8 @@ def hardware(measured: dict):
 
 
 def predicted(hw) -> dict[str, float]:
+    from hpkit.arch.llama.shape import shape_named
     from hpkit.plan.layout import Layout
-    from hpkit.plan.shapes import shape_named
     from hpkit.plan.speed import predict
     from hpkit.runtime.config import RunConfig
 

@@ -5,16 +5,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpkit.model_families import FAMILIES, SHAPE_NAMES, family_of
+from hpkit.arch.families import FAMILIES, SHAPE_NAMES, family_of
 from hpkit.runtime.adapters import ADAPTERS, adapter_for, adapter_of
 from hpkit.runtime.config import ModelSpec
 from hpkit.validation import parse_document
 
 
-def test_the_torch_free_name_table_is_the_adapters_own():
+def test_every_family_has_an_adapter_that_builds_each_of_its_shapes():
     assert set(FAMILIES) == set(ADAPTERS)
     for family, names in FAMILIES.items():
-        assert tuple(ADAPTERS[family].shapes) == names, family
+        for name in names:
+            cfg = adapter_for(name).config(ModelSpec(name=name))
+            assert adapter_for(name) is ADAPTERS[family]
+            assert (cfg.moe is not None) == (family == "moe"), name
 
 
 def test_a_shape_name_finds_its_family_and_an_unknown_one_is_refused():

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from hpkit.arch.llama.shape import shape_named
 from hpkit.cli import main as cli
 from hpkit.plan.host_memory import HOST_RAM_SHARE, host_bytes_per_rank, state_bytes_per_rank
 from hpkit.plan.layout import Layout
 from hpkit.plan.memory import predict
-from hpkit.plan.shapes import shape_named
 from hpkit.runtime.config import MemoryCheckpointSpec
 
 SPEC = """\

@@ -12,8 +12,8 @@ import pytest
 
 from hpkit.errors import SpecError
 from hpkit.plan.layout import Layout
-from hpkit.plan.memory import in_flight, predict, stage_ids, stage_layers
-from hpkit.plan.shapes import ModelShape, parse_hf, resolve_model, shape_named, shape_of_spec
+from hpkit.plan.memory import in_flight, predict
+from hpkit.plan.shapes import ModelShape, resolve_model, shape_named, shape_of_spec
 from hpkit.runtime.config import ModelSpec, RunConfig
 from hpkit.validation import parse_document
 
@@ -26,20 +26,24 @@ def test_params_of_a_tiny_shape_by_hand():
     assert TINY.params() == 2 * 592 + 8 + 512
 
 
-def test_every_named_shape_counts_as_the_runtime_does():
-    from hpkit.models.llama import SHAPES, config_for
+def test_a_shapes_parameter_count_is_the_built_models():
+    """The one count (ModelShape.params, which LlamaConfig.num_params calls) against the tensors the runtime
+    builds: dense, grouped-query, an explicit head size, and MoE with shared experts and dense blocks."""
+    from hpkit.models.llama import build_model, config_of_shape
 
-    for name, cfg in SHAPES.items():
-        shape = shape_named(name, 512)
-        assert shape.params() == cfg.num_params(), name
-        assert shape.params(active=True) == cfg.num_params(active=True), name
-        assert shape.flops_per_token(512) == cfg.flops_per_token(512), name
-    cfg = config_for("8B", 1024, n_layers=4, n_heads=16, dim=2048)
-    shape = shape_named("8B", 1024, n_layers=4, n_heads=16, dim=2048)
-    assert (shape.params(), shape.flops_per_token()) == (cfg.num_params(), cfg.flops_per_token(1024))
+    moe = {"experts": 4, "top_k": 2, "shared_experts": 1, "every": 2, "expert_ffn_dim": 48}
+    for shape in (
+        TINY,
+        shape_named("debug", 64, n_heads=8, n_kv_heads=2),
+        replace(shape_named("debug", 64), head_dim=8),
+        shape_named("debug", 64, n_layers=4, moe=moe),
+        shape_named("debug-moe", 64),
+    ):
+        model = build_model(config_of_shape(shape), "meta")
+        assert sum(p.numel() for p in model.parameters()) == shape.params(), shape
 
 
-def test_a_spec_model_block_gives_the_adapters_shape():
+def test_a_spec_model_block_is_the_shape_the_adapter_builds():
     from hpkit.runtime.adapters import adapter_for
 
     for block in (
@@ -49,9 +53,7 @@ def test_a_spec_model_block_gives_the_adapters_shape():
     ):
         spec = ModelSpec(**block)
         cfg = adapter_for("moe" if spec.moe or spec.name == "debug-moe" else "llama").config(spec)
-        shape = shape_of_spec(spec)
-        assert shape.params() == cfg.num_params(), block
-        assert shape.flops_per_token() == cfg.flops_per_token(spec.seq_len), block
+        assert cfg.shape == replace(shape_of_spec(spec), seq_len=cfg.max_seq_len, name="custom"), block
 
 
 MIXTRAL = {
@@ -67,16 +69,20 @@ MIXTRAL = {
 }
 
 
-def test_hf_configs_read_as_the_runtime_reads_them(tmp_path):
-    from hpkit.hf.config import parse_hf_config
+def test_a_hf_folder_plans_the_shape_the_runtime_loads_and_refuses_what_it_refuses(tmp_path):
+    from hpkit.hf.config import read_hf_config
 
-    llama = {**MIXTRAL, "model_type": "llama"}
-    for data in (llama, MIXTRAL):
-        cfg = parse_hf_config(data, 256).cfg
-        assert parse_hf(data, 256).params() == cfg.num_params()
-        assert parse_hf(data, 256).flops_per_token() == cfg.flops_per_token(256)
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
-    assert resolve_model(tmp_path, 256).experts == 4
+    shape = resolve_model(tmp_path, 256)
+    assert (shape.experts, shape.top_k, shape.shared_experts, shape.every) == (4, 2, 0, 1)
+    assert read_hf_config(tmp_path, 256).cfg.shape == replace(shape, name="custom")
+    # What the runtime cannot load is not planned either, in the runtime's words.
+    (tmp_path / "config.json").write_text(json.dumps({**MIXTRAL, "attention_bias": True}))
+    with pytest.raises(SpecError) as err:
+        resolve_model(tmp_path, 256)
+    assert (
+        str(err.value) == f"{tmp_path}/config.json: attention_bias: true: the runtime's Llama has no biases"
+    )
 
 
 def test_an_unsupported_family_is_one_line_naming_the_field(tmp_path):
@@ -111,15 +117,6 @@ def test_a_layout_the_runtime_refuses_gets_the_validators_message():
         Layout(pp=4, microbatches=2).to_parallelism()
     with pytest.raises(SpecError, match="inferred from the world size"):
         Layout.from_run_config(parse_document(RunConfig, {"parallelism": {"dp_shard": -1}}))
-
-
-def test_pipeline_placement_matches_the_runtime():
-    from hpkit.runtime import pipeline
-
-    for schedule, spr in (("1f1b", 1), ("interleaved_1f1b", 2), ("zero_bubble", 2)):
-        for rank in range(4):
-            assert stage_ids(rank, 4, spr, schedule) == pipeline.stage_ids(rank, 4, spr, schedule)
-    assert [stage_layers(10, 4, s) for s in range(4)] == [pipeline.stage_layers(10, 4, s) for s in range(4)]
 
 
 def test_microbatches_in_flight_per_schedule():

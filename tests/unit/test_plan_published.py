@@ -15,10 +15,10 @@ from typing import Any
 
 import pytest
 
+from hpkit.arch.llama.shape import shape_named
 from hpkit.plan.kernels import LOOPS
 from hpkit.plan.layout import Layout
 from hpkit.plan.memory import GiB, predict
-from hpkit.plan.shapes import shape_named
 from hpkit.plan.speed import MATMUL_EFFICIENCY, Hardware, hardware_for
 from hpkit.plan.speed import predict as predict_speed
 

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from hpkit.errors import SpecError
 from hpkit.models.llama import SHAPES, config_for
 from hpkit.runtime.metrics import MetricsLogger, StepStats, peak_tflops
 
@@ -54,5 +55,5 @@ def test_debug_shape_matches_torchtitan():
 def test_config_overrides():
     cfg = config_for("debug", 64, dim=64, n_layers=2, n_heads=4, ffn_dim=128, vocab_size=256)
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim) == (64, 2, 4, 4, 16)
-    with pytest.raises(ValueError, match="not divisible by n_heads"):
+    with pytest.raises(SpecError, match="model: dim=60 is not divisible by n_heads=8"):
         config_for("debug", 64, dim=60, n_heads=8)

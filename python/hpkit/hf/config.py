@@ -1,26 +1,21 @@
 """Hugging Face Llama config.json <-> the runtime's LlamaConfig, and the tensor names between them.
 
-A config the runtime cannot represent (biases, another activation, another rope scaling) is refused
-with one line naming the config.json field, before any weight is read. Both spellings of the rotary
-settings are read: transformers 4's `rope_theta` + `rope_scaling` and transformers 5's `rope_parameters`.
+config.json is read by hpkit.arch.llama.hf (the planner's parser too), which refuses in one line naming the
+field what the runtime cannot represent; this module turns what it reads into a LlamaConfig, and writes an
+export's config.json.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpkit.arch.llama import hf as arch_hf
+from hpkit.arch.llama.hf import CONFIG_NAME, load_config_json
 from hpkit.errors import SpecError
-from hpkit.models.llama import LlamaConfig, RopeScaling
-from hpkit.models.moe import MoEConfig
-
-CONFIG_NAME = "config.json"
-# Carried from the source config into the checkpoint record and back into an export's config.json:
-# they mean nothing to training but everything to generation.
-PASSTHROUGH = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+from hpkit.models.llama import LlamaConfig, config_of_shape
 
 
 @dataclass(frozen=True)
@@ -46,150 +41,27 @@ class HfMapping:
     expert_tensor: Callable[[str, int], str | None] | None = None
 
 
-# model_type in config.json -> the hpkit model family that loads it (hpkit.model_families).
-HF_FAMILIES = {"llama": "llama", "mixtral": "moe"}
-
-
-def hf_family(directory: str | Path) -> str:
-    """The model family of DIR/config.json's model_type ("llama" when it cannot be read: read_config then
-    names the problem)."""
-    try:
-        model_type = json.loads((Path(directory) / CONFIG_NAME).read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return "llama"
-    return HF_FAMILIES.get(model_type, "llama")
-
-
 def read_hf_config(directory: str | Path, seq_len: int) -> HfModel:
     """Map DIR/config.json to the runtime's shape; SpecError (one line naming the field) when it cannot."""
-    path = Path(directory) / CONFIG_NAME
-    where = f"model.init_from: {path}"
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise SpecError(
-            f"{where}: no such file: point init_from at a Hugging Face model directory (config.json and *.safetensors)"
-        ) from None
-    except (OSError, ValueError) as exc:
-        raise SpecError(f"{where}: unreadable: {exc}") from None
-    if not isinstance(data, dict):
-        raise SpecError(f"{where}: not a JSON object")
-    return parse_hf_config(data, seq_len, where)
+    data = load_config_json(
+        directory,
+        lambda path: f"model.init_from: {path}",
+        "point init_from at a Hugging Face model directory (config.json and *.safetensors)",
+    )
+    return parse_hf_config(data, seq_len, f"model.init_from: {Path(directory) / CONFIG_NAME}")
 
 
 def parse_hf_config(data: dict[str, Any], seq_len: int, where: str = "config.json") -> HfModel:
-    def refuse(name: str, why: str) -> SpecError:
-        return SpecError(f"{where}: {name}: {why}")
-
-    def integer(name: str, default: int | None = None) -> int:
-        value = data.get(name, default)
-        if value is None:
-            raise refuse(name, "missing: a Llama config.json gives it")
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise refuse(name, f"{value!r} is not a positive integer")
-        return value
-
-    model_type = data.get("model_type")
-    if model_type not in HF_FAMILIES:
-        raise refuse(
-            "model_type",
-            f"{model_type!r}: only Llama and Mixtral checkpoints (model_type llama, mixtral) load",
-        )
-    for name in ("attention_bias", "mlp_bias"):
-        if data.get(name):
-            raise refuse(name, "true: the runtime's Llama has no biases")
-    act = data.get("hidden_act", "silu")
-    if act != "silu":
-        raise refuse("hidden_act", f"{act!r}: the runtime's feed-forward is SwiGLU (silu)")
-    if data.get("attention_dropout"):
-        raise refuse(
-            "attention_dropout", f"{data['attention_dropout']}: the runtime has no dropout; set it to 0"
-        )
-    dim = integer("hidden_size")
-    n_heads = integer("num_attention_heads")
-    n_kv_heads = integer("num_key_value_heads", n_heads)
-    head_dim = integer("head_dim") if data.get("head_dim") is not None else dim // n_heads
-    if n_heads % n_kv_heads:
-        raise refuse("num_key_value_heads", f"{n_kv_heads} does not divide num_attention_heads={n_heads}")
-    if head_dim % 2:
-        raise refuse("head_dim", f"{head_dim} is odd: rotary embeddings rotate pairs")
-    theta, scaling = _rope(data, refuse)
-    eps = data.get("rms_norm_eps", 1e-6)
-    if not isinstance(eps, (int, float)) or eps <= 0:
-        raise refuse("rms_norm_eps", f"{eps!r} is not a positive number")
-    tied = data.get("tie_word_embeddings", False)
-    if not isinstance(tied, bool):
-        raise refuse("tie_word_embeddings", f"{tied!r} is not true or false")
-    cfg = LlamaConfig(
-        dim=dim,
-        n_layers=integer("num_hidden_layers"),
-        n_heads=n_heads,
-        n_kv_heads=n_kv_heads,
-        ffn_dim=integer("intermediate_size"),
-        vocab_size=integer("vocab_size"),
+    """hpkit.arch's reading of a config.json, as the runtime's LlamaConfig (its max_seq_len: seq_len)."""
+    hf = arch_hf.parse_hf_config(data, seq_len, where)
+    cfg = config_of_shape(
+        hf.shape,
         max_seq_len=seq_len,
-        rope_theta=theta,
-        norm_eps=float(eps),
-        rope_scaling=scaling,
-        attn_head_dim=None if head_dim == dim // n_heads else head_dim,
+        rope_theta=hf.rope_theta,
+        norm_eps=hf.norm_eps,
+        rope_scaling=hf.rope_scaling,
     )
-    if model_type == "mixtral":
-        cfg = replace(cfg, moe=_mixtral_moe(data, seq_len, refuse, integer))
-    extras = {k: data[k] for k in PASSTHROUGH if data.get(k) is not None}
-    return HfModel(cfg, tied, extras)
-
-
-def _mixtral_moe(data: dict[str, Any], seq_len: int, refuse: Any, integer: Any) -> MoEConfig:
-    window = data.get("sliding_window")
-    if window is not None and (not isinstance(window, int) or window < seq_len):
-        raise refuse(
-            "sliding_window",
-            f"{window!r}: the runtime attends to the whole sequence; it must be null or >= seq_len",
-        )
-    experts, top_k = integer("num_local_experts"), integer("num_experts_per_tok")
-    if top_k > experts:
-        raise refuse("num_experts_per_tok", f"{top_k} is more than num_local_experts={experts}")
-    coef = data.get("router_aux_loss_coef", 0.001)
-    if not isinstance(coef, (int, float)) or coef < 0:
-        raise refuse("router_aux_loss_coef", f"{coef!r} is not a number >= 0")
-    # Mixtral: every block's FFN is routed experts of intermediate_size, no shared expert.
-    return MoEConfig(experts=experts, top_k=top_k, shared_experts=0, every=1, aux_loss_coef=float(coef))
-
-
-def _rope(data: dict[str, Any], refuse: Any) -> tuple[float, RopeScaling | None]:
-    # transformers 5 nests everything in rope_parameters; 4 has rope_theta beside rope_scaling
-    # (whose type key was once `type`, later `rope_type`).
-    if isinstance(data.get("rope_parameters"), dict):
-        params, where = data["rope_parameters"], "rope_parameters"
-        theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
-    else:
-        params, where = data.get("rope_scaling") or {}, "rope_scaling"
-        theta = data.get("rope_theta", 10000.0)
-    if not isinstance(params, dict):
-        raise refuse(where, f"{params!r} is not an object")
-    if not isinstance(theta, (int, float)) or theta <= 0:
-        raise refuse("rope_theta", f"{theta!r} is not a positive number")
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return float(theta), None
-    if kind != "llama3":
-        raise refuse(
-            f"{where}.rope_type", f"{kind!r}: the runtime implements only the default and llama3 scaling"
-        )
-    values = {}
-    for name in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
-        value = params.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise refuse(f"{where}.{name}", f"{value!r}: llama3 rope scaling needs a positive number")
-        values[name] = value
-    if values["high_freq_factor"] <= values["low_freq_factor"]:
-        raise refuse(f"{where}.high_freq_factor", "must be larger than low_freq_factor")
-    return float(theta), RopeScaling(
-        factor=float(values["factor"]),
-        low_freq_factor=float(values["low_freq_factor"]),
-        high_freq_factor=float(values["high_freq_factor"]),
-        original_max_position_embeddings=int(values["original_max_position_embeddings"]),
-    )
+    return HfModel(cfg, hf.tied, hf.extras)
 
 
 def to_hf_config(cfg: LlamaConfig, extras: dict[str, Any], dtype: str) -> dict[str, Any]:

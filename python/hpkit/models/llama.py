@@ -13,23 +13,15 @@ from __future__ import annotations
 import math
 import zlib
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpkit.model_shapes import DEFAULT_MAX_SEQ_LEN, SHAPE_TABLE
+from hpkit.arch.llama.named import DEFAULT_MAX_SEQ_LEN, SHAPE_TABLE
+from hpkit.arch.llama.shape import MOE_DEFAULTS, ModelShape, RopeScaling, check_shape, shape_named
 from hpkit.models.moe import MoE, MoEConfig
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """Llama 3's rotary frequency scaling (Hugging Face's rope_type "llama3")."""
-
-    factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
 
 
 @dataclass(frozen=True)
@@ -53,38 +45,66 @@ class LlamaConfig:
     def head_dim(self) -> int:
         return self.attn_head_dim or self.dim // self.n_heads
 
+    @property
+    def shape(self) -> ModelShape:
+        """The shape as plain numbers (hpkit.arch): what the counts below and the planner read."""
+        moe = asdict(self.moe) if self.moe is not None else {}
+        return ModelShape(
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_dim=self.ffn_dim,
+            vocab_size=self.vocab_size,
+            seq_len=self.max_seq_len,
+            head_dim=self.attn_head_dim,
+            **moe,
+        )
+
     def num_params(self, embeddings: bool = True, active: bool = False) -> int:
         """Parameters, or with `active` those one token passes through (its top-k experts, not all E)."""
-        attn = self.dim * self.head_dim * (self.n_heads * 2 + self.n_kv_heads * 2)
-        dense_mlp = 3 * self.dim * self.ffn_dim
-        total = 0
-        for i in range(self.n_layers):
-            mlp = dense_mlp
-            if self.moe is not None and self.moe.is_moe_block(i):
-                hidden = self.moe.expert_ffn_dim or self.ffn_dim
-                routed = self.moe.top_k if active else self.moe.experts
-                mlp = 3 * self.dim * hidden * (routed + self.moe.shared_experts) + self.dim * self.moe.experts
-            total += attn + mlp + 2 * self.dim
-        emb = 2 * self.vocab_size * self.dim if embeddings else 0
-        return total + self.dim + emb
+        return self.shape.params(embeddings=embeddings, active=active)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 per weight (forward + backward) plus causal attention's score math.
 
         The embedding lookup is not a matmul, so it is left out; the output projection is.
         """
-        dense = 6 * (self.num_params(embeddings=False, active=True) + self.vocab_size * self.dim)
-        attention = 12 * self.n_layers * self.n_heads * self.head_dim * seq_len
-        return float(dense + attention)
+        return self.shape.flops_per_token(seq_len)
 
 
-# The shapes' numbers live in a torch-free table that the planner (hpkit.plan) reads too.
-SHAPES: dict[str, LlamaConfig] = {
-    name: LlamaConfig(
-        **{k: v for k, v in fields.items() if k != "moe"},
-        moe=MoEConfig(**fields["moe"]) if fields.get("moe") else None,
+def config_of_shape(shape: ModelShape, max_seq_len: int | None = None, **settings: Any) -> LlamaConfig:
+    """The runtime's configuration of a shape; max_seq_len None: the shape's (its sequence, at least the
+    default). `settings`: the LlamaConfig fields a shape does not hold (rope, norm epsilon)."""
+    moe = None
+    if shape.is_moe:
+        moe = MoEConfig(
+            experts=shape.experts or 0,
+            top_k=shape.top_k if shape.top_k is not None else MOE_DEFAULTS["top_k"],
+            shared_experts=shape.shared_experts or 0,
+            every=shape.every or 1,
+            aux_loss_coef=shape.aux_loss_coef
+            if shape.aux_loss_coef is not None
+            else MOE_DEFAULTS["aux_loss_coef"],
+            expert_ffn_dim=shape.expert_ffn_dim,
+        )
+    return LlamaConfig(
+        dim=shape.dim,
+        n_layers=shape.n_layers,
+        n_heads=shape.n_heads,
+        n_kv_heads=shape.n_kv_heads,
+        ffn_dim=shape.ffn_dim,
+        vocab_size=shape.vocab_size,
+        max_seq_len=shape.max_seq_len if max_seq_len is None else max_seq_len,
+        attn_head_dim=shape.head_dim,
+        moe=moe,
+        **settings,
     )
-    for name, fields in SHAPE_TABLE.items()
+
+
+# The named shapes (hpkit.arch.llama.named), as the runtime's configurations.
+SHAPES: dict[str, LlamaConfig] = {
+    name: config_of_shape(shape_named(name, DEFAULT_MAX_SEQ_LEN)) for name in SHAPE_TABLE
 }
 
 
@@ -100,37 +120,21 @@ def config_for(
     ffn_dim: int | None = None,
     moe: MoEConfig | None = None,
 ) -> LlamaConfig:
-    if name not in SHAPES:
-        raise ValueError(f"unknown model {name!r}: choose one of {', '.join(SHAPES)}")
-    base = SHAPES[name]
-    heads = n_heads or base.n_heads
-    overrides = {
-        "vocab_size": vocab_size,
-        "dim": dim,
-        "n_layers": n_layers,
-        "n_heads": n_heads,
-        # Overriding the heads alone keeps plain multi-head attention unless kv heads are given too.
-        "n_kv_heads": n_kv_heads or (heads if n_heads else None),
-        "ffn_dim": ffn_dim,
-        "moe": moe,
-    }
-    cfg = replace(
-        base, max_seq_len=max(seq_len, base.max_seq_len), **{k: v for k, v in overrides.items() if v}
+    """A named shape with overrides (hpkit.arch.llama.shape.shape_named's rules), `moe` replacing the shape's
+    MoE settings; SpecError naming the field when they make no model."""
+    shape = shape_named(
+        name,
+        seq_len,
+        vocab_size=vocab_size,
+        dim=dim,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        ffn_dim=ffn_dim,
     )
-    if cfg.dim % cfg.n_heads:
-        raise ValueError(f"dim={cfg.dim} is not divisible by n_heads={cfg.n_heads}")
-    if cfg.n_heads % cfg.n_kv_heads:
-        raise ValueError(f"n_heads={cfg.n_heads} is not divisible by n_kv_heads={cfg.n_kv_heads}")
-    if cfg.head_dim % 2:
-        raise ValueError(f"head dimension {cfg.head_dim} must be even for rotary embeddings")
-    if cfg.moe is not None:
-        if cfg.moe.top_k > cfg.moe.experts:
-            raise ValueError(f"moe.top_k={cfg.moe.top_k} is more than moe.experts={cfg.moe.experts}")
-        if not cfg.moe.moe_blocks(cfg.n_layers):
-            raise ValueError(
-                f"moe.every={cfg.moe.every} leaves none of the {cfg.n_layers} blocks a MoE block"
-            )
-    return cfg
+    if moe is not None:
+        shape = check_shape(replace(shape, **asdict(moe)), "model")
+    return config_of_shape(shape)
 
 
 def rope_tables(cfg: LlamaConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:

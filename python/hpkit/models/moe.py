@@ -28,15 +28,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hpkit.arch.llama.shape import MOE_DEFAULTS
+
 
 @dataclass(frozen=True)
 class MoEConfig:
-    experts: int
-    top_k: int = 2
-    shared_experts: int = 0
-    every: int = 1  # every N-th block is a MoE block (blocks N-1, 2N-1, ...)
-    aux_loss_coef: float = 0.01
-    expert_ffn_dim: int | None = None  # None: the model's ffn_dim
+    """The MoE settings of a LlamaConfig; defaults: hpkit.arch.llama.shape.MOE_DEFAULTS."""
+
+    experts: int = MOE_DEFAULTS["experts"]
+    top_k: int = MOE_DEFAULTS["top_k"]
+    shared_experts: int = MOE_DEFAULTS["shared_experts"]
+    every: int = MOE_DEFAULTS["every"]  # every N-th block is a MoE block (blocks N-1, 2N-1, ...)
+    aux_loss_coef: float = MOE_DEFAULTS["aux_loss_coef"]
+    expert_ffn_dim: int | None = MOE_DEFAULTS["expert_ffn_dim"]  # None: the model's ffn_dim
 
     def is_moe_block(self, index: int) -> bool:
         return (index + 1) % self.every == 0

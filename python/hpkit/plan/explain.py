@@ -9,8 +9,8 @@ from hpkit.plan import memory, speed
 from hpkit.plan.kernels import HPKIT, TrainingLoop, sdpa_kernel
 
 if TYPE_CHECKING:
+    from hpkit.arch.llama.shape import ModelShape
     from hpkit.plan.search import Candidate
-    from hpkit.plan.shapes import ModelShape
 
 GiB = 1024**3
 

@@ -16,9 +16,9 @@ from hpkit import catalog
 from hpkit.runtime.config import MemoryCheckpointSpec
 
 if TYPE_CHECKING:
+    from hpkit.arch.llama.shape import ModelShape
     from hpkit.plan.layout import Layout
     from hpkit.plan.memory import MemoryPlan
-    from hpkit.plan.shapes import ModelShape
 
 GiB = 1024**3
 HOST_RAM_SHARE = 0.8

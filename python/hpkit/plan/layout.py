@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError
 
+from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, Schedule
 from hpkit.errors import SpecError
-from hpkit.runtime.config import MULTI_STAGE_SCHEDULES, ParallelismSpec, resolve_mixed_precision
+from hpkit.runtime.config import ParallelismSpec, resolve_mixed_precision
 from hpkit.runtime.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from hpkit.runtime.config import RunConfig
 
-Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 AC = Literal["none", "selective", "full"]
 Precision = Literal["bf16", "fp32"]
 

@@ -42,10 +42,11 @@ import math
 from dataclasses import dataclass, fields
 
 from hpkit import catalog
+from hpkit.arch.llama.shape import ModelShape
+from hpkit.arch.pipeline import stage_ids, stage_layers
 from hpkit.plan.fixed_costs import fixed_costs
 from hpkit.plan.kernels import HPKIT, TrainingLoop, sdpa_kernel
 from hpkit.plan.layout import Layout
-from hpkit.plan.shapes import ModelShape
 
 PARTS = (
     "params",
@@ -141,19 +142,7 @@ class MemoryPlan:
         return self.peak_bytes / GiB
 
 
-# ---- the runtime's pipeline placement (hpkit.runtime.pipeline, restated torch-free) -------------------
-
-
-def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
-    if schedule == "zero_bubble":
-        return [k * pp + (pp_rank if k % 2 == 0 else pp - 1 - pp_rank) for k in range(stages_per_rank)]
-    return [k * pp + pp_rank for k in range(stages_per_rank)]
-
-
-def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
-    base, extra = divmod(n_layers, n_stages)
-    start = stage * base + min(stage, extra)
-    return list(range(start, start + base + (1 if stage < extra else 0)))
+# ---- pipeline ---------------------------------------------------------------------------------------
 
 
 def in_flight(layout: Layout, pp_rank: int) -> list[int]:

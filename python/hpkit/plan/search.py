@@ -15,16 +15,22 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from hpkit.arch.llama.shape import ModelShape
+from hpkit.arch.parallel import tp_problem
+from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, microbatch_problem, stages_problem
 from hpkit.errors import SpecError
 from hpkit.plan import memory
 from hpkit.plan.host_memory import plan_host
 from hpkit.plan.layout import Layout
-from hpkit.plan.shapes import ModelShape
 from hpkit.plan.speed import Hardware, SpeedPlan, predict
-from hpkit.runtime.config import RunConfig
+from hpkit.runtime.config import ParallelismSpec, RunConfig
 
 GIB = 2**30
-SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble", "gpipe")
+# Every pipeline schedule, in the order the search tries them (among equally fast layouts of equal peak the
+# earlier ranks first): the spec's default first, GPipe (every microbatch in flight at once) last.
+TRIED_SCHEDULES = sorted(
+    SCHEDULES, key=lambda s: (s != ParallelismSpec.model_fields["pp_schedule"].default, s == "gpipe")
+)
 
 
 @dataclass
@@ -104,32 +110,17 @@ def runtime_problem(shape: ModelShape, layout: Layout, gpus_per_node: int | None
         where = ".".join(str(p) for p in first["loc"] if not isinstance(p, int))
         message = first["msg"].removeprefix("Value error, ")
         return f"{where}: {message}" if where else message
-    # The adapter's TP rule (hpkit.runtime.adapters.llama.check_tp) and the pipeline's microbatch rule
-    # (hpkit.runtime.pipeline.check_microbatches): both modules import torch.
-    tp = layout.tp
-    if tp > 1:
-        problems = [
-            f"{k}={v}" for k, v in (("n_heads", shape.n_heads), ("n_kv_heads", shape.n_kv_heads)) if v % tp
-        ]
-        if shape.ffn_dim % tp:
-            problems.append(f"ffn_dim={shape.ffn_dim}")
-        if layout.sequence_parallel_on("cuda") and shape.seq_len % tp:
-            problems.append(f"seq_len={shape.seq_len} (sequence parallel splits it)")
-        if shape.vocab_size % tp:
-            problems.append(f"vocab_size={shape.vocab_size}")
-        if problems:
-            return f"parallelism.tp={tp} must divide {', '.join(problems)}"
-    if layout.pp > 1 and layout.local_batch_size % layout.microbatches:
-        return (
-            f"train.local_batch_size={layout.local_batch_size} is not divisible by "
-            f"parallelism.microbatches={layout.microbatches}"
+    # The rules the trainer checks with the shape in hand (the adapter's check_tp, the pipeline's
+    # check_microbatches and stage count): the same functions, hpkit.arch's.
+    if layout.tp > 1 and (
+        problem := tp_problem(
+            layout.tp, **shape.tp_dims(), sequence_parallel=layout.sequence_parallel_on("cuda")
         )
-    if layout.n_stages > shape.n_layers:
-        return (
-            f"parallelism: pp x stages_per_rank = {layout.n_stages} stages, but the model has {shape.n_layers} "
-            "blocks: lower pp or stages_per_rank so that each stage gets at least one block"
-        )
-    return None
+    ):
+        return problem
+    if layout.pp > 1 and (problem := microbatch_problem(layout.local_batch_size, layout.microbatches)):
+        return problem
+    return stages_problem(layout.pp, layout.stages_per_rank, shape.n_layers)
 
 
 def judge(
@@ -191,8 +182,8 @@ def layouts(
                         # Microbatches that divide the local batch; pp alone where none does, so that the
                         # runtime's refusal is shown once rather than never.
                         mults = [m for m in (1, 2, 4) if lbs % (pp * m) == 0] or [1]
-                        for schedule, mult in itertools.product(SCHEDULES, mults):
-                            spr = 2 if schedule in ("interleaved_1f1b", "zero_bubble") else 1
+                        for schedule, mult in itertools.product(TRIED_SCHEDULES, mults):
+                            spr = 2 if schedule in MULTI_STAGE_SCHEDULES else 1
                             pipelines.append((schedule, pp * mult, spr))
                     for schedule, mb, spr in pipelines:
                         out.append(

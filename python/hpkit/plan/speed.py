@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpkit import catalog
+from hpkit.arch.pipeline import stage_ids, stage_layers
 from hpkit.plan.kernels import HPKIT, MATMULS, TrainingLoop, sdpa_kernel
-from hpkit.plan.memory import stage_ids, stage_layers
 
 if TYPE_CHECKING:
+    from hpkit.arch.llama.shape import ModelShape
     from hpkit.plan.layout import Layout
-    from hpkit.plan.shapes import ModelShape
 
 # The fraction of the data sheet's dense peak that a large bf16/tf32 GEMM reaches: cuBLAS on H100 SXM and A100
 # reaches 70-80 % on the square-ish GEMMs of a transformer block (NVIDIA's published cuBLAS figures).

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hpkit.arch.llama.shape import ModelShape
 from hpkit.errors import SpecError
 from hpkit.plan.layout import Layout
-from hpkit.plan.shapes import ModelShape
 
 
 @dataclass(frozen=True)
@@ -41,29 +41,9 @@ def check_with_torch(shape: ModelShape, layout: Layout) -> TorchCheck:
 
 
 def _llama_config(shape: ModelShape):
-    from hpkit.models.llama import LlamaConfig
-    from hpkit.models.moe import MoEConfig
+    from hpkit.models.llama import config_of_shape
 
-    moe = None
-    if shape.is_moe:
-        moe = MoEConfig(
-            experts=shape.experts or 0,
-            top_k=shape.top_k or 1,
-            shared_experts=shape.shared_experts or 0,
-            every=shape.every or 1,
-            expert_ffn_dim=shape.expert_ffn_dim,
-        )
-    return LlamaConfig(
-        dim=shape.dim,
-        n_layers=shape.n_layers,
-        n_heads=shape.n_heads,
-        n_kv_heads=shape.n_kv_heads,
-        ffn_dim=shape.ffn_dim,
-        vocab_size=shape.vocab_size,
-        max_seq_len=shape.max_seq_len,
-        attn_head_dim=shape.head_dim,
-        moe=moe,
-    )
+    return config_of_shape(shape)
 
 
 def _track(shape: ModelShape, layout: Layout) -> TorchCheck:

@@ -13,14 +13,14 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hpkit.model_families import SHAPE_NAMES, family_of
+from hpkit.arch.families import SHAPE_NAMES, family_of
+from hpkit.arch.llama.shape import ModelShape, shape_named
+from hpkit.arch.parallel import ep_problem
+from hpkit.arch.pipeline import Schedule, schedule_problem, stages_problem
 from hpkit.smp_params import DEGREE_ALIASES
 from hpkit.validation import StrictModel, check_no_control_chars
 
 SPEC_ENV = "HPKIT_SPEC"
-
-# Schedules that run several stages per pp rank (torch's PipelineScheduleMulti); the others run one.
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 
 
 class ParallelismSpec(StrictModel):
@@ -43,7 +43,7 @@ class ParallelismSpec(StrictModel):
     tp: int = 1
     pp: int = 1
     microbatches: int = Field(default=1, ge=1)
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"] = Field(
+    pp_schedule: Schedule = Field(
         default="1f1b",
         description=(
             "gpipe, 1f1b: one stage per pp rank; interleaved_1f1b: stages_per_rank stages, stage i on pp rank "
@@ -110,32 +110,7 @@ class ParallelismSpec(StrictModel):
 
     def pipeline_problem(self, pp: int) -> str | None:
         """Why torch's pipeline schedules (2.13) cannot run these settings with `pp` ranks, or None."""
-        mb, schedule, spr = self.microbatches, self.pp_schedule, self.stages_per_rank
-        if spr > 1 and schedule not in MULTI_STAGE_SCHEDULES:
-            return (
-                f"stages_per_rank={spr} needs a schedule that runs several stages per rank: set pp_schedule: "
-                f"interleaved_1f1b, or stages_per_rank: 1 (pp_schedule is {schedule})"
-            )
-        if pp == 1:
-            if spr > 1:
-                return f"stages_per_rank={spr} splits the model over pipeline ranks: set pp > 1, or stages_per_rank: 1"
-            return None
-        if schedule == "zero_bubble" and spr != 2:
-            return (
-                f"pp_schedule zero_bubble (torch's ZBVZeroBubble) runs exactly 2 stages per rank, in a V: "
-                f"set stages_per_rank: 2 (it is {spr})"
-            )
-        if mb < pp:
-            return f"microbatches={mb} must be >= pp={pp} to fill the pipeline"
-        rounds = mb // pp
-        if schedule == "interleaved_1f1b" and mb % rounds:
-            # torch runs the microbatches in mb // pp rounds and needs them to divide evenly.
-            lower, upper = rounds * pp, (rounds + 1) * pp
-            return (
-                f"microbatches={mb} with pp_schedule interleaved_1f1b and pp={pp}: torch runs them in "
-                f"{rounds} rounds and needs microbatches divisible by that: use a multiple of pp ({lower} or {upper})"
-            )
-        return None
+        return schedule_problem(pp, self.microbatches, self.pp_schedule, self.stages_per_rank)
 
     def named_degrees(self) -> dict[str, int]:
         return {
@@ -232,7 +207,7 @@ class LoraSpec(StrictModel):
 
 
 class ModelSpec(StrictModel):
-    """A model family's named shape (hpkit.model_families), optionally with some dimensions overridden, or
+    """A model family's named shape (hpkit.arch.families), optionally with some dimensions overridden, or
     the shape and weights of a Hugging Face Llama checkpoint (init_from)."""
 
     name: Literal[SHAPE_NAMES] = "debug"  # type: ignore[valid-type]
@@ -270,6 +245,21 @@ class ModelSpec(StrictModel):
                 f"leave {shaped[0]} out"
             )
         return self
+
+    def named_shape(self) -> ModelShape:
+        """The named shape with this block's overrides, moe merged onto the shape's own (or the defaults): what
+        the runtime's adapters build and the planner plans. SpecError naming the field when it makes no model."""
+        return shape_named(
+            self.name,
+            self.seq_len,
+            vocab_size=self.vocab_size,
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_dim=self.ffn_dim,
+            moe=self.moe.model_dump() if self.moe is not None else None,
+        )
 
 
 class DataSpec(StrictModel):
@@ -626,11 +616,8 @@ class RunConfig(StrictModel):
                 f"train.activation_checkpoint selective with parallelism.ep={ep}: the experts' all-to-all "
                 "cannot be replayed by selective checkpointing: use activation_checkpoint: full or none"
             )
-        if moe is not None and moe.experts is not None and moe.experts % ep:
-            raise ValueError(
-                f"parallelism.ep={ep} must divide model.moe.experts={moe.experts}: each ep rank holds "
-                f"experts / ep of them"
-            )
+        if moe is not None and moe.experts is not None and (problem := ep_problem(ep, moe.experts)):
+            raise ValueError(problem)
         return self
 
     @model_validator(mode="after")
@@ -652,13 +639,13 @@ class RunConfig(StrictModel):
         par, tr = self.parallelism, self.train
         if par.pp == 1:
             return self
-        n_stages = par.pp * par.stages_per_rank
-        if par.pp > 1 and self.model.n_layers is not None and n_stages > self.model.n_layers:
-            # Without n_layers the shape's block count is known only to the trainer, which checks it there.
-            raise ValueError(
-                f"parallelism: pp={par.pp} x stages_per_rank={par.stages_per_rank} = {n_stages} stages, but model.n_layers="
-                f"{self.model.n_layers}: lower pp or stages_per_rank so that each stage gets at least one block"
-            )
+        # Without n_layers the shape's block count is known only to the trainer, which checks it there.
+        if (
+            par.pp > 1
+            and self.model.n_layers is not None
+            and (problem := stages_problem(par.pp, par.stages_per_rank, self.model.n_layers))
+        ):
+            raise ValueError(problem)
         if par.pp_schedule == "zero_bubble":
             # Zero bubble splits each backward in two (inputs, then weights), which torch 2.13 refuses for
             # compiled stages and selective checkpointing cannot do (it allows one backward per region).

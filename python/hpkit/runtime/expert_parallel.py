@@ -12,6 +12,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
+from hpkit.arch.parallel import ep_problem
 from hpkit.errors import SpecError
 from hpkit.runtime.adapters import ModelAdapter, adapter_of
 
@@ -21,11 +22,8 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, adapter: ModelAdapter | None
     ep = ep_mesh.size()
     experts_modules = (adapter or adapter_of(model)).expert_modules(model)
     for experts in experts_modules:
-        if experts.n_experts % ep:
-            raise SpecError(
-                f"parallelism.ep={ep} must divide model.moe.experts={experts.n_experts}: each ep rank holds "
-                "experts / ep of them"
-            )
+        if problem := ep_problem(ep, experts.n_experts):
+            raise SpecError(problem)
         for name, param in list(experts.named_parameters(recurse=False)):
             # The model is still on the meta device: nothing is copied, each rank keeps its slice's shape.
             sharded = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)

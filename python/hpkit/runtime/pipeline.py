@@ -4,6 +4,7 @@ pp ranks hold `stages_per_rank` stages each (torchtitan's `model_parts`): one wi
 one or more with interleaved 1F1B (stage i on rank i % pp, "loop" placement), exactly two with
 zero bubble (torch's ZBVZeroBubble: rank r holds stages r and 2*pp-1-r, "V" placement).
 
+Which stages a rank holds and which blocks a stage holds are hpkit.arch.pipeline's (the planner's too).
 The split deletes what a stage does not own from a full (meta-device) model, keeping the owned
 modules' names, so that checkpoints are keyed the same in every layout and DCP can reshard them.
 """
@@ -24,39 +25,17 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from hpkit.arch.pipeline import microbatch_problem, stage_ids, stage_layers
 from hpkit.errors import SpecError
 from hpkit.runtime.adapters import ModelAdapter, adapter_of
 
+# Each schedule name (hpkit.arch.pipeline.SCHEDULES) -> torch's class that runs it.
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
     "1f1b": Schedule1F1B,
     "interleaved_1f1b": ScheduleInterleaved1F1B,
     "zero_bubble": ScheduleZBVZeroBubble,
 }
-# How stages are placed on pp ranks. torch's schedules derive the same map on their own
-# (stage_index_to_group_rank) to address their sends; the layout tests check that the two agree.
-PLACEMENT = {"zero_bubble": "v"}  # every other schedule: "loop"
-
-
-def stage_ids(pp_rank: int, pp: int, stages_per_rank: int, schedule: str) -> list[int]:
-    """The stage indices rank `pp_rank` holds, in the order its parts are built and handed to torch."""
-    if PLACEMENT.get(schedule, "loop") == "v":
-        # Down the ranks and back up: rank r holds stage r, then 2*pp-1-r, then 2*pp+r, ...
-        return [k * pp + (pp_rank if k % 2 == 0 else pp - 1 - pp_rank) for k in range(stages_per_rank)]
-    return [k * pp + pp_rank for k in range(stages_per_rank)]
-
-
-def stage_layers(n_layers: int, n_stages: int, stage: int) -> list[int]:
-    """Blocks of one stage: contiguous and as even as possible, earlier stages taking the remainder
-    (the last stage also carries the output head, the largest single matmul)."""
-    if n_layers < n_stages:
-        raise SpecError(
-            f"parallelism: pp x stages_per_rank = {n_stages} stages, but the model has {n_layers} blocks: "
-            f"lower pp or stages_per_rank so that each stage gets at least one block"
-        )
-    base, extra = divmod(n_layers, n_stages)
-    start = stage * base + min(stage, extra)
-    return list(range(start, start + base + (1 if stage < extra else 0)))
 
 
 def split_model(
@@ -96,7 +75,5 @@ def build_schedule(
 
 
 def check_microbatches(local_batch: int, microbatches: int) -> None:
-    if local_batch % microbatches:
-        raise SpecError(
-            f"train.local_batch_size={local_batch} is not divisible by parallelism.microbatches={microbatches}"
-        )
+    if problem := microbatch_problem(local_batch, microbatches):
+        raise SpecError(problem)

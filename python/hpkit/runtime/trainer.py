@@ -26,9 +26,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
+from hpkit.arch.families import family_for, hf_family
+from hpkit.arch.pipeline import stages_problem
 from hpkit.errors import SpecError
-from hpkit.hf.config import hf_family
-from hpkit.model_families import family_for
 from hpkit.models.moe import MoE
 from hpkit.runtime import data as data_mod
 from hpkit.runtime.activation_checkpoint import apply_ac
@@ -143,6 +143,9 @@ class Trainer:
         )
         par = cfg.parallelism
         self.n_stages = self.dims.pp * par.stages_per_rank
+        # The spec's validator checks this only when model.n_layers is written; the shape knows it always.
+        if problem := stages_problem(self.dims.pp, par.stages_per_rank, self.model_cfg.n_layers):
+            raise SpecError(problem)
         # The pipeline stages this rank holds; the V placement puts the first and the last on one rank.
         self.pp_stages = stage_ids(self.coords.pp_rank, self.dims.pp, par.stages_per_rank, par.pp_schedule)
         self.is_first_stage = 0 in self.pp_stages

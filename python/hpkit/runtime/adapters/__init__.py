@@ -1,14 +1,14 @@
 """Model families as plug-ins: one adapter each (hpkit.runtime.adapters.base), found by family or shape name.
 
 A new family is a model module (hpkit.models), an adapter here, a line in ADAPTERS and its shape names in
-hpkit.model_families (the torch-free table that validates `model.name`).
+hpkit.arch.families (the torch-free table that validates `model.name`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from hpkit.model_families import FAMILIES, family_of
+from hpkit.arch.families import FAMILIES, family_of
 from hpkit.runtime.adapters.base import ModelAdapter
 from hpkit.runtime.adapters.llama import LlamaAdapter
 from hpkit.runtime.adapters.moe import MoEAdapter

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 
 class ModelAdapter(ABC):
-    """One model family. Subclasses implement every abstract method; `family` is its name in hpkit.model_families."""
+    """One model family. Subclasses implement every abstract method; `family` is its name in hpkit.arch.families."""
 
     family: str = ""
     # The family's Hugging Face format (model.init_from, `hpkit ckpt export --hf`); None: it has none.

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from hpkit.arch.parallel import tp_problem
 from hpkit.errors import SpecError
 from hpkit.hf import config as hf_config
 from hpkit.models import llama
@@ -41,24 +42,11 @@ from hpkit.runtime.tp_styles import ReplicateParallel
 class LlamaAdapter(ModelAdapter):
     family = "llama"
     hf = hf_config.LLAMA
-    shapes = tuple(name for name, cfg in llama.SHAPES.items() if cfg.moe is None)
 
     # ---- configuration ---------------------------------------------------------------------------
 
     def config(self, spec: ModelSpec) -> llama.LlamaConfig:
-        try:
-            return llama.config_for(
-                spec.name,
-                spec.seq_len,
-                vocab_size=spec.vocab_size,
-                dim=spec.dim,
-                n_layers=spec.n_layers,
-                n_heads=spec.n_heads,
-                n_kv_heads=spec.n_kv_heads,
-                ffn_dim=spec.ffn_dim,
-            )
-        except ValueError as exc:
-            raise SpecError(f"model: {exc}") from None
+        return llama.config_of_shape(spec.named_shape())
 
     def config_to_dict(self, cfg: llama.LlamaConfig) -> dict[str, Any]:
         return llama.config_to_dict(cfg)
@@ -118,19 +106,17 @@ class LlamaAdapter(ModelAdapter):
         self, model: nn.Module, tp: int, seq_len: int, whole_model: bool, sequence_parallel: bool
     ) -> None:
         cfg = model.cfg
-        problems = []
-        if cfg.n_heads % tp:
-            problems.append(f"n_heads={cfg.n_heads}")
-        if cfg.n_kv_heads % tp:
-            problems.append(f"n_kv_heads={cfg.n_kv_heads}")
-        if cfg.ffn_dim % tp:
-            problems.append(f"ffn_dim={cfg.ffn_dim}")
-        if whole_model and sequence_parallel and seq_len % tp:
-            problems.append(f"seq_len={seq_len} (sequence parallel splits it)")
-        if whole_model and cfg.vocab_size % tp:
-            problems.append(f"vocab_size={cfg.vocab_size}")
-        if problems:
-            raise SpecError(f"parallelism.tp={tp} must divide {', '.join(problems)}")
+        if problem := tp_problem(
+            tp,
+            n_heads=cfg.n_heads,
+            n_kv_heads=cfg.n_kv_heads,
+            ffn_dim=cfg.ffn_dim,
+            vocab_size=cfg.vocab_size,
+            seq_len=seq_len,
+            whole_model=whole_model,
+            sequence_parallel=sequence_parallel,
+        ):
+            raise SpecError(problem)
 
     def apply_tp(
         self,

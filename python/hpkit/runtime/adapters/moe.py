@@ -12,47 +12,21 @@ ep mesh.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from hpkit.errors import SpecError
 from hpkit.hf import config as hf_config
 from hpkit.models import llama
-from hpkit.models.moe import MoE, MoEConfig
+from hpkit.models.moe import MoE
 from hpkit.runtime.adapters.llama import LlamaAdapter
-from hpkit.runtime.config import ModelSpec
 from hpkit.runtime.tp_styles import ReplicateParallel
-
-_DEFAULTS = MoEConfig(experts=8)
 
 
 class MoEAdapter(LlamaAdapter):
     family = "moe"
     hf = hf_config.MIXTRAL  # MixtralForCausalLM: loads (model.init_from); export is not written yet
-    shapes = tuple(name for name, cfg in llama.SHAPES.items() if cfg.moe is not None)
-
-    def config(self, spec: ModelSpec) -> llama.LlamaConfig:
-        base = super().config(spec)
-        moe = base.moe or _DEFAULTS
-        if spec.moe is not None:
-            given = {k: v for k, v in spec.moe.model_dump().items() if v is not None}
-            moe = replace(moe, **given)
-        try:
-            return llama.config_for(
-                spec.name,
-                spec.seq_len,
-                **{
-                    f: getattr(base, f)
-                    for f in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim")
-                },
-                moe=moe,
-            )
-        except ValueError as exc:
-            raise SpecError(f"model: {exc}") from None
 
     def owns(self, model: nn.Module) -> bool:
         return isinstance(model, llama.Llama) and model.cfg.moe is not None

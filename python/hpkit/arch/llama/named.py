@@ -1,7 +1,9 @@
-"""The named model shapes, as plain numbers: the one table that both the model (hpkit.models.llama, which
-imports torch) and the planner (hpkit.plan, which runs on login nodes without torch) read.
+"""The Llama family's named shapes (`model.name`), as plain numbers: the one table that both the model
+(hpkit.models.llama, which imports torch) and the planner (hpkit.plan, which runs on login nodes without torch)
+read, through hpkit.arch.llama.shape.shape_named.
 
-Each entry gives the LlamaConfig fields; `moe`, where present, the MoEConfig fields.
+Each entry gives the ModelShape fields; `moe`, where present, the MoE fields (a shape with one belongs to the
+`moe` family: hpkit.arch.families).
 """
 
 from __future__ import annotations
