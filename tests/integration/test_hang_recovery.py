@@ -144,7 +144,11 @@ def test_one_restart_budget_across_a_requeue_and_restarts_in_the_allocation(slur
     from hpkit.slurm import CliBackend, JobState, wait
 
     spec = training_spec("budget", tmp_path, steps=40, interval=2)
-    spec["resilience"].update(max_restarts=2, collective_timeout_s=300, hang={"min_s": 3, "start_s": 120})
+    # min_s as the other drills here, with factor 10: a loaded step (load ~10 on 2 cores) is not called a hang,
+    # which would spend the budget this test counts.
+    spec["resilience"].update(
+        max_restarts=2, collective_timeout_s=300, hang={"min_s": MIN_S, "factor": 10, "start_s": 120}
+    )
     spec["env"] = {"HPKIT_FAULT": "hang:rank=1,step=4,attempts=all"}
     job_id = submit(spec, tmp_path, slurm_cluster)
     logs = tmp_path / "logs"
