@@ -140,11 +140,11 @@ def pytest_make_collect_report(collector):
 # The files that take minutes (measured: `make test` prints the slowest), handed out first, so that
 # pytest-xdist's workers do not end on one long file while the others idle.
 SLOW_FILES_FIRST = (
-    "test_image_build.py",
-    "test_oci_jobs.py",
+    "test_image_build.py",  # builds the CPU image and exports the OCI bundle that test_oci_jobs.py runs
     "test_node_loss.py",
     "test_why_jobs.py",
     "test_slurm_polling.py",
+    "test_oci_jobs.py",  # after a few files: by then the bundle is usually exported, and it waits less
     "test_forgotten_accounting.py",  # 2-2.5 min a Slurm version: node loss, preemption, slurmctld's purge
     "test_training_resume.py",
     "test_resilience.py",

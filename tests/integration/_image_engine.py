@@ -4,10 +4,16 @@ A podman service of the test's own (socket, config and image storage under the t
 made with mmdebstrap from Debian's mirror (no registry is reachable here; the tarball is cached across runs),
 and the CPU image built from this checkout with `hpkit image build --cpu`. The fixtures are module-scoped:
 a test module imports the ones it uses (`from _image_engine import base_image, cpu_image, engine`).
+
+The image is built once per test run, not once per module: the build (minutes) also exports the image as an OCI
+bundle into the run's temporary folder (`shared_bundle`), under a lock that the pytest-xdist workers share, so
+that test_oci_jobs.py, which needs only the bundle, waits for it instead of starting a podman service and
+building the same image a second time.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -15,6 +21,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +33,11 @@ from hpkit.commands import image as image_command
 REPO = Path(__file__).resolve().parents[2]
 BASE_TAG = "hpkit-base:bookworm"
 CACHE = Path(os.environ.get("HPKIT_IMAGE_CACHE") or Path.home() / ".cache" / "hpkit")
+# One per test run: `make test` gives each run its own TMPDIR, which every xdist worker inherits. The bundle is
+# built from this checkout, so it must not outlive the run (a cache across runs would test stale code).
+SHARED = Path(tempfile.gettempdir()) / "hpkit-shared-cpu-image"
+SHARED_BUNDLE = SHARED / "hpkit-cpu"
+SHARED_DONE = SHARED / "exported"
 
 
 @dataclass(frozen=True)
@@ -54,6 +66,22 @@ def unmount_under(folder: Path) -> None:
     points = [line.split()[4] for line in lines if line.split()[4].startswith(str(folder) + "/")]
     for point in sorted(points, key=len, reverse=True):
         subprocess.run(["umount", "-l", point], capture_output=True, timeout=30)
+
+
+def remove_in_background(folder: Path) -> None:
+    """The engine's storage (2.4 GB, the image's layers) takes about a minute to delete on this machine's ext4
+    with online discard: the unlinks wait on the disk, not on a CPU. A detached `rm` does that while the tests
+    go on; the folder is inside the run's TMPDIR, which the next `make test` clears anyway."""
+    if shutil.which("ionice") is None:
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    subprocess.Popen(
+        ["ionice", "-c", "3", "rm", "-rf", str(folder)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +116,7 @@ def engine(tmp_path_factory) -> Iterator[Engine]:
             os.environ["DOCKER_HOST"] = saved
         subprocess.run([script, "stop", str(state)], env=env, capture_output=True, timeout=120)
         unmount_under(state)
-        shutil.rmtree(state, ignore_errors=True)
+        remove_in_background(state)
 
 
 @pytest.fixture(scope="module")
@@ -114,12 +142,42 @@ def base_image(engine: Engine) -> str:
     return BASE_TAG
 
 
+@contextmanager
+def _build_lock() -> Iterator[None]:
+    """Held while one worker builds and exports: another worker's module waits rather than builds too."""
+    SHARED.mkdir(exist_ok=True)
+    with open(SHARED / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 @pytest.fixture(scope="module")
 def cpu_image(engine: Engine, base_image: str) -> str:
-    started = time.monotonic()
-    code = image_command.main(
-        ["image", "build", "--cpu", "--quiet", "--base-image", base_image, "--context", str(REPO)]
-    )
-    assert code == 0
-    print(f"CPU image built in {time.monotonic() - started:.0f} s")
+    with _build_lock():
+        started = time.monotonic()
+        code = image_command.main(
+            ["image", "build", "--cpu", "--quiet", "--base-image", base_image, "--context", str(REPO)]
+        )
+        assert code == 0
+        print(f"CPU image built in {time.monotonic() - started:.0f} s")
+        if not SHARED_DONE.exists():
+            started = time.monotonic()
+            code = image_command.main(["image", "export", "--oci", str(SHARED_BUNDLE), "hpkit:cpu"])
+            assert code == 0
+            SHARED_DONE.touch()
+            print(f"CPU image exported as an OCI bundle in {time.monotonic() - started:.0f} s")
     return "hpkit:cpu"
+
+
+def shared_bundle(request: pytest.FixtureRequest) -> Path:
+    """The CPU image as an OCI bundle: the one this run has exported (waiting while a worker builds it), else
+    built here (this module's own podman service) and exported by `cpu_image`."""
+    with _build_lock():
+        if SHARED_DONE.exists():
+            return SHARED_BUNDLE
+    request.getfixturevalue("cpu_image")
+    assert SHARED_DONE.exists()
+    return SHARED_BUNDLE

@@ -25,11 +25,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _image_engine import shared_bundle
 from training_layouts import BASE
 
 from _clusters import slot
 from hpkit import devcluster
-from hpkit.commands import image as image_command
 
 pytestmark = [pytest.mark.image, pytest.mark.cluster]
 
@@ -39,10 +39,10 @@ IMAGE_ONLY = "/usr/local/bin/hpkit-entrypoint"  # the image's start-up check: th
 
 
 @pytest.fixture(scope="module")
-def bundle(cpu_image: str, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("oci-image") / "hpkit-cpu"
-    assert image_command.main(["image", "export", "--oci", str(out), cpu_image]) == 0
-    return out
+def bundle(request) -> Path:
+    # Exported once per run by whichever module built the image (test_image_build.py, usually): the jobs only
+    # read it, so one copy serves both.
+    return shared_bundle(request)
 
 
 def _cluster(tmp_path_factory, name: str, offset: int, **options) -> dict[str, str]:
