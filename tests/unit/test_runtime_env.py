@@ -10,7 +10,6 @@ from hpkit.rendezvous import port_for_job
 from hpkit.runtime.env import (
     LaunchError,
     expand_tasks_per_node,
-    node_addr,
     node_name,
     read_launch_env,
     threads_per_process,
@@ -88,12 +87,6 @@ def test_expand_tasks_per_node():
     assert expand_tasks_per_node("4") == [4]
     with pytest.raises(LaunchError):
         expand_tasks_per_node("two")
-
-
-def test_node_addr_from_scontrol_show_node():
-    out = "NodeName=node1 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 NodeHostName=localhost Port=6818"
-    assert node_addr("node1", out) == "127.0.0.1"
-    assert node_addr("node1", "NodeName=node1 State=IDLE") == "node1"
 
 
 def test_threads_split_cores_among_local_ranks():
