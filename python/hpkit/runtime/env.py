@@ -143,8 +143,10 @@ def expand_tasks_per_node(value: str) -> list[int]:
 
 def _scontrol(answer: client.Answer) -> str:
     """What scontrol printed, or a LaunchError saying why it could not be asked."""
-    if answer.missing or answer.os_error:
+    if answer.missing:
         raise LaunchError("scontrol is not on PATH: export MASTER_ADDR and MASTER_PORT instead")
+    if answer.os_error:
+        raise LaunchError(f"{answer.command} failed: {answer.os_error}")
     if answer.timed_out:
         raise LaunchError(f"{answer.command} took over {SCONTROL_TIMEOUT_S} s")
     if answer.rc != 0:
