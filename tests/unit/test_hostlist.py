@@ -19,7 +19,33 @@ from hpkit.slurm.hostlist import HostlistError, compress, expand, first
         ("n[009-11]", ["n009", "n010", "n011"]),
         ("a[8-010]", ["a8", "a9", "a10"]),
         ("n[0-2]", ["n0", "n1", "n2"]),
-        ("x[1-2]y[3-4]", ["x1y3", "x1y4", "x2y3", "x2y4"]),  # several brackets: the first outermost
+        ("x[1-2]y[3-4]", ["x1y3", "x1y4", "x2y3", "x2y4"]),  # two brackets: the first outermost
+        # More: the last fastest, then the first, the second, ...
+        (
+            "a[1-2]b[1-2]c[1-2]",
+            ["a1b1c1", "a1b1c2", "a2b1c1", "a2b1c2", "a1b2c1", "a1b2c2", "a2b2c1", "a2b2c2"],
+        ),
+        (
+            "b[009-11]x[1-2]y[03-4]",
+            [
+                "b009x1y03",
+                "b009x1y04",
+                "b010x1y03",
+                "b010x1y04",
+                "b011x1y03",
+                "b011x1y04",
+                "b009x2y03",
+                "b009x2y04",
+                "b010x2y03",
+                "b010x2y04",
+                "b011x2y03",
+                "b011x2y04",
+            ],
+        ),
+        (
+            "r[1-2]-[2,5]-n[7]",
+            ["r1-2-n7", "r2-2-n7", "r1-5-n7", "r2-5-n7"],
+        ),
         ("n[1-2]-x[1-2]", ["n1-x1", "n1-x2", "n2-x1", "n2-x2"]),
         ("ip-10-1-[2-3]", ["ip-10-1-2", "ip-10-1-3"]),
         (" n1, n2", ["n1", "n2"]),

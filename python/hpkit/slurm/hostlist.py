@@ -3,9 +3,10 @@
 Expanded here rather than by `scontrol show hostnames` (one process per call, and a slurm.conf to read), with
 Slurm's rules as 22.05's scontrol applies them (tests/unit/test_hostlist.py): entries split on commas and
 whitespace outside brackets, in the order given, duplicates kept; a range's width is its first number's
-(n[08-10] -> n08 n09 n10, a[8-010] -> a8 a9 a10); several brackets multiply, the first outermost
-(x[1-2]y[3-4] -> x1y3 x1y4 x2y3 x2y4). Slurm 22.05 refuses a suffix after the last bracket (n[1-3]-ib) and
-later releases read it; it is read here (it only widens what is accepted).
+(n[08-10] -> n08 n09 n10, a[8-010] -> a8 a9 a10); several brackets multiply, the last varying fastest, then
+the first, the second, ... (x[1-2]y[3-4] -> x1y3 x1y4 x2y3 x2y4; a[1-2]b[1-2]c[1-2] -> a1b1c1 a1b1c2 a2b1c1 ...).
+Slurm 22.05 refuses a suffix after the last bracket (n[1-3]-ib) and later releases read it; it is read here (it only
+widens what is accepted).
 """
 
 from __future__ import annotations
@@ -50,18 +51,34 @@ def first(hostlist: str) -> str | None:
 
 
 def _expand_one(item: str, whole: str) -> list[str]:
-    head, bracket, rest = item.partition("[")
-    if not bracket:
+    texts, brackets = [], []
+    rest = item
+    while True:
+        text, bracket, rest = rest.partition("[")
+        texts.append(text)
+        if not bracket:
+            break
+        ranges, _, rest = rest.partition("]")
+        brackets.append(_numbers(ranges, whole))
+    if not brackets:
         return [item]
-    ranges, _, tail = rest.partition("]")
+    # Slurm's order (22.05's scontrol): the last bracket varies fastest, then the first, the second, ... (a[1-2]
+    # b[1-2]c[1-2]: a1b1c1 a1b1c2 a2b1c1 a2b1c2 a1b2c1 ...); with two brackets, the first outermost.
+    heads = [texts[0]]
+    for numbers, text in zip(brackets[:-1], texts[1:-1], strict=True):
+        heads = [head + number + text for number in numbers for head in heads]
+    return [head + number + texts[-1] for head in heads for number in brackets[-1]]
+
+
+def _numbers(ranges: str, whole: str) -> list[str]:
+    """One bracket's numbers, as written: '08-10,12' -> 08 09 10 12 (a range's width is its first number's)."""
     out = []
     for part in ranges.split(","):
         match = _RANGE.fullmatch(part)
         if match is None or (match.group(2) and int(match.group(2)) < int(match.group(1))):
             raise HostlistError(f"invalid host list {whole!r}: {part!r} is not a range (N or N-M, N <= M)")
         low, high = match.group(1), match.group(2) or match.group(1)
-        for number in range(int(low), int(high) + 1):
-            out += [f"{head}{number:0{len(low)}d}{name}" for name in _expand_one(tail, whole)]
+        out += [str(number).zfill(len(low)) for number in range(int(low), int(high) + 1)]
     return out
 
 
