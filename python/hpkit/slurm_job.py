@@ -14,8 +14,8 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hpkit import slurm_options
 from hpkit.errors import HpkitError
+from hpkit.slurm import options as slurm_options
 from hpkit.smp_params import v2_problems as smp_v2_problems
 from hpkit.validation import StrictModel, check_no_control_chars
 

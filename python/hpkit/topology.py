@@ -20,42 +20,14 @@ import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from hpkit.slurm.hostlist import HostlistError, expand
+
 # Plugins that need no topology.conf: 22.05's topology/none, 24.11's topology/default (25.05's topology/flat).
 FLAT_PLUGINS = frozenset({"topology/none", "topology/default", "topology/flat", ""})
 TREE = "topology/tree"
 BLOCK = "topology/block"
 # The first Slurm with topology/block.
 BLOCK_SINCE = (23, 11)
-
-_RANGE = re.compile(r"\[([^\]]*)\]")
-
-
-def expand(hostlist: str) -> list[str]:
-    """Slurm's compressed host list as names: 'node[1-3,7],login1' -> node1, node2, node3, node7, login1."""
-    names: list[str] = []
-    depth = 0
-    start = 0
-    for i, char in enumerate(hostlist + ","):
-        depth += {"[": 1, "]": -1}.get(char, 0)
-        if char == "," and depth == 0:
-            if item := hostlist[start:i].strip():
-                names += _expand_one(item)
-            start = i + 1
-    return names
-
-
-def _expand_one(item: str) -> list[str]:
-    match = _RANGE.search(item)
-    if match is None:
-        return [item]
-    head, tail = item[: match.start()], item[match.end() :]
-    out = []
-    for part in match.group(1).split(","):
-        low, _, high = part.partition("-")
-        width = len(low) if low.startswith("0") else 0
-        for number in range(int(low), int(high or low) + 1):
-            out += [head + f"{number:0{width}d}" + rest for rest in _expand_one(tail)]
-    return out
 
 
 def _compress_run(names: Sequence[str]) -> str:
@@ -186,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     plugin = args.plugin if "/" in args.plugin else f"topology/{args.plugin}"
     try:
         sys.stdout.write(render(plugin, expand(args.nodes), args.group_size))
-    except ValueError as exc:
+    except (ValueError, HostlistError) as exc:
         print(f"hpkit.topology: {exc}", file=sys.stderr)
         return 2
     return 0

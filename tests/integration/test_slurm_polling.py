@@ -266,7 +266,10 @@ def test_only_the_batch_script_asks_the_controller_at_start_up(slurm_cluster, tm
     print(f"{launcher}: controller calls from inside the job: {in_job}")
     assert in_job, "the batch shell's calls should be logged too (is the wrapper on the job's PATH?)"
     assert all(line.startswith("scontrol step=none") for line in in_job), in_job
-    assert len(in_job) == 3  # hostnames and NodeAddr for the rendezvous, hostnames for SM_HOSTS
+    # NodeAddr for the rendezvous (the supervisor, which reads the host list itself: hpkit.slurm.hostlist), and
+    # the host names for SM_HOSTS (the batch shell).
+    asked = sorted(line.split(" ", 4)[4] for line in in_job)
+    assert asked == ["show hostnames node[1-2]", "show node -o node1"], in_job
 
 
 def test_logs_follow_streams_the_file_between_rare_polls(slurm_cluster, tmp_path):

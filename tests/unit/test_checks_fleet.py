@@ -11,8 +11,8 @@ from _imds_server import closed_port
 
 from hpkit.bench.pairs import best_per_node, round_robin
 from hpkit.checks import fleet
-from hpkit.checks.hostlist import compress, natural_key
 from hpkit.commands import check, check_nodes
+from hpkit.slurm.hostlist import compress, natural_key
 
 
 @pytest.fixture(autouse=True)

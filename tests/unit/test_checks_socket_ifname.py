@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 
 from hpkit.checks.context import Context
-from hpkit.checks.network_ifname import check_socket_ifname, first_host, reaches
+from hpkit.checks.network_ifname import check_socket_ifname, reaches
 from hpkit.checks.result import Status
+from hpkit.slurm import hostlist
 
 
 @pytest.mark.parametrize(
@@ -23,7 +24,7 @@ from hpkit.checks.result import Status
     ],
 )
 def test_the_first_host_of_a_node_list(nodelist, first):
-    assert first_host(nodelist) == first
+    assert hostlist.first(nodelist) == first
 
 
 @pytest.mark.parametrize(

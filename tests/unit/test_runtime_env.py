@@ -10,7 +10,6 @@ from hpkit.rendezvous import port_for_job
 from hpkit.runtime.env import (
     LaunchError,
     expand_tasks_per_node,
-    node_addr,
     node_name,
     read_launch_env,
     threads_per_process,
@@ -88,12 +87,6 @@ def test_expand_tasks_per_node():
     assert expand_tasks_per_node("4") == [4]
     with pytest.raises(LaunchError):
         expand_tasks_per_node("two")
-
-
-def test_node_addr_from_scontrol_show_node():
-    out = "NodeName=node1 Arch=x86_64 CoresPerSocket=1 NodeAddr=127.0.0.1 NodeHostName=localhost Port=6818"
-    assert node_addr("node1", out) == "127.0.0.1"
-    assert node_addr("node1", "NodeName=node1 State=IDLE") == "node1"
 
 
 def test_threads_split_cores_among_local_ranks():
@@ -192,3 +185,22 @@ def test_groups_made_after_the_world_inherit_the_jobs_collective_timeout():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "42.0"
+
+
+def test_the_first_nodes_address_is_its_nodeaddr_from_one_scontrol_call(tmp_path, monkeypatch):
+    """The host list is read in Python (hpkit.slurm.hostlist): scontrol is asked only for the first node's record."""
+    from hpkit.runtime.env import slurm_first_node_addr
+
+    calls = tmp_path / "calls"
+    (tmp_path / "scontrol").write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\necho "NodeName=$4 Arch=x86_64 NodeAddr=10.1.0.7 NodeHostName=$4"\n'
+    )
+    (tmp_path / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert slurm_first_node_addr("gpu-[007-010],login1") == "10.1.0.7"
+    assert calls.read_text().splitlines() == ["show node -o gpu-007"]
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    with pytest.raises(
+        LaunchError, match=r"^scontrol is not on PATH: export MASTER_ADDR and MASTER_PORT instead$"
+    ):
+        slurm_first_node_addr("node1")

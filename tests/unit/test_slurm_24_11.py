@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hpkit import slurm
-from hpkit.slurm import CliBackend, JobState, parse_scontrol_record
+from hpkit.slurm import CliBackend, JobState, client, parse_scontrol_record
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "slurm-24.11"
 
@@ -98,13 +98,13 @@ def test_a_job_whose_steps_are_still_being_killed_is_completing_not_ended():
 
 def test_stdout_is_the_expanded_path_without_asking_scontrol(monkeypatch):
     """24.11 gives the expanded output path (`-o logs/%x-%j.out` in the submit directory)."""
-    monkeypatch.setattr(slurm, "_run", lambda *a, **k: pytest.fail(f"no Slurm call expected: {a}"))
+    monkeypatch.setattr(client, "run", lambda *a, **k: pytest.fail(f"no Slurm call expected: {a}"))
     record = records("squeue-states-all.json")["9001"]
     assert CliBackend()._stdout(record) == "/tmp/hpkit-u/cap/logs/ok-9001.out"
 
 
 class FakeSlurm:
-    """slurm._run answering from the captured outputs; records each command."""
+    """client.run answering from the captured outputs; records each command."""
 
     def __init__(self, squeue: str | None, sacct_c: str = ""):
         self.calls: list[list[str]] = []
@@ -129,7 +129,7 @@ class FakeSlurm:
 
 def test_version_and_the_squeue_call(monkeypatch):
     fake = FakeSlurm((FIXTURES / "squeue-states-all.json").read_text())
-    monkeypatch.setattr(slurm, "_run", fake)
+    monkeypatch.setattr(client, "run", fake)
     backend = CliBackend()
     assert backend.version == (24, 11)
     found = backend.poll(["9002", "9001"])
@@ -141,8 +141,8 @@ def test_version_and_the_squeue_call(monkeypatch):
 def test_a_forgotten_job_is_read_from_the_completion_log(monkeypatch):
     """squeue exits 1 for a single unknown job; sacct without slurmdbd fails; `sacct -c` answers."""
     fake = FakeSlurm(None, (FIXTURES / "sacct-completion-log.txt").read_text())
-    monkeypatch.setattr(slurm, "_run", fake)
-    monkeypatch.setattr(slurm.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(client, "run", fake)
+    monkeypatch.setattr(client, "has_sacct", lambda env=None: True)
     found = CliBackend().poll(["9003"])
     assert [c[:2] for c in fake.calls[1:]] == [["squeue", "--json"], ["sacct", "--json"], ["sacct", "-c"]]
     job = found["9003"]
@@ -166,7 +166,9 @@ def test_scontrol_show_job_record():
 
 def test_sinfo_node_states(monkeypatch):
     text = (FIXTURES / "sinfo-nodes.txt").read_text()
-    monkeypatch.setattr(slurm, "_run", lambda args, env=None: subprocess.CompletedProcess(args, 0, text, ""))
+    monkeypatch.setattr(
+        client, "call", lambda args, env=None, timeout_s=None: client.Answer(tuple(args), 0, text)
+    )
     assert slurm.node_states() == {"node1": "mix", "node2": "idle"}
 
 
@@ -341,7 +343,7 @@ def test_wait_waits_on_through_a_requeued_preemption(monkeypatch):
     fake = SqueueSequence(
         [[_with_state(preempted, state)] for state in ("PREEMPTED", "PENDING", "RUNNING", "COMPLETED")]
     )
-    monkeypatch.setattr(slurm, "_run", fake)
+    monkeypatch.setattr(client, "run", fake)
     time = VirtualTime()
     seen: list[str] = []
     done = slurm.wait_all(
@@ -358,7 +360,7 @@ def test_wait_waits_on_through_a_requeued_preemption(monkeypatch):
 
 def test_wait_ends_on_a_preemption_without_requeue_and_says_so(monkeypatch):
     fake = SqueueSequence([[_preempted("9106", False, "24.11")]])
-    monkeypatch.setattr(slurm, "_run", fake)
+    monkeypatch.setattr(client, "run", fake)
     time = VirtualTime()
     done = slurm.wait_all(CliBackend(), ["9106"], clock=time.clock, sleep=time.sleep)
     assert done["9106"].state_text == "PREEMPTED (not requeued)" and len(fake.squeues()) == 1
@@ -378,7 +380,7 @@ def test_the_wait_interval_grows_while_nothing_changes_and_resets_on_a_change(mo
     second = _with_state(_preempted("9202", True, "24.11"), "PENDING")
     both = [first, second]
     fake = SqueueSequence([both] * 24 + [[_with_state(first, "COMPLETED"), second], [second]])
-    monkeypatch.setattr(slurm, "_run", fake)
+    monkeypatch.setattr(client, "run", fake)
     time = VirtualTime()
     polls: list[float] = []
     real_poll = CliBackend.poll
@@ -402,7 +404,7 @@ def test_a_polls_records_locate_a_jobs_files_without_a_second_call(monkeypatch):
     """polled_fields: the last poll's squeue record in scontrol's words; (True, None) for a job that poll found
     forgotten; (False, None) for one it did not ask about (the caller then asks scontrol)."""
     fake = FakeSlurm((FIXTURES / "squeue-states-all.json").read_text())
-    monkeypatch.setattr(slurm, "_run", fake)
+    monkeypatch.setattr(client, "run", fake)
     monkeypatch.setattr(CliBackend, "_from_sacct", lambda self, job_ids: {})
     backend = CliBackend()
     backend.poll(["9000", "99999"])

@@ -12,7 +12,7 @@ import pytest
 
 from hpkit.errors import SpecError
 from hpkit.render import render, sbatch_directives, srun_options
-from hpkit.slurm_options import (
+from hpkit.slurm.options import (
     PYXIS_OPTIONS,
     SBATCH_OPTIONS,
     SBATCH_OPTIONS_SINCE_24_11,

@@ -10,7 +10,7 @@ import pytest
 
 from hpkit.errors import SpecError
 from hpkit.render import sbatch_directives, tasks_per_node
-from hpkit.slurm_options import (
+from hpkit.slurm.options import (
     SBATCH_OPTIONS,
     SBATCH_OPTIONS_SINCE_24_11,
     SRUN_OPTIONS,

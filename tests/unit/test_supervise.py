@@ -472,11 +472,11 @@ def test_requeue_on_failure_and_spares_need_a_restart_budget():
 FAKE_SCONTROL = """#!/bin/bash
 echo "scontrol $*" >>"$CALLS"
 case "$1 $2" in
-  "show hostnames")
-    # Slurm's warning signal reaches the batch shell while the supervisor sets up (the shell is its parent).
+  "show node")
+    # Slurm's warning signal reaches the batch shell while the supervisor sets up (the shell is its parent):
+    # the step's rendezvous address is the last thing it asks before it starts the step.
     [[ -n ${USR1_AT_SETUP:-} ]] && kill -USR1 "$(ps -o ppid= -p "$PPID" | tr -d ' ')"
-    printf 'node1\\nnode2\\n' ;;
-  "show node") echo "NodeName=$3 NodeAddr=10.0.0.9" ;;
+    echo "NodeName=$4 NodeAddr=10.0.0.9" ;;
 esac
 """
 # The step: waits for the USR1 the supervisor passes on, then exits as ranks that saved and stopped do.

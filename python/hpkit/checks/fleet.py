@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from hpkit.checks.hostlist import natural_key
+from hpkit.slurm.hostlist import natural_key
 
 STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
 DEFAULT_BANDWIDTH_FRACTION = 0.5

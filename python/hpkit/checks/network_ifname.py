@@ -9,31 +9,16 @@ names the variable to set, in one line, where a value set, or a library's own ch
 
 from __future__ import annotations
 
-import re
 import socket
 
 from hpkit import rendezvous
 from hpkit.checks.context import Context
-from hpkit.checks.probe import run_cmd
 from hpkit.checks.registry import check
 from hpkit.checks.result import Result
+from hpkit.slurm import client, hostlist
 
 PROFILES = ("compute", "container")
 VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
-
-
-def first_host(nodelist: str) -> str | None:
-    """The first host of a Slurm node list ('node[3-5,9],gpu1' -> 'node3'), keeping a range's zero padding."""
-    found = re.match(r"\s*([^,\[\s]+)(?:\[([^\],\-]+))?", nodelist)
-    if found is None:
-        return None
-    prefix, first = found.groups()
-    suffix = ""
-    if first is not None:
-        rest = nodelist[found.end() :]
-        if "]" in rest:  # node[1-4]-ib: the part after the bracket belongs to every name
-            suffix = re.match(r"[^\]]*\]([^,]*)", rest).group(1)  # type: ignore[union-attr]
-    return prefix + (first or "") + suffix
 
 
 def _address(host: str, ctx: Context) -> str | None:
@@ -42,12 +27,12 @@ def _address(host: str, ctx: Context) -> str | None:
         return str(socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0])
     except OSError:
         pass
-    out = run_cmd(["scontrol", "show", "node", "-o", host], ctx.probe_timeout, ctx.env)
-    found = re.search(r"\bNodeAddr=(\S+)", out.out) if out.ok else None
-    if found is None:
+    out = client.show_node(host, ctx.env, ctx.probe_timeout)
+    addr = client.node_addr(out.out) if out.ok else None
+    if addr is None:
         return None
     try:
-        return str(socket.getaddrinfo(found.group(1), None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0])
+        return str(socket.getaddrinfo(addr, None, socket.AF_INET, socket.SOCK_DGRAM)[0][4][0])
     except OSError:
         return None
 
@@ -57,7 +42,7 @@ def rendezvous_host(ctx: Context) -> tuple[str, str] | None:
     if ctx.env.get("MASTER_ADDR"):
         return ctx.env["MASTER_ADDR"], "MASTER_ADDR"
     for name in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
-        host = first_host(ctx.env.get(name, ""))
+        host = hostlist.first(ctx.env.get(name, ""))
         if host:
             return host, f"the job's first node, {host}"
     return None

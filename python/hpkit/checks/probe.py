@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpkit.slurm.client import Answer
+
 
 @dataclass(frozen=True)
 class CmdResult:
@@ -56,6 +58,17 @@ def run_cmd(args: Sequence[str], timeout: float, env: Mapping[str, str] | None =
     except OSError as exc:
         return CmdResult(None, "", "", f"{args[0]}: {exc.strerror or exc}")
     return CmdResult(proc.returncode, proc.stdout, proc.stderr)
+
+
+def slurm_result(answer: Answer, timeout: float) -> CmdResult:
+    """A Slurm command's answer (hpkit.slurm.client, the one place that runs them) in a check's words."""
+    if answer.missing:
+        return CmdResult(None, "", "", f"{answer.args[0]} not found")
+    if answer.timed_out:
+        return CmdResult(None, "", "", f"`{answer.command}` did not finish within {timeout:g} s")
+    if answer.rc is None:
+        return CmdResult(None, "", "", f"{answer.args[0]}: {answer.os_error}")
+    return CmdResult(answer.rc, answer.out, answer.err)
 
 
 def which(name: str, env: Mapping[str, str], extra_dirs: Iterable[Path] = ()) -> str | None:

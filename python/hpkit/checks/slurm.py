@@ -6,14 +6,16 @@ import os
 import re
 import shutil
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 from hpkit import topology
 from hpkit.checks.context import Context
-from hpkit.checks.hostlist import compress
-from hpkit.checks.probe import read_text, run_cmd, which
+from hpkit.checks.probe import CmdResult, read_text, run_cmd, slurm_result, which
 from hpkit.checks.registry import check
 from hpkit.checks.result import Result
+from hpkit.slurm import client
+from hpkit.slurm.hostlist import compress
 
 PROFILES = ("login", "compute")
 # Container images unpack to tens of GiB; enroot's data and cache folders need at least this much room.
@@ -27,6 +29,11 @@ def _slurm_dirs(ctx: Context) -> list[Path]:
     return [ctx.roots.opt / "slurm" / "bin"]
 
 
+def _ask(ctx: Context, command: Callable[..., client.Answer]) -> CmdResult:
+    """One of the Slurm client's calls, with this node's environment, Slurm folders and probe timeout."""
+    return slurm_result(command(ctx.env, ctx.probe_timeout, _slurm_dirs(ctx)), ctx.probe_timeout)
+
+
 _FIX_SLURM_CLIENT = (
     "install the Slurm client or put it on PATH (HyperPod: `export PATH=/opt/slurm/bin:$PATH`), "
     "then run the check again"
@@ -35,10 +42,9 @@ _FIX_SLURM_CLIENT = (
 
 @check("slurm", "Slurm controller answers (sinfo)", profiles=PROFILES)
 def slurm(ctx: Context) -> Result:
-    sinfo = which("sinfo", ctx.env, _slurm_dirs(ctx))
-    if sinfo is None:
+    if not client.installed(ctx.env, _slurm_dirs(ctx), client.SINFO):
         return Result.fail("sinfo is not installed or not on PATH", _FIX_SLURM_CLIENT)
-    ran = run_cmd([sinfo, "--noheader", "--format=%P|%D|%t"], ctx.probe_timeout, ctx.env)
+    ran = _ask(ctx, client.partitions)
     if not ran.ok:
         return Result.fail(
             f"sinfo cannot reach the controller: {ran.why()}",
@@ -96,11 +102,9 @@ def _topology_file_problem(ctx: Context, why: str) -> Result:
 
 @check("topology", "Slurm topology: what TopologyPlugin needs", profiles=("login",))
 def slurm_topology(ctx: Context) -> Result:
-    scontrol = which("scontrol", ctx.env, _slurm_dirs(ctx))
-    sinfo = which("sinfo", ctx.env, _slurm_dirs(ctx))
-    if scontrol is None or sinfo is None:
+    if not client.installed(ctx.env, _slurm_dirs(ctx), client.SCONTROL, client.SINFO):
         return Result.skip("scontrol or sinfo is not on PATH", _FIX_SLURM_CLIENT)
-    shown = run_cmd([scontrol, "show", "config"], ctx.probe_timeout, ctx.env)
+    shown = _ask(ctx, client.show_config)
     if not shown.ok:
         return _topology_file_problem(ctx, shown.why())
     plugin = topology.config_value(shown.out, "TopologyPlugin") or ""
@@ -113,14 +117,14 @@ def slurm_topology(ctx: Context) -> Result:
         f"(`python3 -m hpkit.topology render --plugin {plugin} --nodes NODELIST` writes one), then "
         "`scontrol reconfigure`"
     )
-    asked = run_cmd([scontrol, "show", "topology"], ctx.probe_timeout, ctx.env)
+    asked = _ask(ctx, client.show_topology)
     groups = topology.parse(asked.out) if asked.ok else []
     if not groups:
         why = asked.why() if not asked.ok else "it lists no switch or block"
         return Result.fail(
             f"TopologyPlugin={plugin} but `scontrol show topology` answers nothing ({why})", fix_file
         )
-    listed = run_cmd([sinfo, "--noheader", "--Node", "--format=%N"], ctx.probe_timeout, ctx.env)
+    listed = _ask(ctx, client.node_names)
     if not listed.ok:
         return Result.skip(f"sinfo failed ({listed.why()})", "see the slurm check")
     nodes = {line.strip() for line in listed.out.splitlines() if line.strip()}

@@ -18,8 +18,9 @@ from pathlib import Path
 
 from hpkit import slurm
 from hpkit.checks import fleet
-from hpkit.checks.hostlist import compress, natural_key
 from hpkit.errors import HpkitError, SlurmError, SpecError
+from hpkit.slurm import hostlist
+from hpkit.slurm.hostlist import compress, natural_key
 from hpkit.slurm_job import SlurmJob
 
 # Node states in which a node can run the check job (sinfo's short forms, without the *~#... suffix).
@@ -59,7 +60,7 @@ def node_count(req: Request) -> tuple[int, dict[str, str]]:
     if req.nodes is not None:
         return req.nodes, {}
     if req.nodelist:
-        return len(slurm.hostnames(req.nodelist)), {}
+        return len(hostlist.expand(req.nodelist)), {}
     states = slurm.node_states(req.partition)
     usable = [name for name, state in states.items() if state.rstrip("*~#!%$@^-+") in _USABLE]
     if not usable:
@@ -139,7 +140,7 @@ def render_script(req: Request, nodes: int) -> str:
 
 
 def _job_nodes(nodes: str) -> list[str]:
-    return slurm.hostnames(nodes)
+    return hostlist.expand(nodes)
 
 
 def gather(req: Request, job_id: str, nodes: list[str]) -> tuple[list[fleet.NodeReport], dict | None]:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
-import subprocess
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -36,9 +34,8 @@ from hpkit.jobs.why_scan import (
     scan_scontrol,
     scan_slurm_log,
 )
-from hpkit.slurm import accounting, expand_output_pattern
-
-CLI_TIMEOUT_S = 30
+from hpkit.slurm import accounting, client, expand_output_pattern, hostlist
+from hpkit.slurm.client import CLI_TIMEOUT_S
 
 
 def explain(job_id: str, env: Mapping[str, str] | None = None) -> Verdict:
@@ -51,20 +48,18 @@ class _Reader:
         self.env = dict(env) if env is not None else None
         self.unreadable: list[str] = []
 
-    def command(self, args: list[str]) -> tuple[int, str, str] | None:
-        """(exit status, stdout, stderr), or None when the program is missing or does not answer."""
-        if shutil.which(args[0]) is None:
-            self.unreadable.append(f"{args[0]}: not found here (no Slurm client on PATH)")
+    def command(self, answer: client.Answer) -> tuple[int, str, str] | None:
+        """(exit status, stdout, stderr), or None, noted, when the program is missing or does not answer."""
+        if answer.missing:
+            self.unreadable.append(f"{answer.args[0]}: not found here (no Slurm client on PATH)")
             return None
-        try:
-            done = subprocess.run(args, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env=self.env)
-        except subprocess.TimeoutExpired:
-            self.unreadable.append(f"{' '.join(args)}: no answer in {CLI_TIMEOUT_S} s")
+        if answer.timed_out:
+            self.unreadable.append(f"{answer.command}: no answer in {CLI_TIMEOUT_S} s")
             return None
-        except OSError as exc:
-            self.unreadable.append(f"{' '.join(args)}: {exc.strerror or exc}")
+        if answer.rc is None:
+            self.unreadable.append(f"{answer.command}: {answer.os_error}")
             return None
-        return done.returncode, done.stdout, done.stderr
+        return answer.rc, answer.out, answer.err
 
     def lines(self, path: Path, what: str) -> Iterator[str] | None:
         """The file's lines as they are read (logs can be large), or None, noted, when it cannot be read."""
@@ -102,7 +97,7 @@ def gather(job_id: str, env: Mapping[str, str] | None = None) -> Facts:
     findings: list[Finding] = []
     controller: dict[str, str] = {}
 
-    shown = read.command(["scontrol", "show", "job", job_id])
+    shown = read.command(client.show_job(job_id, read.env))
     if shown is not None:
         status, out, err = shown
         if status == 0 and out.strip():
@@ -199,7 +194,7 @@ def _path(value: str | None) -> Path | None:
 
 
 def _config(read: _Reader) -> dict[str, str]:
-    shown = read.command(["scontrol", "show", "config"])
+    shown = read.command(client.show_config(read.env))
     if shown is None or shown[0] != 0:
         if shown is not None:
             read.unreadable.append(f"scontrol show config: {_last_line(shown[2]) or f'exit {shown[0]}'}")
@@ -319,7 +314,7 @@ def _slurm_logs(read: _Reader, config: Mapping[str, str], job_id: str, nodes: st
         # One name for every node's log: the file here is this host's, which names no node of the job.
         lines = read.lines(Path(slurmd), "slurmd log")
         return found + (scan_slurm_log(lines, slurmd, job_id) if lines is not None else [])
-    for node in _hostnames(read, nodes):
+    for node in _hostnames(nodes):
         path = Path(slurmd.replace("%n", node).replace("%h", node))
         lines = read.lines(path, f"slurmd log of {node}")
         if lines is not None:
@@ -327,8 +322,8 @@ def _slurm_logs(read: _Reader, config: Mapping[str, str], job_id: str, nodes: st
     return found
 
 
-def _hostnames(read: _Reader, nodes: str) -> list[str]:
-    if not nodes:
+def _hostnames(nodes: str) -> list[str]:
+    try:
+        return hostlist.expand(nodes)
+    except hostlist.HostlistError:
         return []
-    done = read.command(["scontrol", "show", "hostnames", nodes])
-    return done[1].split() if done is not None and done[0] == 0 else []

@@ -11,14 +11,14 @@ import contextlib
 import os
 import re
 import socket
-import subprocess
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from hpkit.errors import HpkitError
 from hpkit.rendezvous import DEFAULT_PORT, port_for_job, socket_ifname_env
-from hpkit.topology import expand
+from hpkit.slurm import client
+from hpkit.slurm.hostlist import HostlistError, expand
 
 SCONTROL_TIMEOUT_S = 20
 
@@ -141,31 +141,29 @@ def expand_tasks_per_node(value: str) -> list[int]:
     return counts
 
 
-def _scontrol(*args: str) -> str:
-    try:
-        done = subprocess.run(
-            ["scontrol", *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S, check=False
-        )
-    except FileNotFoundError:
-        raise LaunchError("scontrol is not on PATH: export MASTER_ADDR and MASTER_PORT instead") from None
-    except subprocess.TimeoutExpired:
-        raise LaunchError(f"scontrol {' '.join(args)} took over {SCONTROL_TIMEOUT_S} s") from None
-    if done.returncode != 0:
-        raise LaunchError(f"scontrol {' '.join(args)} failed: {done.stderr.strip() or done.returncode}")
-    return done.stdout
+def _scontrol(answer: client.Answer) -> str:
+    """What scontrol printed, or a LaunchError saying why it could not be asked."""
+    if answer.missing:
+        raise LaunchError("scontrol is not on PATH: export MASTER_ADDR and MASTER_PORT instead")
+    if answer.os_error:
+        raise LaunchError(f"{answer.command} failed: {answer.os_error}")
+    if answer.timed_out:
+        raise LaunchError(f"{answer.command} took over {SCONTROL_TIMEOUT_S} s")
+    if answer.rc != 0:
+        raise LaunchError(f"{answer.command} failed: {answer.err.strip() or answer.rc}")
+    return answer.out
 
 
 def slurm_first_node_addr(nodelist: str) -> str:
     # A node name need not resolve in DNS; the node's NodeAddr is what slurmd itself is reached at.
-    hosts = _scontrol("show", "hostnames", nodelist).split()
+    try:
+        hosts = expand(nodelist)
+    except HostlistError as exc:
+        raise LaunchError(str(exc)) from None
     if not hosts:
-        raise LaunchError(f"scontrol expanded the node list {nodelist!r} to nothing")
-    return node_addr(hosts[0], _scontrol("show", "node", "-o", hosts[0]))
-
-
-def node_addr(name: str, scontrol_node_output: str) -> str:
-    m = re.search(r"\bNodeAddr=(\S+)", scontrol_node_output)
-    return m.group(1) if m and m.group(1) not in ("(null)", "") else name
+        raise LaunchError(f"the node list {nodelist!r} names no node")
+    record = _scontrol(client.show_node(hosts[0], timeout_s=SCONTROL_TIMEOUT_S))
+    return client.node_addr(record) or hosts[0]
 
 
 def threads_per_process(

@@ -1,4 +1,5 @@
-"""The supervisor's one boundary to Slurm: `Cluster` (a protocol), and `SlurmCli`, which shells out.
+"""The supervisor's one boundary to Slurm: `Cluster` (a protocol), and `SlurmCli`, which runs srun itself and
+asks everything else of hpkit.slurm.client.
 
 Everything the state machine (hpkit.supervise.machine) asks of Slurm or of the clock goes through here, so
 that a test hands it a scripted fake.
@@ -18,10 +19,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from hpkit.slurm import client, hostlist
+
 # srun's line for a task that failed: "srun: error: NODE: task(s) N[,M-K]: Exited with exit code C".
 _TASK_ERROR = re.compile(r"^srun: error: ([^:\s]+): tasks? ([\d,\-]+): (.+)$")
 PROBE_TIMEOUT_S = 5  # a healthy node starts a task well within a second
 NODES_ANSWER_TIMEOUT_S = 60
+SLURM_TIMEOUT_S = 60  # a controller that is itself recovering a node may answer slowly: the supervisor waits
 
 
 @dataclass(frozen=True)
@@ -189,48 +193,45 @@ class SlurmCli:
     def lost_nodes(self, nodelist: str, states: str) -> list[str]:
         if not nodelist:
             return []
-        done = _run(["sinfo", "-h", "-N", "-n", nodelist, "-o", "%N %t"])
-        if done is None or done.returncode != 0:
+        done = client.node_states(nodelist, timeout_s=SLURM_TIMEOUT_S)
+        if not done.ok:
             return []
         lost = {
             words[0]
-            for line in done.stdout.splitlines()
+            for line in done.out.splitlines()
             if len(words := line.split()) == 2 and re.search(states, words[1])
         }
         return sorted(lost)
 
     def hostnames(self, nodelist: str) -> list[str]:
-        done = _run(["scontrol", "show", "hostnames", nodelist])
-        return done.stdout.split() if done is not None and done.returncode == 0 else []
+        try:
+            return hostlist.expand(nodelist)
+        except hostlist.HostlistError:
+            return []
 
     def node_addr(self, node: str) -> str:
-        done = _run(["scontrol", "show", "node", node])
-        match = re.search(r"NodeAddr=(\S+)", done.stdout) if done is not None else None
-        return match.group(1) if match else node
+        done = client.show_node(node, timeout_s=SLURM_TIMEOUT_S)
+        return (client.node_addr(done.out) if done.ok else None) or node
 
     def slurmd_timeout(self) -> int:
-        done = _run(["scontrol", "show", "config"])
-        match = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", done.stdout, re.M) if done is not None else None
+        done = client.show_config(timeout_s=SLURM_TIMEOUT_S)
+        match = re.search(r"^SlurmdTimeout\s*=\s*(\d+)", done.out, re.M) if done.ok else None
         return int(match.group(1)) if match else 300
 
     def set_requeue(self, job_id: str, on: bool) -> bool:
-        done = _run(["scontrol", "update", f"JobId={job_id}", f"Requeue={int(on)}"])
-        return done is not None and done.returncode == 0
+        return client.set_requeue(job_id, on, SLURM_TIMEOUT_S).ok
 
     def requeue(self, job_id: str) -> bool:
-        done = _run(["scontrol", "requeue", job_id])
-        return done is not None and done.returncode == 0
+        return client.requeue(job_id, SLURM_TIMEOUT_S).ok
 
     def replace_node(self, node: str) -> bool:
-        done = _run(["scontrol", "update", f"node={node}", "state=fail", "reason=Action:Replace"])
-        return done is not None and done.returncode == 0
+        return client.fail_node(node, "Action:Replace", SLURM_TIMEOUT_S).ok
 
     def cancel_steps(self, job_id: str) -> None:
         def cancel() -> None:
-            done = _run(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"])
-            for step in done.stdout.split() if done is not None else []:
+            for step in client.job_steps(job_id, SLURM_TIMEOUT_S):
                 if not step.endswith((".batch", ".extern")):
-                    _run(["scancel", "--signal=KILL", step])
+                    client.kill_step(step, SLURM_TIMEOUT_S)
 
         threading.Thread(target=cancel, daemon=True).start()
 

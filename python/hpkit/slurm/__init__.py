@@ -10,8 +10,6 @@ from __future__ import annotations
 import enum
 import json
 import re
-import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -20,8 +18,7 @@ from pathlib import Path
 from typing import Protocol
 
 from hpkit.errors import SlurmError
-
-CLI_TIMEOUT_S = 30
+from hpkit.slurm import client
 
 
 class TransientSlurmError(SlurmError):
@@ -152,49 +149,8 @@ class Backend(Protocol):
     def cancel(self, job_id: str) -> None: ...
 
 
-def _run(
-    args: list[str],
-    env: Mapping[str, str] | None = None,
-    check: bool = True,
-    timeout_s: float = CLI_TIMEOUT_S,
-) -> subprocess.CompletedProcess:
-    if shutil.which(args[0]) is None:
-        raise SlurmError(
-            f"{args[0]} not found: run on a Slurm login node, or start the local cluster with `make cluster-up` "
-            "and export SLURM_CONF"
-        )
-    try:
-        proc = subprocess.run(
-            args,
-            capture_output=True,
-            text=True,
-            timeout=timeout_s,
-            env=dict(env) if env is not None else None,
-        )
-    except subprocess.TimeoutExpired:
-        daemon = "slurmdbd" if args[0] in ("sacct", "sacctmgr") else "slurmctld"
-        raise SlurmError(
-            f"{' '.join(args[:2])} did not answer in {timeout_s:.0f} s: is {daemon} up?"
-        ) from None
-    if check and proc.returncode != 0:
-        message = (proc.stderr or proc.stdout).strip().splitlines()
-        last = message[-1] if message else f"exit {proc.returncode}"
-        hint = ""
-        if "configuration source" in last:
-            hint = (
-                "; point SLURM_CONF at the cluster's slurm.conf "
-                "(the local cluster's is .dev-cluster/etc/slurm.conf after `make cluster-up`)"
-            )
-        raise SlurmError(f"{' '.join(args[:2])} failed: {last}{hint}")
-    return proc
-
-
 def slurm_version(env: Mapping[str, str] | None = None) -> tuple[int, int]:
-    proc = _run(["sinfo", "--version"], env=env)
-    match = re.search(r"(\d+)\.(\d+)", proc.stdout)
-    if not match:
-        raise SlurmError(f"cannot read the Slurm version from {proc.stdout.strip()!r}")
-    return int(match.group(1)), int(match.group(2))
+    return client.version(env)
 
 
 def _split_exit(raw: int | None) -> tuple[int | None, int | None]:
@@ -216,22 +172,15 @@ def parse_scontrol_record(line: str) -> dict[str, str]:
 
 def job_record(job_id: str, env: Mapping[str, str] | None = None) -> dict[str, str] | None:
     """The controller's record of a job (`scontrol show job -o`), or None once it has forgotten the job."""
-    proc = _run(["scontrol", "show", "job", "-o", job_id], env=env, check=False)
-    lines = proc.stdout.strip().splitlines()
-    if proc.returncode != 0 or not lines:
-        return None
-    return parse_scontrol_record(lines[0])
-
-
-def hostnames(hostlist: str, env: Mapping[str, str] | None = None) -> list[str]:
-    """A Slurm host list (node[1-3,7]) expanded by Slurm itself, in its order."""
-    return _run(["scontrol", "show", "hostnames", hostlist], env=env).stdout.split() if hostlist else []
+    line = client.show_job_line(job_id, env)
+    return parse_scontrol_record(line) if line else None
 
 
 def node_states(partition: str | None = None, env: Mapping[str, str] | None = None) -> dict[str, str]:
     """Each node's short state as sinfo prints it (idle, mix, down*, drain, ...), in one partition or the default."""
-    args = ["sinfo", "-h", "-N", "-o", "%N %t"] + (["-p", partition] if partition else [])
-    rows = (line.split() for line in _run(args, env=env).stdout.splitlines())
+    answer = client.node_states(partition=partition, env=env)
+    client.raise_for(answer)
+    rows = (line.split() for line in answer.out.splitlines())
     return {row[0]: row[1] for row in rows if len(row) >= 2}
 
 
@@ -258,14 +207,10 @@ class CliBackend:
         return self._version
 
     def submit(self, script: Path) -> str:
-        proc = _run(["sbatch", "--parsable", str(script)], env=self.env)
-        job_id = proc.stdout.strip().split(";")[0]
-        if not job_id.isdigit():
-            raise SlurmError(f"sbatch answered {proc.stdout.strip()!r}, not a job id")
-        return job_id
+        return client.submit(script, self.env)
 
     def cancel(self, job_id: str) -> None:
-        _run(["scancel", job_id], env=self.env)
+        client.cancel(job_id, self.env)
 
     def info(self, job_id: str) -> JobInfo:
         info = self.poll([job_id]).get(job_id)
@@ -302,13 +247,13 @@ class CliBackend:
         answer makes squeue exit 0 with an `errors` list in the JSON (22.05) or exit non-zero: both
         raise TransientSlurmError.
         """
-        args = ["squeue", "--json"]
+        args = []
         if self.version >= (23, 2):
             args.append("--states=all")
             if job_ids:
                 args.append(f"--jobs={','.join(job_ids)}")
         try:
-            proc = _run(args, env=self.env, check=False)
+            proc = client.queue_json(args, self.env)
         except SlurmError as exc:  # a timeout: the controller is busy or down
             raise TransientSlurmError(str(exc)) from None
         try:
@@ -368,15 +313,14 @@ class CliBackend:
         pattern = str(record.get("standard_output") or "")
         path = expand_output_pattern(pattern, record)
         if path is None and pattern:
-            proc = _run(["scontrol", "show", "job", "-o", job_id], env=self.env, check=False)
-            line = proc.stdout.strip().splitlines()[0] if proc.returncode == 0 and proc.stdout.strip() else ""
+            line = client.show_job_line(job_id, self.env)
             path = parse_scontrol_record(line).get("StdOut") or None if line else None
         if path is not None:
             self._stdout_cache[job_id] = path
         return path
 
     def _from_sacct(self, job_ids: Sequence[str]) -> dict[str, JobInfo]:
-        if shutil.which("sacct") is None:
+        if not client.has_sacct(self.env):
             return {}
         found: dict[str, JobInfo] = {}
         # Without slurmdbd only the job-completion log answers (`sacct -c`), and not in JSON; once
@@ -390,9 +334,8 @@ class CliBackend:
             if not extra:
                 found.update(self._from_accounting(missing))
                 continue
-            proc = _run(
+            proc = client.sacct(
                 [
-                    "sacct",
                     *extra,
                     "-n",
                     "-P",
@@ -402,8 +345,7 @@ class CliBackend:
                     "-o",
                     "JobID,JobName,State,ExitCode,NodeList",
                 ],
-                env=self.env,
-                check=False,
+                self.env,
             )
             if proc.returncode != 0:
                 self._no_slurmdbd = self._no_slurmdbd or not extra
@@ -856,7 +798,7 @@ _NO_ACCOUNTING = re.compile(r"accounting storage is disabled", re.I)
 
 
 def accounting(
-    job_ids: Sequence[str], env: Mapping[str, str] | None = None, timeout_s: float = CLI_TIMEOUT_S
+    job_ids: Sequence[str], env: Mapping[str, str] | None = None, timeout_s: float = client.CLI_TIMEOUT_S
 ) -> dict[str, JobAccounting]:
     """Accounting's record of the jobs (`sacct --json -D -j ...`: every run of a requeued job), by job id; an
     array job's id gives its tasks, as "ID_TASK". Jobs accounting does not know are missing from the result.
@@ -867,9 +809,9 @@ def accounting(
     wanted = [str(j) for j in job_ids]
     if not wanted:
         return {}
-    if shutil.which("sacct") is None:
+    if not client.has_sacct(env):
         raise AccountingUnavailable("not found here (no Slurm client on PATH)")
-    proc = _run(["sacct", "--json", "-D", "-j", ",".join(wanted)], env=env, check=False, timeout_s=timeout_s)
+    proc = client.sacct(["--json", "-D", "-j", ",".join(wanted)], env, timeout_s)
     lines = (proc.stderr or "").strip().splitlines()
     if proc.returncode != 0:
         last = lines[-1] if lines else f"exit {proc.returncode}"
@@ -880,8 +822,8 @@ def accounting(
         raise AccountingUnavailable(lines[-1])
     found = parse_sacct_json(proc.stdout)
     if found and needs_text_exit_codes(proc.stdout):
-        args = ["sacct", "-D", "-P", "-n", "-j", ",".join(wanted), "-o", "JobIDRaw,ExitCode"]
-        text = _run(args, env=env, check=False, timeout_s=timeout_s)
+        args = ["-D", "-P", "-n", "-j", ",".join(wanted), "-o", "JobIDRaw,ExitCode"]
+        text = client.sacct(args, env, timeout_s)
         if text.returncode == 0:
             found = parse_sacct_json(proc.stdout, text.stdout)
     return found
