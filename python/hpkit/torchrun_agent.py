@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
@@ -33,6 +34,13 @@ AGENTS_DONE_WAIT_S = 60.0
 # Connecting to say "done" and saying it: short, since the host may have stopped waiting.
 DONE_REPORT_TIMEOUT_S = 10.0
 DONE_POLL_S = 0.05
+# How long the agent gives its workers to exit after SIGTERM when it stops them for a failure (a worker
+# failed, the rendezvous store is gone) rather than for a signal it was sent. torchrun waits its shutdown
+# timeout (30 s) in both cases, then SIGKILLs; but a rank whose peer died is blocked in a collective, and its
+# SIGTERM handler only asks for a checkpoint at the step's end, which never comes: a lost node cost 30 s
+# more to notice whenever a survivor was blocked (bench/bench_recovery.py: detection 33 s against 5 s).
+# A signal (Slurm's USR1 or SIGTERM, passed on) keeps torchrun's timeout: the ranks checkpoint and stop.
+FAILED_STOP_S = 1
 RDZV_NODE_ENV = "HPKIT_RDZV_NODE"
 
 
@@ -77,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         args.local_addr = source
     agents = _max_nodes(args.nnodes)
     counter = done_key(args.rdzv_id)
+    stop_failed_workers_at_once()
     store = _serve(host, port) if is_host else None
     # The hang watchdog's nodes report through this store too: it lives outside the training processes.
     export(os.environ, host, port, os.environ.get(RDZV_NODE_ENV, ""))
@@ -86,6 +95,26 @@ def main(argv: list[str] | None = None) -> None:
         _wait_for_agents(store, counter, agents - 1)
     elif agents > 1:
         _report_done(host, port, counter)
+
+
+def stop_failed_workers_at_once(grace_s: float = FAILED_STOP_S) -> None:
+    """torchrun's agent stops its workers with SIGTERM and SIGKILL after `grace_s` (FAILED_STOP_S) when it stops
+    them for anything but a signal it received (those keep torchrun's shutdown timeout)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    original = LocalElasticAgent._shutdown
+    if getattr(original, "hpkit_failed_stop", False):
+        return
+
+    def _shutdown(self: Any, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # The agent calls this in its `except SignalException` (a signal came) or in its `finally`.
+        if not isinstance(sys.exc_info()[1], SignalException):
+            timeout = min(timeout, grace_s)
+        original(self, death_sig, timeout)
+
+    _shutdown.hpkit_failed_stop = True  # type: ignore[attr-defined]
+    LocalElasticAgent._shutdown = _shutdown  # type: ignore[method-assign]
 
 
 def _run(args: Any) -> None:

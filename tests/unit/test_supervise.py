@@ -249,6 +249,10 @@ def test_a_lost_node_is_swapped_for_a_spare_and_the_step_restarts_on_it(tmp_path
     assert first_env["MASTER_ADDR"] == "10.0.0.1" and first_env["HPKIT_RDZV_NODE"] == "node1"
     # The failing step was stopped after its grace, not waited for.
     assert first.status == 137 and "cancel steps" in cluster.calls
+    # When the fault was seen, once, with what srun had said by then (a recovery's detection ends there).
+    (failing,) = of(out, ev.STEP_FAILING)
+    assert failing["tasks"] == [{"node": "node1", "tasks": "0", "outcome": "Killed", "exit_code": None}]
+    assert failing["verdict"] is None and failing["time"] <= of(out, ev.STEP_ENDED)[0]["time"]
     swap = of(out, ev.SPARE_SWAP)
     assert swap == [{**swap[0], "node": "node1", "spare": "node3", "spares_left": []}]
     second_argv, second_env, _ = cluster.started[1]

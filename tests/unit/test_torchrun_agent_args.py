@@ -72,3 +72,38 @@ def test_a_failed_worker_ends_the_agent_with_torchruns_table_and_no_traceback(mo
     (root,) = [f for f in scan_output(err.splitlines(True), "job.out") if f.kind == "launcher_root"]
     assert (root.rank, root.exit_code) == (0, 3), root
     assert os.environ[STORE_ENV] == "127.0.0.1:29999"  # named during the test; monkeypatch removes it after
+
+
+def test_the_agent_stops_its_workers_at_once_after_a_failure_and_with_torchruns_grace_on_a_signal():
+    """A rank whose peer died is blocked in a collective and cannot act on SIGTERM: after a failure (no signal
+    came) the agent SIGKILLs its workers FAILED_STOP_S after SIGTERM, not torchrun's 30 s; a signal the agent
+    was sent (Slurm's USR1 or SIGTERM, passed on to the ranks to checkpoint and stop) keeps torchrun's timeout."""
+    import signal
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from hpkit.torchrun_agent import FAILED_STOP_S, stop_failed_workers_at_once
+
+    class Workers:  # the agent's process context: what it is asked to close with
+        def __init__(self) -> None:
+            self.closed: list[tuple[signal.Signals, float]] = []
+
+        def close(self, death_sig: signal.Signals, timeout: float) -> None:
+            self.closed.append((death_sig, timeout))
+
+    original = LocalElasticAgent._shutdown
+    try:
+        stop_failed_workers_at_once()
+        stop_failed_workers_at_once()  # twice (a second launch in one process) wraps once
+        agent = object.__new__(LocalElasticAgent)
+        agent._worker_watchdog = agent._health_check_server = None
+        agent._pcontext = workers = Workers()
+        agent._shutdown(timeout=30)  # the agent's `finally`: its run failed (or ended)
+        try:
+            raise SignalException("got signal", sigval=signal.SIGUSR1)
+        except SignalException as exc:
+            agent._shutdown(exc.sigval, timeout=30)  # the agent's `except SignalException`
+        assert workers.closed == [(signal.SIGTERM, FAILED_STOP_S), (signal.SIGUSR1, 30)]
+    finally:
+        LocalElasticAgent._shutdown = original

@@ -293,8 +293,15 @@ class Supervisor:
                     self._pass_usr1()  # held until the ranks' handlers are in place
                 if self.plan.spare_nodes and not self.signalled:
                     now = self.cluster.monotonic()
-                    if failing_since is None and (step.task_exits() or self.verdict() is not None):
+                    exits, verdict = step.task_exits(), self.verdict()
+                    if failing_since is None and (exits or verdict is not None):
                         failing_since = now
+                        # When the fault was seen: a recovery's detection ends here (bench_recovery).
+                        self.event(
+                            ev.STEP_FAILING,
+                            tasks=[{**asdict(t), "exit_code": t.exit_code} for t in exits],
+                            verdict=str(verdict) if verdict is not None else None,
+                        )
                         # Probe while the step has its grace: the answer is ready when it is needed.
                         self._probe = pool.submit(self.cluster.unanswering, list(self.step_nodes))
                     if failing_since is not None and now - failing_since >= STEP_GRACE_S:
