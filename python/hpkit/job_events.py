@@ -45,7 +45,7 @@ SPARE_SWAP = "spare_swap"  # node, spare, spares_left
 REPLACE_ASKED = (
     "replace_asked"  # node, ok (HyperPod: scontrol update node=X state=fail reason=Action:Replace)
 )
-RESTART = "restart"  # reason (hang | node), verdict, nodes, budget_left: the step restarts in the allocation
+RESTART = "restart"  # reason (hang | node | killed), verdict, nodes, budget_left: the step restarts in the allocation
 REQUEUE = "requeue"  # reason (usr1 | no_spare), to_restart, max_restarts, budget_left
 REQUEUE_OFF = "requeue_off"  # ok: Slurm's own requeue turned off (budget spent, or only hpkit's was meant)
 NODE_LOST = "node_lost"  # nodes, exit, then (requeued | ended): a step ended with nodes gone, no spares

@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     store = _serve(host, port) if is_host else None
     # The hang watchdog's nodes report through this store too: it lives outside the training processes.
     export(os.environ, host, port, os.environ.get(RDZV_NODE_ENV, ""))
-    if not _run_reporting(args):  # the step ends then, and nobody needs the store any more
-        raise SystemExit(1)
+    failed = _run_reporting(args)
+    if failed is not None:  # the step ends then, and nobody needs the store any more
+        raise SystemExit(failed)
     if store is not None:
         _wait_for_agents(store, counter, agents - 1)
     elif agents > 1:
@@ -125,18 +126,24 @@ def _run(args: Any) -> None:
     record(run)(args)
 
 
-def _run_reporting(args: Any) -> bool:
-    """`_run`; False when a worker failed, after printing torchrun's table of the failed ranks (its "Root Cause"
+def _run_reporting(args: Any) -> int | None:
+    """`_run`; when a worker failed, after printing torchrun's table of the failed ranks (its "Root Cause"
     block, which `hpkit why` reads) without this agent's own Python traceback, which only says a child failed
-    and sat above every job log's real error."""
+    and sat above every job log's real error, the agent's exit status (`failed_status`); None when all went well."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         _run(args)
     except ChildFailedError as exc:
         print(f"hpkit-torchrun: ChildFailedError: {exc}", file=sys.stderr, flush=True)
-        return False
-    return True
+        return failed_status(exc.get_first_failure()[1].exitcode)
+    return None
+
+
+def failed_status(first_exitcode: int) -> int:
+    """The agent's exit status from its first failed worker's exit code: 128 + the signal where a signal killed it
+    (the job's supervisor restarts a step whose rank was SIGKILLed on a node that answers), else 1 as torchrun."""
+    return 128 - first_exitcode if first_exitcode < 0 else 1
 
 
 def _endpoint(endpoint: str) -> tuple[str, int]:

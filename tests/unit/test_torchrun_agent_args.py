@@ -107,3 +107,14 @@ def test_the_agent_stops_its_workers_at_once_after_a_failure_and_with_torchruns_
         assert workers.closed == [(signal.SIGTERM, FAILED_STOP_S), (signal.SIGUSR1, 30)]
     finally:
         LocalElasticAgent._shutdown = original
+
+
+@pytest.mark.parametrize(("exitcode", "status"), [(-9, 137), (-11, 139), (1, 1), (3, 1)])
+def test_the_agent_exits_128_plus_the_signal_that_killed_its_first_failed_rank(exitcode, status):
+    """srun reports the agent's status: a rank SIGKILLed reads as 137, which the job's supervisor restarts where
+    every node answers (hpkit.supervise.cluster.TaskExit.killed); a rank's own failure stays torchrun's 1."""
+    from hpkit.supervise.cluster import TaskExit
+    from hpkit.torchrun_agent import failed_status
+
+    assert failed_status(exitcode) == status
+    assert TaskExit("node1", "0", f"Exited with exit code {status}").killed == (exitcode == -9)
