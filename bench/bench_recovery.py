@@ -125,6 +125,11 @@ def main() -> int:
     )
     parser.add_argument("--faults", default=",".join(FAULTS), help="the held scenarios' faults: node, rank")
     parser.add_argument(
+        "--model",
+        default=None,
+        help="the held scenarios' model, a shape name (125M: the issue's target size; default: the drills' tiny one)",
+    )
+    parser.add_argument(
         "--keep", action="store_true", help="keep the jobs' folders (logs, events) and say where"
     )
     args = parser.parse_args()
@@ -169,6 +174,7 @@ def main() -> int:
                                 wipe_partner=False,
                                 memory=memory,
                                 fault=fault,
+                                model={"name": args.model, "seq_len": 64} if args.model else None,
                             )
                             held.setdefault((fault, side), []).append(timeline)
             finally:
@@ -197,7 +203,10 @@ def main() -> int:
         if unrecovered:
             continue
         sides = {side: timelines for (f, side), timelines in held.items() if f == fault}
-        print(f"recovery, rank 0's {fault} lost after step {MEMORY_STEP}: seconds per part (medians)")
+        model = args.model or "the drills' tiny model"
+        print(
+            f"recovery, rank 0's {fault} lost after step {MEMORY_STEP}, {model}: seconds per part (medians)"
+        )
         print(f"  {'part':<60}" + "".join(f"{side:>12}" for side in sides))
         split = {side: [parts(t) for t in timelines] for side, timelines in sides.items()}
         for mark in RECOVERY_MARKS:

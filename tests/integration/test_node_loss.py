@@ -381,17 +381,31 @@ def memory_step_complete(root: Path, step: int, nodes: list[str]) -> bool:
 
 
 def lose_node_held_after_memory_step(
-    env, tmp_path: Path, name: str, wipe_partner: bool, memory: bool = True, fault: str = "node"
+    env,
+    tmp_path: Path,
+    name: str,
+    wipe_partner: bool,
+    memory: bool = True,
+    fault: str = "node",
+    model: dict | None = None,
 ):
     """Run `name` with in-memory checkpoints until it is held after MEMORY_STEP and kill rank 0's node, having
     moved checkpoint.dir away (a restore from it would find nothing) or, with `wipe_partner`, taken the partner
     node's memory (both copies of rank 0's state gone); without `memory` the same drill with persistent
     checkpoints only (bench/bench_recovery.py runs both side by side, and with `fault` "rank" kills rank 0's
-    process alone, SIGKILL, its node left up). Returns the job's log, losses, last step before the kill, the two
-    step nodes and the recovery's timeline (`recovery_timeline`)."""
+    process alone, SIGKILL, its node left up, and with `model` trains that model for two steps past MEMORY_STEP).
+    Returns the job's log, losses, last step before the kill, the two step nodes and the recovery's timeline
+    (`recovery_timeline`)."""
     backend = CliBackend()
     tmp_path.mkdir(exist_ok=True)
     spec, extra = memory_spec(name, tmp_path)
+    patience = 1.0
+    if model is not None:
+        spec["model"] = model
+        spec["train"]["steps"] = MEMORY_STEP + 2
+        # A larger model's steps and copies take tens of seconds each on a loaded 2-vCPU host.
+        spec["resilience"]["collective_timeout_s"] = 180
+        patience = 5.0
     if not memory:
         del spec["checkpoint"]["memory"]
     job = submit(spec, tmp_path, {**env, **extra})
@@ -405,7 +419,7 @@ def lose_node_held_after_memory_step(
         if memory
         else (lambda: MEMORY_STEP in losses(metrics))
     )
-    wait_for(held, 300, f"step {MEMORY_STEP} in memory on both nodes", poll=0.1)
+    wait_for(held, 300 * patience, f"step {MEMORY_STEP} in memory on both nodes", poll=0.1)
     assert (ckpt / "latest").exists() and not (ckpt / f"step-{MEMORY_STEP + 1:08d}").exists()
     stopped_at = max(losses(metrics))
     if memory and not wipe_partner:  # the restore must come from memory: checkpoint.dir holds nothing to read
@@ -417,7 +431,9 @@ def lose_node_held_after_memory_step(
     killed_wall = time.time()
     assert victims, f"no processes of job {job} on {rank0_node}"
     try:
-        info = wait_for(lambda: (i := backend.info(job)).state.finished and i, 300, "the job to end")
+        info = wait_for(
+            lambda: (i := backend.info(job)).state.finished and i, 300 * patience, "the job to end"
+        )
     finally:
         if fault == "node":
             subprocess.run(["slurmd", "-N", rank0_node, "-f", env["SLURM_CONF"]], env=env, check=False)
