@@ -5,14 +5,16 @@ checkpoint commit, each way: with `resilience.spare_nodes: 1` (the supervisor pr
 restarts the step in the allocation) and without (slurmctld declares the node DOWN and requeues the job). The
 clock runs from the kill to the first step the resumed run logs. Then a rank killed with SIGKILL in a job
 without restarts: the seconds until the job has ended (the survivors must not wait out a collective timeout).
-Then in-memory checkpoints (`checkpoint.memory`) against persistent ones, side by side: rank 0's node lost with
-the run held after step 15 (persistent checkpoint: step 10), each part of the recovery timed from the kill
-(detected, spare swapped, step restarted, run resumed, its first step, the first step past 15).
+Then in-memory checkpoints (`checkpoint.memory`) against persistent ones, side by side, with the run held after
+step 15 (persistent checkpoint: step 10) and each fault of --faults: rank 0's node lost ("node") or rank 0's process
+alone SIGKILLed ("rank"). Each part of the recovery in seconds (PARTS: detect, stop, probe and swap, srun and the
+agents, import, rendezvous and group, model, in-memory tier, restore and its source, first step, steps redone),
+from the supervisor's events and the resumed run's start record (`phases`). --model runs them at another shape.
 
 Targets (they were assertions in tests/integration/test_node_loss.py and test_resilience.py; the tests keep
 the events): spare <= 30 s and below SlurmdTimeout; spare / requeue <= 0.5; killed rank -> end < 45 s.
 
-    python3 bench/bench_recovery.py [--rounds 1]
+    python3 bench/bench_recovery.py [--rounds 1] [--only spare,killed,held] [--faults node,rank] [--model 125M]
 """
 
 from __future__ import annotations
