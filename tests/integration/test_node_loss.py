@@ -9,6 +9,7 @@ the spare third node lets the requeued job run without the lost one.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -514,9 +515,14 @@ def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir
     """checkpoint.memory: rank 0's node is lost after step 15 with checkpoint.dir moved away: the spare's rank
     takes its state from the partner node's memory, the run resumes at step 15 (the persistent checkpoint is
     step 10, and gone), redoes no step, and every loss equals the uninterrupted run's."""
-    log, got, stopped_at, _, _ = lose_node_held_after_memory_step(
+    log, got, stopped_at, _, timeline = lose_node_held_after_memory_step(
         three_nodes, tmp_path, "memory", wipe_partner=False
     )
+    # Every part of the recovery is timed (bench_recovery splits it by these), in the order the parts run (the
+    # start record's time is rounded to the millisecond).
+    at = [timeline[mark] for mark in RECOVERY_MARKS]
+    assert all(b >= a - 0.01 for a, b in itertools.pairwise(at)), timeline
+    assert timeline["source"] == f"memory:step-{MEMORY_STEP:08d}", timeline
     assert f"resumed from memory:step-{MEMORY_STEP:08d} at step {MEMORY_STEP}" in log, log
     assert re.search(
         rf"restored step {MEMORY_STEP} from memory: [1-9]\d* file\(s\) from partner nodes", log

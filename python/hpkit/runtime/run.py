@@ -68,10 +68,10 @@ def _process_started() -> float:
     try:
         with open("/proc/self/stat", encoding="ascii") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time after boot, in ticks
-        with open("/proc/stat", encoding="ascii") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        # Against the boot clock itself: /proc/stat's btime is whole seconds, up to 1 s off.
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
         return time.time()
 
 
