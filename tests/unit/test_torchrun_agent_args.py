@@ -57,6 +57,10 @@ def test_a_failed_worker_ends_the_agent_with_torchruns_table_and_no_traceback(mo
         raise ChildFailedError("train.py", {0: ProcessFailure(0, 4242, 3, "<N/A>")})
 
     monkeypatch.setattr(torchrun_agent, "_run", failing)
+    # main() wraps the agent's shutdown (stop_failed_workers_at_once): undone after the test as well.
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", LocalElasticAgent._shutdown)
     # main() names the watch store in this process's environment for its workers: undone after the test, or every
     # later test of this worker (the hang drills) reports to a store that is not there.
     for name in (STORE_ENV, STORE_NODE_ENV):
