@@ -25,6 +25,7 @@ from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from hpkit.job_events import HANG_EXIT
 from hpkit.rendezvous import source_address
 from hpkit.watch_store import export
 
@@ -39,7 +40,9 @@ DONE_POLL_S = 0.05
 # timeout (30 s) in both cases, then SIGKILLs; but a rank whose peer died is blocked in a collective, and its
 # SIGTERM handler only asks for a checkpoint at the step's end, which never comes: a lost node cost 30 s
 # more to notice whenever a survivor was blocked (bench/bench_recovery.py: detection 33 s against 5 s).
-# A signal (Slurm's USR1 or SIGTERM, passed on) keeps torchrun's timeout: the ranks checkpoint and stop.
+# A signal (Slurm's USR1 or SIGTERM, passed on) keeps torchrun's timeout: the ranks checkpoint and stop. So does a
+# worker that exited with HANG_EXIT: the hang watchdog's ranks are writing their stacks and the verdict, and each
+# exits by itself once done.
 FAILED_STOP_S = 1
 RDZV_NODE_ENV = "HPKIT_RDZV_NODE"
 
@@ -110,12 +113,19 @@ def stop_failed_workers_at_once(grace_s: float = FAILED_STOP_S) -> None:
 
     def _shutdown(self: Any, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
         # The agent calls this in its `except SignalException` (a signal came) or in its `finally`.
-        if not isinstance(sys.exc_info()[1], SignalException):
+        if not isinstance(sys.exc_info()[1], SignalException) and not _hang_called(self._pcontext):
             timeout = min(timeout, grace_s)
         original(self, death_sig, timeout)
 
     _shutdown.hpkit_failed_stop = True  # type: ignore[attr-defined]
     LocalElasticAgent._shutdown = _shutdown  # type: ignore[method-assign]
+
+
+def _hang_called(workers: Any) -> bool:
+    """A worker of this agent exited with HANG_EXIT: the hang watchdog called a hang (torchrun's launches of a
+    command keep each worker's Popen in `subprocess_handlers`)."""
+    handlers = getattr(workers, "subprocess_handlers", None) or {}
+    return any(handler.proc.poll() == HANG_EXIT for handler in handlers.values())
 
 
 def _run(args: Any) -> None:
