@@ -290,6 +290,7 @@ class Supervisor:
             self.on_usr1()  # a signal that came before the step: passed on once its ranks are ready
         self._probe, self.probed = None, None
         failing_since: float | None = None
+        stopped = False  # by this supervisor, after the grace
         with ThreadPoolExecutor(max_workers=1) as pool:
             while step.poll() is None:
                 self._check_flag()
@@ -297,28 +298,29 @@ class Supervisor:
                     self._pass_usr1()  # held until the ranks' handlers are in place
                 if self.plan.spare_nodes and not self.signalled:
                     now = self.cluster.monotonic()
-                    exits, verdict = step.task_exits(), self.verdict()
-                    if failing_since is None and (exits or verdict is not None):
-                        failing_since = now
-                        # When the fault was seen: a recovery's detection ends here (bench_recovery).
-                        self.event(
-                            ev.STEP_FAILING,
-                            tasks=[{**asdict(t), "exit_code": t.exit_code} for t in exits],
-                            verdict=str(verdict) if verdict is not None else None,
-                        )
-                        # Probe while the step has its grace: the answer is ready when it is needed.
-                        self._probe = pool.submit(self.cluster.unanswering, list(self.step_nodes))
+                    if failing_since is None:
+                        exits, verdict = step.task_exits(), self.verdict()
+                        if exits or verdict is not None:
+                            failing_since = now
+                            # When the fault was seen: a recovery's detection ends here (bench_recovery).
+                            self.event(
+                                ev.STEP_FAILING,
+                                tasks=[{**asdict(t), "exit_code": t.exit_code} for t in exits],
+                                verdict=str(verdict) if verdict is not None else None,
+                            )
+                            # Probe while the step has its grace: the answer is ready when it is needed.
+                            self._probe = pool.submit(self.cluster.unanswering, list(self.step_nodes))
                     if failing_since is not None and now - failing_since >= STEP_GRACE_S:
                         self.say(
                             f"the step is failing and still running {STEP_GRACE_S:.0f} s later: stopping it"
                         )
-                        self.task_exits = step.task_exits()
+                        self.task_exits, stopped = step.task_exits(), True
                         step.kill()
                         self.cluster.cancel_steps(self.run_.name)
                         break
                 step.join(POLL_S)
             status = step.wait()
-            if failing_since is None or not self.task_exits:
+            if not stopped:
                 self.task_exits = step.task_exits()
             self.probed = self._probe.result() if self._probe is not None else None
         self.step = None
