@@ -178,3 +178,39 @@ def test_host_memory_of_the_copies_is_what_the_planner_predicts(tmp_path):
             f"rank {rank}: node folder {m['folder'] / 2**20:.1f} MiB + process growth {m['process'] / 2**20:.1f} MiB"
             f" = {measured / 2**20:.1f} MiB at the peak vs predicted {m['predicted'] / 2**20:.1f} MiB"
         )
+
+
+def _a_failed_copy(rank: int, world: int, root: str) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from hpkit.runtime.config import MemoryCheckpointSpec
+    from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
+
+    lines: list[str] = []
+    saver = MemoryCheckpointer(MemoryCheckpointSpec(every=1), Path(root), f"n{rank}", log=lines.append)
+    state = {f"own{rank}": torch.ones(1024), "step": torch.tensor(0)}
+    saver.save(1, state)
+    saver.wait()
+
+    def broken(sends, receives):  # what a timed-out or closed gloo pair raises, on every rank alike
+        raise RuntimeError("Connection closed by peer")
+
+    saver._exchange = broken
+    saver.save(2, state)
+    saver.wait()
+    assert saver.last_step == 1, saver.last_step
+    # The failed step's files are gone from the node; the complete step before it stays, for a restore.
+    assert sorted(p.name for p in saver.node_dir.iterdir()) == ["step-00000001"], list(
+        saver.node_dir.iterdir()
+    )
+    if rank == 0:
+        assert any("in-memory checkpoint not completed" in line for line in lines), lines
+    saver.close(completed=False)
+
+
+def test_a_failed_copy_leaves_no_files_of_its_step_in_node_memory(tmp_path):
+    """A copy that failed keeps the complete step before it and says so; what the failed step had written is
+    removed (it is never restored from, and each failed step would otherwise hold one more state in RAM)."""
+    run_ranks(_a_failed_copy, 2, tmp_path, str(tmp_path / "mem" / "run"))
