@@ -5,19 +5,22 @@ checkpoint commit, each way: with `resilience.spare_nodes: 1` (the supervisor pr
 restarts the step in the allocation) and without (slurmctld declares the node DOWN and requeues the job). The
 clock runs from the kill to the first step the resumed run logs. Then a rank killed with SIGKILL in a job
 without restarts: the seconds until the job has ended (the survivors must not wait out a collective timeout).
-Then in-memory checkpoints (`checkpoint.memory`) against persistent ones, side by side: rank 0's node lost with
-the run held after step 15 (persistent checkpoint: step 10), each part of the recovery timed from the kill
-(detected, spare swapped, step restarted, run resumed, its first step, the first step past 15).
+Then in-memory checkpoints (`checkpoint.memory`) against persistent ones, side by side, with the run held after
+step 15 (persistent checkpoint: step 10) and each fault of --faults: rank 0's node lost ("node") or rank 0's process
+alone SIGKILLed ("rank"). Each part of the recovery in seconds (PARTS: detect, stop, probe and swap, srun and the
+agents, import, rendezvous and group, model, in-memory tier, restore and its source, first step, steps redone),
+from the supervisor's events and the resumed run's start record (`phases`). --model runs them at another shape.
 
 Targets (they were assertions in tests/integration/test_node_loss.py and test_resilience.py; the tests keep
 the events): spare <= 30 s and below SlurmdTimeout; spare / requeue <= 0.5; killed rank -> end < 45 s.
 
-    python3 bench/bench_recovery.py [--rounds 1]
+    python3 bench/bench_recovery.py [--rounds 1] [--only spare,killed,held] [--faults node,rank] [--model 125M]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -25,12 +28,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "python"), str(REPO / "tests"), str(REPO / "tests" / "integration")]
 
 from test_node_loss import (  # noqa: E402  (the scenarios are the integration tests')
     MEMORY_STEP,
+    RECOVERY_MARKS,
     SLURMD_TIMEOUT_S,
     lose_node_held_after_memory_step,
     requeue_after_node_loss,
@@ -75,15 +80,70 @@ def killed_rank_s(env: dict[str, str], work: Path) -> float:
     return time.monotonic() - killed
 
 
+# A recovery's parts: each from the mark before it (the first from the fault) to its own mark (test_node_loss's
+# RECOVERY_MARKS), named as the issue names them.
+PARTS = {
+    "detected": "detect (fault -> the supervisor sees a task's exit)",
+    "stopped": "stop (grace, step killed)",
+    "swapped": "probe + spare swap",
+    "step_started": "restart bookkeeping -> srun again",
+    "process": "srun + torchrun agent + its rendezvous -> rank 0's process",
+    "imported": "python + hpkit + torch import",
+    "group": "rendezvous + process group",
+    "trainer": "model + FSDP built",
+    "memory": "in-memory tier's group",
+    "restored": "state restored",
+    "resumed": "-> start record",
+    "first_step": "first step",
+    "new_step": "steps redone",
+}
+SCENARIOS = ("spare", "killed", "held")
+FAULTS = ("node", "rank")
+
+
+def parts(timeline: dict[str, float]) -> dict[str, float]:
+    """Each part's seconds from a timeline of marks (seconds after the fault); a mark the run did not write
+    (the in-memory tier's, without one) adds its part to the next."""
+    out, before = {}, 0.0
+    for mark in RECOVERY_MARKS:
+        if mark in timeline:
+            out[mark] = timeline[mark] - before
+            before = timeline[mark]
+        else:
+            out[mark] = 0.0
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--port", default="7747")
     parser.add_argument("--first-job-id", default="24000")
+    parser.add_argument(
+        "--only",
+        default=",".join(SCENARIOS),
+        help="comma-separated subset of spare (spare vs requeue), killed (a rank killed, no restarts), held "
+        "(memory vs persistent, each fault of --faults)",
+    )
+    parser.add_argument("--faults", default=",".join(FAULTS), help="the held scenarios' faults: node, rank")
+    parser.add_argument(
+        "--model",
+        default=None,
+        help="the held scenarios' model, a shape name (125M: the issue's target size; default: the drills' tiny one)",
+    )
+    parser.add_argument(
+        "--keep", action="store_true", help="keep the jobs' folders (logs, events) and say where"
+    )
     args = parser.parse_args()
+    only, faults = set(args.only.split(",")), [f for f in args.faults.split(",") if f]
     spare, requeue, killed = [], [], []
-    held: dict[str, list[dict[str, float]]] = {"persistent": [], "memory": []}
-    with tempfile.TemporaryDirectory(prefix="hpkit-bench-recovery-") as tmp:
+    held: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    keep = tempfile.mkdtemp(prefix="hpkit-bench-recovery-") if args.keep else None
+    with (
+        contextlib.nullcontext(keep)
+        if keep
+        else tempfile.TemporaryDirectory(prefix="hpkit-bench-recovery-") as tmp
+    ):
         work = Path(tmp)
         env = devcluster.client_env(
             work / "cluster", args.port, args.first_job_id, nodes=3, slurmd_timeout=SLURMD_TIMEOUT_S
@@ -93,43 +153,79 @@ def main() -> int:
         with devcluster.running(env):
             os.environ["SLURM_CONF"] = env["SLURM_CONF"]  # CliBackend asks the cluster SLURM_CONF names
             try:
-                ref = reference(env, work / "reference")
+                ref = reference(env, work / "reference") if "spare" in only else {}
                 for n in range(args.rounds):  # alternating which path goes first
                     paths = [("spare", spare), ("requeue", requeue)]
-                    for name, out in paths if n % 2 == 0 else paths[::-1]:
+                    for name, out in (paths if n % 2 == 0 else paths[::-1]) if "spare" in only else []:
                         run = spare_after_node_loss if name == "spare" else requeue_after_node_loss
                         where = work / f"{name}-{n}"
                         out.append(
                             run(env, ref, where) if name == "spare" else run(env, ref, where, "worker")
                         )
-                    killed.append(killed_rank_s(env, work / f"killed-{n}"))
-                    # Rank 0's node lost with the run held after MEMORY_STEP: restored from checkpoint.dir
-                    # (step 10: steps redone) vs from memory (the partner's copy), in turn.
-                    for memory in (True, False) if n % 2 == 0 else (False, True):
-                        side = "memory" if memory else "persistent"
-                        *_, timeline = lose_node_held_after_memory_step(
-                            env, work / f"held-{side}-{n}", f"held{side}", wipe_partner=False, memory=memory
-                        )
-                        held[side].append(timeline)
+                    if "killed" in only:
+                        killed.append(killed_rank_s(env, work / f"killed-{n}"))
+                    # Rank 0's node lost (or its process killed) with the run held after MEMORY_STEP: restored
+                    # from checkpoint.dir (step 10: steps redone) vs from memory (the partner's copy), in turn.
+                    for fault in faults if "held" in only else []:
+                        for memory in (True, False) if n % 2 == 0 else (False, True):
+                            side = "memory" if memory else "persistent"
+                            *_, timeline = lose_node_held_after_memory_step(
+                                env,
+                                work / f"held-{fault}-{side}-{n}",
+                                f"held{fault}{side}",
+                                wipe_partner=False,
+                                memory=memory,
+                                fault=fault,
+                                model={"name": args.model, "seq_len": 64} if args.model else None,
+                            )
+                            held.setdefault((fault, side), []).append(timeline)
             finally:
                 if saved is None:
                     os.environ.pop("SLURM_CONF", None)
                 else:
                     os.environ["SLURM_CONF"] = saved
-    s, r, k = statistics.median(spare), statistics.median(requeue), statistics.median(killed)
-    print(f"TIME recovery_spare_s = {s:.1f} (target <= 30 and < SlurmdTimeout {SLURMD_TIMEOUT_S})")
-    print(f"TIME recovery_requeue_s = {r:.1f}")
-    print(f"RATIO recovery spare/requeue = {s / r:.2f} (target <= 0.5)")
-    print(f"TIME killed_rank_to_end_s = {k:.1f} (target < 45: collective timeout 30 s + 15)")
-    marks = ("detected", "swapped", "restarted", "resumed", "first_step", "new_step")
-    print(f"recovery of a node lost after step {MEMORY_STEP} (seconds after the kill, medians):")
-    print(f"  {'side':<11}" + "".join(f"{m:>11}" for m in marks))
-    for side, timelines in held.items():
+    if spare:
+        s, r = statistics.median(spare), statistics.median(requeue)
+        print(f"TIME recovery_spare_s = {s:.1f} (target <= 30 and < SlurmdTimeout {SLURMD_TIMEOUT_S})")
+        print(f"TIME recovery_requeue_s = {r:.1f}")
+        print(f"RATIO recovery spare/requeue = {s / r:.2f} (target <= 0.5)")
+    if killed:
+        k = statistics.median(killed)
+        print(f"TIME killed_rank_to_end_s = {k:.1f} (target < 45: collective timeout 30 s + 15)")
+    if keep:
+        print(f"the jobs' folders are kept in {keep}")
+    for fault in dict.fromkeys(f for f, _ in held):
+        unrecovered = [
+            (side, t) for (f, side), ts in held.items() if f == fault for t in ts if "outcome" in t
+        ]
+        for side, t in unrecovered:
+            print(
+                f"recovery, rank 0's {fault} lost ({side}): not recovered: the job ended {t['ended']:.1f} s later, {t['outcome']}"
+            )
+        if unrecovered:
+            continue
+        sides = {side: timelines for (f, side), timelines in held.items() if f == fault}
+        model = args.model or "the drills' tiny model"
         print(
-            f"  {side:<11}" + "".join(f"{statistics.median(t[m] for t in timelines):>11.1f}" for m in marks)
+            f"recovery, rank 0's {fault} lost after step {MEMORY_STEP}, {model}: seconds per part (medians)"
         )
-    p, m = (statistics.median(t["new_step"] for t in held[s]) for s in ("persistent", "memory"))
-    print(f"RATIO recovery memory/persistent (kill -> first new step) = {m / p:.2f} (target <= 0.5)")
+        print(f"  {'part':<60}" + "".join(f"{side:>12}" for side in sides))
+        split = {side: [parts(t) for t in timelines] for side, timelines in sides.items()}
+        for mark in RECOVERY_MARKS:
+            print(
+                f"  {PARTS[mark]:<60}"
+                + "".join(f"{statistics.median(p[mark] for p in ps):>12.1f}" for ps in split.values())
+            )
+        print(
+            f"  {'total: fault -> first step past ' + str(MEMORY_STEP):<60}"
+            + "".join(f"{statistics.median(t['new_step'] for t in ts):>12.1f}" for ts in sides.values())
+        )
+        print("  restored from: " + "; ".join(f"{side} {ts[0]['source']}" for side, ts in sides.items()))
+        if {"memory", "persistent"} <= set(sides):
+            p, m = (statistics.median(t["new_step"] for t in sides[s]) for s in ("persistent", "memory"))
+            print(
+                f"RATIO recovery_{fault} memory/persistent (fault -> first new step) = {m / p:.2f} (target <= 0.5)"
+            )
     return 0
 
 

@@ -37,12 +37,15 @@ RUN_STARTED = (
 USR1 = "usr1"  # Slurm's warning signal reached the supervisor
 STEP_STARTED = "step_started"  # nodes, spares, logs (each log file's size then)
 STEP_ENDED = "step_ended"  # exit, signalled, tasks (srun's per-task errors: node, tasks, outcome, exit_code)
+STEP_FAILING = (
+    "step_failing"  # tasks (srun's per-task errors so far), verdict: the grace before the stop begins
+)
 PROBE = "probe"  # nodes asked; unanswering (srun), down (sinfo) or all_answer (one srun over all)
 SPARE_SWAP = "spare_swap"  # node, spare, spares_left
 REPLACE_ASKED = (
     "replace_asked"  # node, ok (HyperPod: scontrol update node=X state=fail reason=Action:Replace)
 )
-RESTART = "restart"  # reason (hang | node), verdict, nodes, budget_left: the step restarts in the allocation
+RESTART = "restart"  # reason (hang | node | killed), verdict, nodes, budget_left: the step restarts in the allocation
 REQUEUE = "requeue"  # reason (usr1 | no_spare), to_restart, max_restarts, budget_left
 REQUEUE_OFF = "requeue_off"  # ok: Slurm's own requeue turned off (budget spent, or only hpkit's was meant)
 NODE_LOST = "node_lost"  # nodes, exit, then (requeued | ended): a step ended with nodes gone, no spares

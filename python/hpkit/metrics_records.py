@@ -115,11 +115,15 @@ class StartEvent(Event):
     time: float | None = None
     # A task of a sweep (hpkit submit --sweep): its overrides, dotted key -> value; absent otherwise.
     overrides: dict[str, Any] | None = None
+    # When rank 0's start-up reached each part (Unix seconds; hpkit.runtime.run.START_PHASES): where a
+    # restart's seconds go (bench/bench_recovery.py). Absent where not measured.
+    phases: dict[str, float] | None = None
 
     def to_json(self, time: float) -> dict[str, Any]:
         out = super().to_json(time)
-        if self.overrides is None:
-            del out["overrides"]  # a run outside a sweep writes the fields it always wrote
+        for optional in ("overrides", "phases"):
+            if out[optional] is None:
+                del out[optional]  # a run outside a sweep writes the fields it always wrote
         return out
 
 

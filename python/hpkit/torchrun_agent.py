@@ -18,12 +18,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
+from hpkit.job_events import HANG_EXIT
 from hpkit.rendezvous import source_address
 from hpkit.watch_store import export
 
@@ -33,6 +35,15 @@ AGENTS_DONE_WAIT_S = 60.0
 # Connecting to say "done" and saying it: short, since the host may have stopped waiting.
 DONE_REPORT_TIMEOUT_S = 10.0
 DONE_POLL_S = 0.05
+# How long the agent gives its workers to exit after SIGTERM when it stops them for a failure (a worker
+# failed, the rendezvous store is gone) rather than for a signal it was sent. torchrun waits its shutdown
+# timeout (30 s) in both cases, then SIGKILLs; but a rank whose peer died is blocked in a collective, and its
+# SIGTERM handler only asks for a checkpoint at the step's end, which never comes: a lost node cost 30 s
+# more to notice whenever a survivor was blocked (bench/bench_recovery.py: detection 33 s against 5 s).
+# A signal (Slurm's USR1 or SIGTERM, passed on) keeps torchrun's timeout: the ranks checkpoint and stop. So does a
+# worker that exited with HANG_EXIT: the hang watchdog's ranks are writing their stacks and the verdict, and each
+# exits by itself once done.
+FAILED_STOP_S = 1
 RDZV_NODE_ENV = "HPKIT_RDZV_NODE"
 
 
@@ -77,15 +88,44 @@ def main(argv: list[str] | None = None) -> None:
         args.local_addr = source
     agents = _max_nodes(args.nnodes)
     counter = done_key(args.rdzv_id)
+    stop_failed_workers_at_once()
     store = _serve(host, port) if is_host else None
     # The hang watchdog's nodes report through this store too: it lives outside the training processes.
     export(os.environ, host, port, os.environ.get(RDZV_NODE_ENV, ""))
-    if not _run_reporting(args):  # the step ends then, and nobody needs the store any more
-        raise SystemExit(1)
+    failed = _run_reporting(args)
+    if failed is not None:  # the step ends then, and nobody needs the store any more
+        raise SystemExit(failed)
     if store is not None:
         _wait_for_agents(store, counter, agents - 1)
     elif agents > 1:
         _report_done(host, port, counter)
+
+
+def stop_failed_workers_at_once(grace_s: float = FAILED_STOP_S) -> None:
+    """torchrun's agent stops its workers with SIGTERM and SIGKILL after `grace_s` (FAILED_STOP_S) when it stops
+    them for anything but a signal it received (those keep torchrun's shutdown timeout)."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    original = LocalElasticAgent._shutdown
+    if getattr(original, "hpkit_failed_stop", False):
+        return
+
+    def _shutdown(self: Any, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+        # The agent calls this in its `except SignalException` (a signal came) or in its `finally`.
+        if not isinstance(sys.exc_info()[1], SignalException) and not _hang_called(self._pcontext):
+            timeout = min(timeout, grace_s)
+        original(self, death_sig, timeout)
+
+    _shutdown.hpkit_failed_stop = True  # type: ignore[attr-defined]
+    LocalElasticAgent._shutdown = _shutdown  # type: ignore[method-assign]
+
+
+def _hang_called(workers: Any) -> bool:
+    """A worker of this agent exited with HANG_EXIT: the hang watchdog called a hang (torchrun's launches of a
+    command keep each worker's Popen in `subprocess_handlers`)."""
+    handlers = getattr(workers, "subprocess_handlers", None) or {}
+    return any(handler.proc.poll() == HANG_EXIT for handler in handlers.values())
 
 
 def _run(args: Any) -> None:
@@ -96,18 +136,24 @@ def _run(args: Any) -> None:
     record(run)(args)
 
 
-def _run_reporting(args: Any) -> bool:
-    """`_run`; False when a worker failed, after printing torchrun's table of the failed ranks (its "Root Cause"
+def _run_reporting(args: Any) -> int | None:
+    """`_run`; when a worker failed, after printing torchrun's table of the failed ranks (its "Root Cause"
     block, which `hpkit why` reads) without this agent's own Python traceback, which only says a child failed
-    and sat above every job log's real error."""
+    and sat above every job log's real error, the agent's exit status (`failed_status`); None when all went well."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         _run(args)
     except ChildFailedError as exc:
         print(f"hpkit-torchrun: ChildFailedError: {exc}", file=sys.stderr, flush=True)
-        return False
-    return True
+        return failed_status(exc.get_first_failure()[1].exitcode)
+    return None
+
+
+def failed_status(first_exitcode: int) -> int:
+    """The agent's exit status from its first failed worker's exit code: 128 + the signal where a signal killed it
+    (the job's supervisor restarts a step whose rank was SIGKILLed on a node that answers), else 1 as torchrun."""
+    return 128 - first_exitcode if first_exitcode < 0 else 1
 
 
 def _endpoint(endpoint: str) -> tuple[str, int]:

@@ -8,6 +8,8 @@ the spare third node lets the requeued job run without the lost one.
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import re
@@ -17,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _dirwatch import DirWatch
@@ -118,6 +121,17 @@ def kill_node(env: dict[str, str], job: str, node: str) -> list[int]:
     for pid in (slurmd, *victims):
         os.kill(pid, signal.SIGKILL)
     return victims
+
+
+def kill_rank(job: str, node: str) -> list[int]:
+    """A rank's process SIGKILLed (the OOM killer, a crash), its node and torchrun's agent there left up."""
+    for pid in job_processes_on(job, node):
+        with contextlib.suppress(OSError):
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if b"LOCAL_RANK=0" in environ and any(v.startswith(b"TORCHELASTIC_RUN_ID=") for v in environ):
+                os.kill(pid, signal.SIGKILL)
+                return [pid]
+    return []
 
 
 def wait_for_first_commit(ckpt_dir: Path, timeout: float) -> None:
@@ -367,15 +381,32 @@ def memory_step_complete(root: Path, step: int, nodes: list[str]) -> bool:
     return all(any(root.glob(f"hpkit-mem-*/*/{node}/step-{step:08d}/complete")) for node in nodes)
 
 
-def lose_node_held_after_memory_step(env, tmp_path: Path, name: str, wipe_partner: bool, memory: bool = True):
+def lose_node_held_after_memory_step(
+    env,
+    tmp_path: Path,
+    name: str,
+    wipe_partner: bool,
+    memory: bool = True,
+    fault: str = "node",
+    model: dict | None = None,
+):
     """Run `name` with in-memory checkpoints until it is held after MEMORY_STEP and kill rank 0's node, having
     moved checkpoint.dir away (a restore from it would find nothing) or, with `wipe_partner`, taken the partner
     node's memory (both copies of rank 0's state gone); without `memory` the same drill with persistent
-    checkpoints only (bench/bench_recovery.py runs both side by side). Returns the job's log, losses, last step
-    before the kill, the two step nodes and the recovery's timeline (`recovery_timeline`)."""
+    checkpoints only (bench/bench_recovery.py runs both side by side, and with `fault` "rank" kills rank 0's
+    process alone, SIGKILL, its node left up, and with `model` trains that model for two steps past MEMORY_STEP).
+    Returns the job's log, losses, last step before the kill, the two step nodes and the recovery's timeline
+    (`recovery_timeline`)."""
     backend = CliBackend()
     tmp_path.mkdir(exist_ok=True)
     spec, extra = memory_spec(name, tmp_path)
+    patience = 1.0
+    if model is not None:
+        spec["model"] = model
+        spec["train"]["steps"] = MEMORY_STEP + 2
+        # A larger model's steps and copies take tens of seconds each on a loaded 2-vCPU host.
+        spec["resilience"]["collective_timeout_s"] = 180
+        patience = 5.0
     if not memory:
         del spec["checkpoint"]["memory"]
     job = submit(spec, tmp_path, {**env, **extra})
@@ -389,7 +420,7 @@ def lose_node_held_after_memory_step(env, tmp_path: Path, name: str, wipe_partne
         if memory
         else (lambda: MEMORY_STEP in losses(metrics))
     )
-    wait_for(held, 300, f"step {MEMORY_STEP} in memory on both nodes", poll=0.1)
+    wait_for(held, 300 * patience, f"step {MEMORY_STEP} in memory on both nodes", poll=0.1)
     assert (ckpt / "latest").exists() and not (ckpt / f"step-{MEMORY_STEP + 1:08d}").exists()
     stopped_at = max(losses(metrics))
     if memory and not wipe_partner:  # the restore must come from memory: checkpoint.dir holds nothing to read
@@ -397,39 +428,85 @@ def lose_node_held_after_memory_step(env, tmp_path: Path, name: str, wipe_partne
     elif wipe_partner:
         for folder in (tmp_path / "shm").glob(f"hpkit-mem-*/*/{other_node}"):
             shutil.rmtree(folder)
-    victims = kill_node(env, job, rank0_node)
+    victims = kill_node(env, job, rank0_node) if fault == "node" else kill_rank(job, rank0_node)
     killed_wall = time.time()
     assert victims, f"no processes of job {job} on {rank0_node}"
     try:
-        info = wait_for(lambda: (i := backend.info(job)).state.finished and i, 300, "the job to end")
+        info = wait_for(
+            lambda: (i := backend.info(job)).state.finished and i, 300 * patience, "the job to end"
+        )
     finally:
-        subprocess.run(["slurmd", "-N", rank0_node, "-f", env["SLURM_CONF"]], env=env, check=False)
+        if fault == "node":
+            subprocess.run(["slurmd", "-N", rank0_node, "-f", env["SLURM_CONF"]], env=env, check=False)
     log = job_log(info)
     print("\n".join(line for line in log.splitlines() if line.startswith(("hpkit", "srun"))))
-    assert info.state == JobState.COMPLETED, log
     events = job_events(tmp_path / "logs", job)
-    assert [(e["node"]) for e in events_of(events, "spare_swap")] == [rank0_node], events
+    if fault == "rank" and info.state != JobState.COMPLETED:
+        # Not recovered (the bench reports how it ended): a step failing on nodes that all answer is the
+        # program's own failure to the supervisor.
+        ended = events_of(events, "end")
+        return (
+            log,
+            losses(metrics),
+            stopped_at,
+            (rank0_node, other_node),
+            {
+                "ended": (ended[-1]["time"] if ended else time.time()) - killed_wall,
+                "outcome": ended[-1]["outcome"] if ended else str(info.state),
+            },
+        )
+    assert info.state == JobState.COMPLETED, log
+    swapped = [rank0_node] if fault == "node" else []
+    assert [(e["node"]) for e in events_of(events, "spare_swap")] == swapped, events
     timeline = recovery_timeline(events, metrics, killed_wall)
     return log, losses(metrics), stopped_at, (rank0_node, other_node), timeline
 
 
-def recovery_timeline(events: list[dict], metrics: Path, killed_wall: float) -> dict[str, float]:
-    """Seconds from the kill to each mark of the recovery: the supervisor's probe (the fault seen and the step
-    stopped), the spare swapped in, the step restarted, the resumed run's start record (processes started,
-    rendezvous, process groups, state restored), its first step, and the first step past MEMORY_STEP (after the
-    steps redone)."""
+# The parts of a recovery in order, each named by the mark that ends it (seconds after the fault): the fault
+# seen by the supervisor (a task's exit), the step stopped, the nodes probed and the spare swapped in, the step
+# started again, then the resumed run's start-up (hpkit.runtime.run.START_PHASES: its process created after
+# srun and torchrun's agents, hpkit and torch imported, the process group joined, the model built, the in-memory
+# tier set up, the state restored), its start record, its first step, and the first step past MEMORY_STEP
+# (after the steps redone).
+RECOVERY_MARKS = (
+    "detected",
+    "stopped",
+    "swapped",
+    "step_started",
+    "process",
+    "imported",
+    "group",
+    "trainer",
+    "memory",
+    "restored",
+    "resumed",
+    "first_step",
+    "new_step",
+)
+
+
+def recovery_timeline(events: list[dict], metrics: Path, killed_wall: float) -> dict[str, Any]:
+    """Seconds from the kill to each of RECOVERY_MARKS, from the supervisor's events and the resumed run's start
+    record; `source` is what the run resumed from."""
+    ended = events_of(events, "step_ended")[0]
+    failing = events_of(events, "step_failing")
     marks = {
-        "detected": events_of(events, "probe")[0]["time"],
-        "swapped": events_of(events, "spare_swap")[0]["time"],
-        "restarted": events_of(events, "restart")[0]["time"],
+        "detected": (failing[0] if failing else ended)["time"],
+        "stopped": ended["time"],
+        # No swap where the nodes all answer (a rank killed): the restart's own event instead.
+        "swapped": (events_of(events, "spare_swap") or events_of(events, "restart"))[0]["time"],
+        "step_started": events_of(events, "step_started")[1]["time"],
     }
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     starts = [i for i, r in enumerate(records) if r.get("event") == "start"]
     after = records[starts[-1] :]
+    marks.update(after[0].get("phases") or {})
     marks["resumed"] = after[0]["time"]
     marks["first_step"] = next(r["time"] for r in after if "loss" in r)
     marks["new_step"] = next(r["time"] for r in after if r.get("step") == MEMORY_STEP + 1 and "loss" in r)
-    return {name: at - killed_wall for name, at in marks.items()}
+    timeline: dict[str, Any] = {name: at - killed_wall for name, at in marks.items()}
+    timeline["source"] = after[0].get("resumed_from")
+    return timeline
 
 
 def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir(
@@ -438,9 +515,14 @@ def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir
     """checkpoint.memory: rank 0's node is lost after step 15 with checkpoint.dir moved away: the spare's rank
     takes its state from the partner node's memory, the run resumes at step 15 (the persistent checkpoint is
     step 10, and gone), redoes no step, and every loss equals the uninterrupted run's."""
-    log, got, stopped_at, _, _ = lose_node_held_after_memory_step(
+    log, got, stopped_at, _, timeline = lose_node_held_after_memory_step(
         three_nodes, tmp_path, "memory", wipe_partner=False
     )
+    # Every part of the recovery is timed (bench_recovery splits it by these), in the order the parts run (the
+    # start record's time is rounded to the millisecond).
+    at = [timeline[mark] for mark in RECOVERY_MARKS]
+    assert all(b >= a - 0.01 for a, b in itertools.pairwise(at)), timeline
+    assert timeline["source"] == f"memory:step-{MEMORY_STEP:08d}", timeline
     assert f"resumed from memory:step-{MEMORY_STEP:08d} at step {MEMORY_STEP}" in log, log
     assert re.search(
         rf"restored step {MEMORY_STEP} from memory: [1-9]\d* file\(s\) from partner nodes", log

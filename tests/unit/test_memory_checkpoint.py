@@ -11,6 +11,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+from _gloo import run_ranks
+
 _RANK = r"""
 import json, sys
 from pathlib import Path
@@ -87,3 +89,128 @@ def test_a_rank_on_a_new_node_receives_its_own_state_and_rank_0s_not_every_ranks
     assert "in-memory checkpoint step 5 is incomplete: the state of rank(s) 0 was held only on n0" in line, (
         line
     )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Host memory: MemoryCheckpointSpec.host_copies (what `hpkit plan`'s host-memory column and the start-up line
+# multiply by the state's bytes) against what a save's copies take, measured on real gloo ranks.
+
+_STATE_MIB = 24  # per rank: large beside what a save's bookkeeping takes, small for a unit test
+
+
+def _anon_rss() -> int:
+    """The process's own memory (RssAnon): the staging copy lives there. Pages of tmpfs files the exchange maps
+    are the node folder's, and are counted there."""
+    with open("/proc/self/status", encoding="utf-8") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def _folder_bytes(path) -> int:
+    """Bytes the folder's files take in node memory (allocated blocks: a file part-written counts as it is)."""
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+def _host_memory_of_saves(rank: int, world: int, root: str, out: str) -> None:
+    import shutil
+    from pathlib import Path
+
+    import torch
+
+    from hpkit.plan.host_memory import host_bytes_per_rank
+    from hpkit.runtime.config import MemoryCheckpointSpec
+    from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
+
+    spec = MemoryCheckpointSpec(every=1, replicas=1)
+    saver = MemoryCheckpointer(spec, Path(root), f"n{rank}", log=lambda line: None)
+    elements = _STATE_MIB * 2**20 // 4
+    state = {f"own{rank}": torch.arange(elements, dtype=torch.float32) + rank, "step": torch.tensor(0)}
+    # The peak host_copies describes: a step's copies all in place (own file, the partner's) while the previous
+    # step's are still kept, plus the staging copy. It is the moment the older step's folder is removed.
+    peak: dict[str, int] = {}
+    real_rmtree = shutil.rmtree
+
+    def read_peak_then_remove(path, *args, **kwargs):
+        if Path(path).parent == saver.node_dir and Path(path).name.startswith("step-"):
+            peak["folder"] = _folder_bytes(saver.node_dir)
+            peak["process"] = _anon_rss() - before
+        return real_rmtree(path, *args, **kwargs)
+
+    before = _anon_rss()  # nothing staged yet: the stager allocates its copy on the first save
+    shutil.rmtree = read_peak_then_remove  # this rank's own process (forked): no other test sees it
+    try:
+        for step in (1, 2):
+            state[f"own{rank}"].add_(1.0)
+            saver.save(step, state)
+            saver.wait()
+    finally:
+        shutil.rmtree = real_rmtree
+    assert saver.last_step == 2, "the second in-memory step did not complete"
+    predicted = host_bytes_per_rank(saver.state_bytes, spec)
+    saver.close(completed=False)
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({**peak, "predicted": predicted, "state": saver.state_bytes}), encoding="utf-8"
+    )
+
+
+def test_host_memory_of_the_copies_is_what_the_planner_predicts(tmp_path):
+    """`host_bytes_per_rank` (host_copies x the rank's state bytes, the planner's host-memory column) is the node
+    memory a save's copies take at the peak, within 10 %: the node folder in tmpfs (the rank's own file and its
+    partner's, for two steps while the newer completes) plus the process's growth (the staging copy). Two
+    ranks, each its own node (the other's partner), so each folder holds one rank's file and one partner's."""
+    from hpkit.runtime.hang_board import node_local_base
+    from hpkit.runtime.memory_layout import ROOT_ENV
+
+    # Node memory as the runtime uses it (/dev/shm where there is one), in a folder of this test's own.
+    root = node_local_base(None, ROOT_ENV) / f"hpkit-test-host-memory-{os.getpid()}" / "run"
+    out = tmp_path / "measured"
+    out.mkdir()
+    try:
+        run_ranks(_host_memory_of_saves, 2, tmp_path, str(root), str(out))
+    finally:
+        import shutil
+
+        shutil.rmtree(root.parent, ignore_errors=True)
+    for rank in range(2):
+        m = json.loads((out / f"rank{rank}.json").read_text(encoding="utf-8"))
+        assert m["state"] >= _STATE_MIB * 2**20, m  # the rank's file holds its state
+        measured = m["folder"] + m["process"]
+        assert abs(measured / m["predicted"] - 1) <= 0.10, (
+            f"rank {rank}: node folder {m['folder'] / 2**20:.1f} MiB + process growth {m['process'] / 2**20:.1f} MiB"
+            f" = {measured / 2**20:.1f} MiB at the peak vs predicted {m['predicted'] / 2**20:.1f} MiB"
+        )
+
+
+def _a_failed_copy(rank: int, world: int, root: str) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from hpkit.runtime.config import MemoryCheckpointSpec
+    from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
+
+    lines: list[str] = []
+    saver = MemoryCheckpointer(MemoryCheckpointSpec(every=1), Path(root), f"n{rank}", log=lines.append)
+    state = {f"own{rank}": torch.ones(1024), "step": torch.tensor(0)}
+    saver.save(1, state)
+    saver.wait()
+
+    def broken(sends, receives):  # what a timed-out or closed gloo pair raises, on every rank alike
+        raise RuntimeError("Connection closed by peer")
+
+    saver._exchange = broken
+    saver.save(2, state)
+    saver.wait()
+    assert saver.last_step == 1, saver.last_step
+    # The failed step's files are gone from the node; the complete step before it stays, for a restore.
+    assert sorted(p.name for p in saver.node_dir.iterdir()) == ["step-00000001"], list(
+        saver.node_dir.iterdir()
+    )
+    if rank == 0:
+        assert any("in-memory checkpoint not completed" in line for line in lines), lines
+    saver.close(completed=False)
+
+
+def test_a_failed_copy_leaves_no_files_of_its_step_in_node_memory(tmp_path):
+    """A copy that failed keeps the complete step before it and says so; what the failed step had written is
+    removed (it is never restored from, and each failed step would otherwise hold one more state in RAM)."""
+    run_ranks(_a_failed_copy, 2, tmp_path, str(tmp_path / "mem" / "run"))

@@ -84,3 +84,18 @@ def test_a_record_without_a_step_is_refused_in_one_line(tmp_path, bad):
     path.write_text(bad + "\n")
     with pytest.raises(HpkitError, match=r"m.jsonl:1: .*hpkit metrics file"):
         MetricsReader(path).update()
+
+
+def test_a_start_records_phases_are_written_and_read_back(tmp_path):
+    """The start-up's phases (bench_recovery splits a restart's seconds by them) travel through the file."""
+    import io
+
+    import hpkit.runtime.metrics as metrics
+
+    phases = {"process": 10.0, "imported": 12.5, "group": 13.0, "restored": 14.25}
+    path = tmp_path / "m.jsonl"
+    logger = metrics.MetricsLogger(enabled=True, jsonl_path=path, tensorboard_dir=None, stream=io.StringIO())
+    logger.event(StartEvent(0, total_steps=9, phases=phases))
+    logger.close()
+    (start,) = MetricsReader(path).update().of_kind(StartEvent)
+    assert start.phases == phases

@@ -249,6 +249,10 @@ def test_a_lost_node_is_swapped_for_a_spare_and_the_step_restarts_on_it(tmp_path
     assert first_env["MASTER_ADDR"] == "10.0.0.1" and first_env["HPKIT_RDZV_NODE"] == "node1"
     # The failing step was stopped after its grace, not waited for.
     assert first.status == 137 and "cancel steps" in cluster.calls
+    # When the fault was seen, once, with what srun had said by then (a recovery's detection ends there).
+    (failing,) = of(out, ev.STEP_FAILING)
+    assert failing["tasks"] == [{"node": "node1", "tasks": "0", "outcome": "Killed", "exit_code": None}]
+    assert failing["verdict"] is None and failing["time"] <= of(out, ev.STEP_ENDED)[0]["time"]
     swap = of(out, ev.SPARE_SWAP)
     assert swap == [{**swap[0], "node": "node1", "spare": "node3", "spares_left": []}]
     second_argv, second_env, _ = cluster.started[1]
@@ -348,6 +352,43 @@ def test_a_program_failing_with_spares_and_answering_nodes_uses_no_spare(tmp_pat
     )
     out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1)
     assert out.exit == 3 and not of(out, ev.SPARE_SWAP)
+    assert of(out, ev.END)[0]["outcome"] == ev.PROGRAM_FAILED
+
+
+@pytest.mark.parametrize(
+    ("spare_nodes", "killed"),
+    [
+        (1, TaskExit("node1", "0", "Exited with exit code 137")),  # hpkit-torchrun: its rank died of SIGKILL
+        (0, TaskExit("node2", "1", "Killed")),  # srun: the rank itself was SIGKILLed
+    ],
+)
+def test_a_sigkilled_rank_on_answering_nodes_restarts_the_step_on_the_same_nodes(
+    tmp_path, spare_nodes, killed
+):
+    """The OOM killer or an operator killed a rank; its node answers: the step restarts in the allocation (from
+    memory, where checkpoint.memory holds it), on the same nodes, paid from the budget; no spare is taken."""
+    survivor = TaskExit("node2" if killed.node == "node1" else "node1", "x", "Exited with exit code 1")
+    cluster = FakeCluster(
+        [StepScript(exit=1, polls=100, tasks=[killed, survivor]), StepScript(exit=0)],
+        nodes=["node1", "node2", "node3"],
+    )
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=spare_nodes)
+    assert out.exit == 0 and not of(out, ev.SPARE_SWAP)
+    (restart,) = of(out, ev.RESTART)
+    assert restart["reason"] == "killed" and restart["budget_left"] == 1
+    first, second = (argv for argv, _, _ in cluster.started)
+    assert [a for a in first if a.startswith("--nodelist")] == [
+        a for a in second if a.startswith("--nodelist")
+    ]
+    assert any(
+        f"a rank was killed (SIGKILL: task {killed.tasks} on {killed.node})" in line for line in out.lines
+    )
+
+
+def test_a_sigkilled_rank_with_no_restart_left_ends_the_job_as_the_programs_failure(tmp_path):
+    cluster = FakeCluster([StepScript(exit=137, tasks=[TaskExit("node1", "0", "Exited with exit code 137")])])
+    out = supervise(tmp_path, cluster, max_restarts=0)
+    assert out.exit == 137 and not of(out, ev.RESTART)
     assert of(out, ev.END)[0]["outcome"] == ev.PROGRAM_FAILED
 
 

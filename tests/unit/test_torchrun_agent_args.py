@@ -57,6 +57,10 @@ def test_a_failed_worker_ends_the_agent_with_torchruns_table_and_no_traceback(mo
         raise ChildFailedError("train.py", {0: ProcessFailure(0, 4242, 3, "<N/A>")})
 
     monkeypatch.setattr(torchrun_agent, "_run", failing)
+    # main() wraps the agent's shutdown (stop_failed_workers_at_once): undone after the test as well.
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monkeypatch.setattr(LocalElasticAgent, "_shutdown", LocalElasticAgent._shutdown)
     # main() names the watch store in this process's environment for its workers: undone after the test, or every
     # later test of this worker (the hang drills) reports to a store that is not there.
     for name in (STORE_ENV, STORE_NODE_ENV):
@@ -72,3 +76,67 @@ def test_a_failed_worker_ends_the_agent_with_torchruns_table_and_no_traceback(mo
     (root,) = [f for f in scan_output(err.splitlines(True), "job.out") if f.kind == "launcher_root"]
     assert (root.rank, root.exit_code) == (0, 3), root
     assert os.environ[STORE_ENV] == "127.0.0.1:29999"  # named during the test; monkeypatch removes it after
+
+
+def test_the_agent_stops_its_workers_at_once_after_a_failure_and_with_torchruns_grace_on_a_signal():
+    """A rank whose peer died is blocked in a collective and cannot act on SIGTERM: after a failure (no signal
+    came) the agent SIGKILLs its workers FAILED_STOP_S after SIGTERM, not torchrun's 30 s; a signal the agent
+    was sent (Slurm's USR1 or SIGTERM, passed on to the ranks to checkpoint and stop) keeps torchrun's timeout, and so
+    does a hang the watchdog called (its ranks write their stacks, then exit by themselves)."""
+    import signal
+
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from hpkit.job_events import HANG_EXIT
+    from hpkit.torchrun_agent import FAILED_STOP_S, stop_failed_workers_at_once
+
+    class Proc:
+        def __init__(self, code: int | None) -> None:
+            self.code = code
+
+        def poll(self) -> int | None:
+            return self.code
+
+    class Handler:
+        def __init__(self, code: int | None) -> None:
+            self.proc = Proc(code)
+
+    class Workers:  # the agent's process context: its workers' processes, and what it is asked to close with
+        def __init__(self, *codes: int | None) -> None:
+            self.closed: list[tuple[signal.Signals, float]] = []
+            self.subprocess_handlers = {rank: Handler(code) for rank, code in enumerate(codes)}
+
+        def close(self, death_sig: signal.Signals, timeout: float) -> None:
+            self.closed.append((death_sig, timeout))
+
+    original = LocalElasticAgent._shutdown
+    try:
+        stop_failed_workers_at_once()
+        stop_failed_workers_at_once()  # twice (a second launch in one process) wraps once
+        agent = object.__new__(LocalElasticAgent)
+        agent._worker_watchdog = agent._health_check_server = None
+        agent._pcontext = workers = Workers(None, 1)  # one worker failed, one runs (blocked)
+        agent._shutdown(timeout=30)  # the agent's `finally`: its run failed (or ended)
+        try:
+            raise SignalException("got signal", sigval=signal.SIGUSR1)
+        except SignalException as exc:
+            agent._shutdown(exc.sigval, timeout=30)  # the agent's `except SignalException`
+        assert workers.closed == [(signal.SIGTERM, FAILED_STOP_S), (signal.SIGUSR1, 30)]
+        # A worker ended by the hang watchdog: the others write their stacks and exit by themselves.
+        agent._pcontext = hang = Workers(None, HANG_EXIT)
+        agent._shutdown(timeout=30)
+        assert hang.closed == [(signal.SIGTERM, 30)]
+    finally:
+        LocalElasticAgent._shutdown = original
+
+
+@pytest.mark.parametrize(("exitcode", "status"), [(-9, 137), (-11, 139), (1, 1), (3, 1)])
+def test_the_agent_exits_128_plus_the_signal_that_killed_its_first_failed_rank(exitcode, status):
+    """srun reports the agent's status: a rank SIGKILLed reads as 137, which the job's supervisor restarts where
+    every node answers (hpkit.supervise.cluster.TaskExit.killed); a rank's own failure stays torchrun's 1."""
+    from hpkit.supervise.cluster import TaskExit
+    from hpkit.torchrun_agent import failed_status
+
+    assert failed_status(exitcode) == status
+    assert TaskExit("node1", "0", f"Exited with exit code {status}").killed == (exitcode == -9)

@@ -205,6 +205,10 @@ class MemoryCheckpointer:
             self.copy_s = time.perf_counter() - start
         except BaseException as exc:
             self._failure = exc
+            if self.is_node_leader:
+                # A step that did not complete is never restored from: its files would stay in node memory,
+                # beyond host_copies, one more state each time (every later copy failed where gloo's pairs broke).
+                shutil.rmtree(folder, ignore_errors=True)
 
     def _share_metadata(self, folder: Path) -> None:
         """Rank 0 wrote the step's metadata on its node; every node keeps one (any node may be the one left). With

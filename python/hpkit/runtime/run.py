@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import signal
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
@@ -38,9 +39,15 @@ if TYPE_CHECKING:
     from hpkit.runtime.prometheus import PrometheusExporter
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# The parts of a start-up, in order, whose end rank 0 records in its start record (StartEvent.phases, Unix
+# seconds): the process created, hpkit and torch imported (run() entered), the process group joined, the
+# model built, the in-memory tier's group set up, the state restored. A restart's seconds are told apart
+# from these (bench/bench_recovery.py), with the supervisor's events before them.
+START_PHASES = ("process", "imported", "group", "trainer", "memory", "restored")
 
 
 def run(cfg: RunConfig) -> int:
+    phases = {"process": _process_started(), "imported": time.time()}
     quiet_known_warnings()
     if cfg.resilience.hang.enabled:
         # The watchdog compares each rank's newest collectives from the flight recorder, which must be on
@@ -51,15 +58,33 @@ def run(cfg: RunConfig) -> int:
         timeout_s=cfg.resilience.collective_timeout_s,
         choose_backend=lambda launch, device: choose_collectives(cfg, launch, device),
     ) as d:
-        return _train(cfg, d.launch, d.device)
+        phases["group"] = time.time()
+        return _train(cfg, d.launch, d.device, phases)
 
 
-def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
+def _process_started() -> float:
+    """When this process was created (Unix seconds), from /proc: the interpreter's own start-up and imports
+    come after it. The moment of the call where /proc cannot say."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22: start time after boot, in ticks
+        # Against the boot clock itself: /proc/stat's btime is whole seconds, up to 1 s off.
+        age = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+        return time.time() - age
+    except (OSError, ValueError, IndexError, AttributeError):
+        return time.time()
+
+
+def _train(
+    cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, phases: dict[str, float] | None = None
+) -> int:
+    phases = {} if phases is None else phases
     say = _printer(launch.rank == 0)
     identity = RunIdentity.from_env()
     paths = run_paths(cfg, identity)  # the same answer `hpkit status|plot` finds from outside (job_files)
     metrics = _metrics_logger(cfg, launch.rank == 0, paths)
     trainer = Trainer(cfg, device)
+    phases["trainer"] = time.time()
     peak = peak_tflops(device.name, device.type, trainer.mixed_precision)
     report = StepReporter(trainer, metrics, _exporter(cfg, launch, identity), peak, say)
     watchdog_phase = WatchdogPhase()
@@ -67,12 +92,14 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
         cfg, launch.rank, trainer, say, metrics, paths.checkpoint_dir, saving=lambda: watchdog_phase("save")
     )
     memory = _memory_checkpointer(cfg, paths, identity, say)
+    phases["memory"] = time.time()
     say(_banner(cfg, launch, device, trainer))
     if memory is not None:
         say(f"hpkit train: {memory.describe()}")
     resumed = _resume(cfg, trainer, checkpointer, memory) if cfg.checkpoint.resume else None
     if memory is not None:
         memory.forget_after(trainer.step)
+    phases["restored"] = time.time()
     if resumed is not None:
         say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
     if trainer.hf is not None and (resumed is None or cfg.model.lora is not None):
@@ -104,6 +131,7 @@ def _train(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo) -> int:
             resumed_from=str(resumed) if resumed is not None else None,
             world_size=launch.world_size,
             overrides=sweep_overrides(),
+            phases=phases or None,
         )
     )
     summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)

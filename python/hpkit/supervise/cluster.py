@@ -41,6 +41,12 @@ class TaskExit:
         match = re.match(r"Exited with exit code (\d+)", self.outcome)
         return int(match.group(1)) if match else None
 
+    @property
+    def killed(self) -> bool:
+        """The task died of SIGKILL (the OOM killer, an operator, a node's health agent), or, under torchrun,
+        its agent reports a rank that did (hpkit-torchrun exits 128 + the signal then)."""
+        return self.outcome == "Killed" or self.exit_code == 128 + signal.SIGKILL
+
     @classmethod
     def parse(cls, line: str) -> TaskExit | None:
         match = _TASK_ERROR.match(line.strip())

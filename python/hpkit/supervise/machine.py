@@ -6,7 +6,9 @@ After a step ends, first match wins:
    step restarts in the allocation; a lost node with no spare left requeues the job.
 3. A hang verdict of this attempt: the step restarts in the allocation from the last checkpoint.
 4. A failed step without spares: a node slurmctld calls gone (or one that stops answering) is Slurm's to
-   requeue or end; every node answering is the program's own failure, which is not requeued.
+   requeue or end.
+5. Every node answering: a rank SIGKILLed (the OOM killer, an operator, a node's health agent) restarts the step
+   in the allocation on the same nodes; any other failure is the program's own, which is not requeued.
 Every restart, in the allocation or by a requeue, is paid from one budget (hpkit.supervise.budget).
 """
 
@@ -77,6 +79,8 @@ class Supervisor:
         self.logs: Callable[[], dict[str, int]] = dict
         self._probe: Future[list[str]] | None = None
         self.probed: list[str] | None = None
+        # The step's task exits before this supervisor stopped it (its own SIGKILL is no rank's fault).
+        self.task_exits: list[TaskExit] = []
 
     # -- what it tells: one line for people, one event for hpkit why ------------------------------------------
 
@@ -286,6 +290,7 @@ class Supervisor:
             self.on_usr1()  # a signal that came before the step: passed on once its ranks are ready
         self._probe, self.probed = None, None
         failing_since: float | None = None
+        stopped = False  # by this supervisor, after the grace
         with ThreadPoolExecutor(max_workers=1) as pool:
             while step.poll() is None:
                 self._check_flag()
@@ -293,19 +298,30 @@ class Supervisor:
                     self._pass_usr1()  # held until the ranks' handlers are in place
                 if self.plan.spare_nodes and not self.signalled:
                     now = self.cluster.monotonic()
-                    if failing_since is None and (step.task_exits() or self.verdict() is not None):
-                        failing_since = now
-                        # Probe while the step has its grace: the answer is ready when it is needed.
-                        self._probe = pool.submit(self.cluster.unanswering, list(self.step_nodes))
+                    if failing_since is None:
+                        exits, verdict = step.task_exits(), self.verdict()
+                        if exits or verdict is not None:
+                            failing_since = now
+                            # When the fault was seen: a recovery's detection ends here (bench_recovery).
+                            self.event(
+                                ev.STEP_FAILING,
+                                tasks=[{**asdict(t), "exit_code": t.exit_code} for t in exits],
+                                verdict=str(verdict) if verdict is not None else None,
+                            )
+                            # Probe while the step has its grace: the answer is ready when it is needed.
+                            self._probe = pool.submit(self.cluster.unanswering, list(self.step_nodes))
                     if failing_since is not None and now - failing_since >= STEP_GRACE_S:
                         self.say(
                             f"the step is failing and still running {STEP_GRACE_S:.0f} s later: stopping it"
                         )
+                        self.task_exits, stopped = step.task_exits(), True
                         step.kill()
                         self.cluster.cancel_steps(self.run_.name)
                         break
                 step.join(POLL_S)
             status = step.wait()
+            if not stopped:
+                self.task_exits = step.task_exits()
             self.probed = self._probe.result() if self._probe is not None else None
         self.step = None
         if self.plan.ranks_ready:
@@ -357,8 +373,24 @@ class Supervisor:
             )
             return _End(status)
         if self.plan.spare_nodes:
-            return self._program_failed(status)  # every node answered the probe, and no hang named one
+            # Every node answered the probe, and no hang named one.
+            return self._killed_rank(status) or self._program_failed(status)
         return self._failed_without_spares(status)
+
+    def _killed_rank(self, status: int) -> _Restart | None:
+        """A rank SIGKILLed on a node that answers: the step restarts in the allocation, on the same nodes, while
+        the budget lasts (a rank killed again and again spends it, then the job ends as the program's failure)."""
+        killed = [t for t in self.task_exits if t.killed]
+        if not killed or not self.budget.can_restart():
+            return None
+        self._restart("killed", None)
+        where = ", ".join(f"task {t.tasks} on {t.node}" for t in killed)
+        self.say(
+            f"a rank was killed (SIGKILL: {where}) and every node answers: restarting the step on "
+            f"{','.join(self.step_nodes)} in this allocation from the last checkpoint (restart {self.budget.used} "
+            f"of {self.plan.max_restarts})"
+        )
+        return _Restart()
 
     def _restart(self, reason: str, verdict: Path | None) -> None:
         self.budget.spend()
@@ -481,7 +513,7 @@ class Supervisor:
                 self.cluster.sleep(2)
                 lost = self.cluster.lost_nodes(nodelist, states)
         if not lost:
-            return self._program_failed(status)
+            return self._killed_rank(status) or self._program_failed(status)
         requeued = self.plan.requeue_on_failure and self.budget.can_restart()
         then = (
             "Slurm requeues the job, which resumes from its last checkpoint"
