@@ -64,6 +64,26 @@ def export_hf(
     """A whole-model checkpoint as config.json + safetensors; a LoRA checkpoint as a PEFT adapter, or with
     `merge` as the base with the adapters merged in (export_lora)."""
     step_dir = find_step_dir(source)
+    record = _checked_record(step_dir, verify)
+    adapter, cfg, extras = _exportable_model(step_dir, record)
+    if out.exists() and any(out.iterdir()):
+        raise HpkitError(f"{out}: not empty: export into a new directory")
+    if record.model.get("lora"):
+        return export_lora(step_dir, record.model, adapter, cfg, out, dtype, shard_bytes, merge)
+    if merge:
+        raise HpkitError(
+            f"{step_dir}: --merge merges LoRA adapters, and this checkpoint holds a whole model: drop --merge"
+        )
+    stored = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+    names = _checked_shapes(step_dir, stored, adapter, cfg)
+    first = stored[_MODEL_PREFIX + next(iter(names))]
+    out_dtype = first.properties.dtype if dtype == "auto" else DTYPES[dtype]
+    assert adapter.hf is not None  # _exportable_model refused a family without one
+    return _write_model(step_dir, out, stored, names, cfg, adapter.hf, extras, out_dtype, shard_bytes)
+
+
+def _checked_record(step_dir: Path, verify: bool) -> Any:
+    """The checkpoint's commit record, its files checked against their CRC-32C when `verify`."""
     try:
         record = read_record(step_dir)
     except RecordError as exc:
@@ -77,6 +97,12 @@ def export_hf(
             f"{step_dir}: its {RECORD_NAME} has no model config (saved by an hpkit that did not record it): "
             "resume the run for one step with this hpkit to save a checkpoint that has it"
         )
+    return record
+
+
+def _exportable_model(step_dir: Path, record: Any) -> tuple[ModelAdapter, Any, dict[str, Any]]:
+    """The recorded model's family adapter, its config and its Hugging Face extras; a model the format cannot
+    hold is refused here, before any tensor is read."""
     # Records written before model families existed hold Llama models.
     family = record.model.get("family", "llama")
     adapter = ADAPTERS.get(family)
@@ -85,21 +111,16 @@ def export_hf(
     cfg = adapter.config_from_dict(record.model["config"])
     extras = dict(record.model.get("hf") or {})
     try:
-        adapter.hf.to_config(
-            cfg, extras, "float32"
-        )  # refuses a model the format cannot hold, before any work
+        adapter.hf.to_config(cfg, extras, "float32")
     except SpecError as exc:
         raise HpkitError(f"{step_dir}: {exc}") from None
-    if out.exists() and any(out.iterdir()):
-        raise HpkitError(f"{out}: not empty: export into a new directory")
-    if record.model.get("lora"):
-        return export_lora(step_dir, record.model, adapter, cfg, out, dtype, shard_bytes, merge)
-    if merge:
-        raise HpkitError(
-            f"{step_dir}: --merge merges LoRA adapters, and this checkpoint holds a whole model: drop --merge"
-        )
+    return adapter, cfg, extras
 
-    stored = dcp.FileSystemReader(step_dir).read_metadata().state_dict_metadata
+
+def _checked_shapes(
+    step_dir: Path, stored: dict[str, Any], adapter: ModelAdapter, cfg: Any
+) -> dict[str, tuple[int, ...]]:
+    """Every parameter the config implies, with its shape, each found in the checkpoint at that shape."""
     names = _parameter_shapes(adapter, cfg)
     for name, shape in names.items():
         meta = stored.get(_MODEL_PREFIX + name)
@@ -109,10 +130,23 @@ def export_hf(
                 f"{step_dir}: {_MODEL_PREFIX + name}: the record's model config implies {list(shape)}, "
                 f"the checkpoint has {found}"
             )
-    first = stored[_MODEL_PREFIX + next(iter(names))]
-    out_dtype = first.properties.dtype if dtype == "auto" else DTYPES[dtype]
-    dtype_name = next(k for k, v in DTYPES.items() if v == out_dtype)
+    return names
 
+
+def _write_model(
+    step_dir: Path,
+    out: Path,
+    stored: dict[str, Any],
+    names: dict[str, tuple[int, ...]],
+    cfg: Any,
+    mapping: HfMapping,
+    extras: dict[str, Any],
+    out_dtype: torch.dtype,
+    shard_bytes: int,
+) -> ExportResult:
+    """The safetensors shards, their index when there are several, and config.json, written into a temporary
+    folder that then takes OUT's place (a failed export leaves no half of one)."""
+    dtype_name = next(k for k, v in DTYPES.items() if v == out_dtype)
     groups = _shards(names, out_dtype.itemsize, shard_bytes)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -123,7 +157,7 @@ def export_hf(
             file = (
                 "model.safetensors" if len(groups) == 1 else f"model-{i:05d}-of-{len(groups):05d}.safetensors"
             )
-            tensors = _read_group(step_dir, stored, group, cfg, adapter.hf, out_dtype)
+            tensors = _read_group(step_dir, stored, group, cfg, mapping, out_dtype)
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             for key, value in tensors.items():
                 weight_map[key] = file
@@ -132,10 +166,10 @@ def export_hf(
         if len(groups) > 1:
             index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n", encoding="utf-8")
-        hf_config = adapter.hf.to_config(cfg, extras, dtype_name)
+        hf_config = mapping.to_config(cfg, extras, dtype_name)
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
         if out.exists():
-            out.rmdir()  # empty, checked above
+            out.rmdir()  # empty, checked by the caller
         os.replace(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -16,7 +16,6 @@ import argparse
 import importlib
 import json
 import shlex
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,10 +24,10 @@ from hpkit.arg_types import positive_float, positive_int
 from hpkit.commands import plan_goodput
 from hpkit.errors import HpkitError, SpecError
 
-DEFAULT_SEQ = 8192
-
 
 def _parser(prog: str) -> argparse.ArgumentParser:
+    from hpkit.plan.problem import DEFAULT_SEQ
+
     p = argparse.ArgumentParser(
         prog=prog,
         description="Rank every layout hpkit can run for MODEL on NODES x INSTANCE by predicted tokens/s per GPU, "
@@ -106,44 +105,6 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     return p
 
 
-def _inter_node_gbs(path: str) -> float:
-    """The median over nodes of each node's best pair busbw (GB/s) in a pairs JSON (hpkit.bench.pairs's
-    best_per_node rule; that module imports torch, which a login node's plan does not)."""
-    try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise SpecError(f"--network {path}: unreadable: {exc}") from None
-    best: dict[str, float] = {}
-    for round_ in document.get("rounds", []) if isinstance(document, dict) else []:
-        for entry in round_ if isinstance(round_, list) else []:
-            value = entry.get("busbw_gbps") if isinstance(entry, dict) else None
-            if not isinstance(value, (int, float)) or entry.get("wrong"):
-                continue
-            for node in entry.get("nodes", []):
-                best[node] = max(best.get(node, 0.0), float(value))
-    if not best:
-        raise SpecError(
-            f"--network {path}: no node has a bandwidth figure: give the pairs JSON of a --bandwidth run"
-        )
-    return float(statistics.median(best.values()))
-
-
-def _hardware(instance: str | None, precision: str, network: str | None) -> tuple[Any, float]:
-    from hpkit import catalog
-    from hpkit.plan.speed import hardware_for
-
-    if not instance:
-        raise SpecError("--instance: missing: name the nodes' instance type (p5.48xlarge)")
-    known = sorted(name for name in catalog.LINKS)
-    row = catalog.lookup(instance)
-    if row is None or catalog.links(instance) is None:
-        raise SpecError(
-            f"--instance {instance}: unknown to the planner's catalog: choose one of {', '.join(known)}"
-        )
-    inter = _inter_node_gbs(network) if network else None
-    return hardware_for(instance, precision, inter), float(row.gpu_memory_gib)
-
-
 def _torch_check(shape: Any, cand: Any) -> dict[str, Any]:
     """torch's tracker on one layout, beside the planner's figure. Imported by name, as cli imports commands:
     torch loads only behind --check-with-torch, and the login-node contract holds for this module."""
@@ -212,122 +173,107 @@ def _load_spec(path: Path) -> Any:
 def _search(args: argparse.Namespace, model: Any = None, base: Any = None) -> int:
     """Rank the layouts for a model (a shape, a model: block, or, with --trial on a spec, the spec's own
     model, world and batch); `base` is the job spec whose job fields --trial's jobs take."""
-    from dataclasses import replace
+    from hpkit.plan.problem import rank, resolve
 
-    from hpkit.plan import report
-    from hpkit.plan.search import search
-    from hpkit.plan.shapes import resolve_model, shape_of_spec
-
-    spec_mode = base is not None and not args.spec_base  # --trial on a job spec: its model, world and batch
-    if spec_mode:
-        args.nodes = args.nodes or base.nodes
-        args.instance = args.instance or base.instance_type
-        if not args.instance:
-            raise SpecError(f"{args.target}: instance_type: missing: set it in the spec, or give --instance")
-    if args.nodes is None:
-        raise SpecError("--nodes: missing: how many nodes the job runs on")
-    spec_batch = None
-    if spec_mode:
-        from hpkit.plan.layout import Layout
-
-        device = "cuda" if base.gpus_per_node else "cpu"
-        spec_layout = Layout.from_run_config(base, world=base.world_size, device_type=device)
-        args.precision = args.precision or spec_layout.precision
-        spec_batch = spec_layout.global_batch * args.nodes // base.nodes
-        model = base.model.model_dump(mode="json", exclude_defaults=True)
-        seq = args.seq or base.model.seq_len
-        model["seq_len"] = seq
-        shape = replace(shape_of_spec(base.model), seq_len=seq)
-    elif model is not None:
-        from hpkit.runtime.config import ModelSpec
-        from hpkit.validation import parse_document
-
-        if not isinstance(model, dict):
-            raise SpecError(
-                f"{args.target}: model: a mapping of the spec's model fields (name, dim, moe, ...)"
-            )
-        model = dict(model)
-        model["seq_len"] = args.seq or model.get("seq_len") or DEFAULT_SEQ
-        spec_model = parse_document(ModelSpec, model, args.target)
-        seq = spec_model.seq_len
-        shape = shape_of_spec(spec_model)
-    else:
-        seq = args.seq or DEFAULT_SEQ
-        shape = resolve_model(args.target, seq)
-    args.precision = args.precision or "bf16"
-    hw, gpu_gib = _hardware(args.instance, args.precision, args.network)
-    if base is not None:
-        # The trial jobs run the base's ranks per node (tasks_per_node, or gpus_per_node): so does the search.
-        hw = replace(hw, gpus_per_node=base.ranks_per_node)
-    world = args.nodes * hw.gpus_per_node
-    if args.global_tokens is not None:
-        if args.global_tokens % seq:
-            raise SpecError(f"--global-tokens {args.global_tokens}: not a multiple of --seq {seq}")
-        global_batch = args.global_tokens // seq
-    else:
-        global_batch = args.global_batch or spec_batch or world
+    problem = resolve(_ask(args, model, base))
     if args.trial and args.trial_steps <= _trial_warmup():
         raise SpecError(
             f"--trial-steps {args.trial_steps}: give more than {_trial_warmup()} (the first are warm-up)"
         )
-    memory_checkpoint = base.checkpoint.memory if spec_mode else None
-    result = search(
-        shape, hw, args.nodes, global_batch, args.precision, args.instance, gpu_gib, memory_checkpoint
-    )
-    title = (
-        f"{args.target} on {args.nodes} x {hw.name} ({world} GPUs, {gpu_gib:g} GiB each), seq {seq}, "
-        f"global batch {global_batch} ({global_batch * seq:,} tokens), {args.precision}"
-    )
-    if not result.ranked:
-        miss = result.closest_miss()
-        if miss is not None:
-            raise SpecError(
-                f"model {args.target}: fits no layout on {args.nodes} x {hw.name}: the closest, "
-                f"{miss.layout.describe()}, {miss.problem}: add nodes, or lower --seq/--global-batch"
-            )
-        first = result.rejected[0].problem if result.rejected else "no layout divides the world"
-        raise SpecError(f"model {args.target}: no layout the runtime accepts on {world} GPUs: {first}")
-    check = None
-    if args.check_with_torch:
-        fsdp_only = [c for c in result.ranked if c.layout.world == c.layout.dp_shard]
-        if not fsdp_only:
-            raise SpecError(
-                "--check-with-torch: no FSDP-only layout fits, and torch's tracker follows only those (dp_shard)"
-            )
-        check = _torch_check(shape, fsdp_only[0])
+    result = rank(problem)
+    check = _fsdp_torch_check(problem, result) if args.check_with_torch else None
     if args.write:
-        _write(Path(args.write), args, model, hw, result, seq)
-    trials = _trials(args, model, seq, hw, result, base, spec_mode) if args.trial else None
+        _write(Path(args.write), args, problem, result)
+    trials = _trials(args, problem, result, base) if args.trial else None
     if args.json:
-        meta = {
-            "model": args.target,
-            "instance": hw.name,
-            "nodes": args.nodes,
-            "seq": seq,
-            "precision": args.precision,
-        }
-        document = report.search_json(meta, result, args.top)
-        if check is not None:
-            document["torch_check"] = check
-        if trials is not None:
-            document["trials"] = [t.to_json() for t in trials]
-        print(json.dumps(document, indent=2))
+        _print_search_json(args, problem, result, check, trials)
     else:
-        print(report.search_text(title, result, args.top))
-        if args.explain:
-            print(_explain(shape, result.ranked[0], hw, args.instance))
-        if check is not None:
-            print("\n" + _torch_line(check))
-        if args.write:
-            print(f"\nwrote {args.write}")
-        if trials is not None:
-            from hpkit.plan.trial import table
-
-            print(f"\ntrials, re-ranked by measured tokens/s per GPU ({args.trial_steps} steps each):")
-            print(table(trials))
+        _print_search_text(args, problem, result, check, trials)
     if trials is not None and not any(t.measured for t in trials):
         return 1  # no trial measured anything: the table says why
     return 0
+
+
+def _ask(args: argparse.Namespace, model: Any, base: Any) -> Any:
+    """The flags as the planner's question."""
+    from hpkit.plan.problem import PlanAsk
+
+    return PlanAsk(
+        target=args.target,
+        nodes=args.nodes,
+        instance=args.instance,
+        seq=args.seq,
+        global_batch=args.global_batch,
+        global_tokens=args.global_tokens,
+        precision=args.precision,
+        network=args.network,
+        model=model,
+        base=base,
+        spec_mode=base is not None
+        and not args.spec_base,  # --trial on a job spec: its model, world and batch
+    )
+
+
+def _fsdp_torch_check(problem: Any, result: Any) -> dict[str, Any]:
+    """--check-with-torch on the best-ranked FSDP-only layout, the only kind torch's tracker follows."""
+    fsdp_only = [c for c in result.ranked if c.layout.world == c.layout.dp_shard]
+    if not fsdp_only:
+        raise SpecError(
+            "--check-with-torch: no FSDP-only layout fits, and torch's tracker follows only those (dp_shard)"
+        )
+    return _torch_check(problem.shape, fsdp_only[0])
+
+
+def _print_search_json(
+    args: argparse.Namespace,
+    problem: Any,
+    result: Any,
+    check: dict[str, Any] | None,
+    trials: list[Any] | None,
+) -> None:
+    from hpkit.plan import report
+
+    meta = {
+        "model": problem.target,
+        "instance": problem.hw.name,
+        "nodes": problem.nodes,
+        "seq": problem.seq,
+        "precision": problem.precision,
+    }
+    document = report.search_json(meta, result, args.top)
+    if check is not None:
+        document["torch_check"] = check
+    if trials is not None:
+        document["trials"] = [t.to_json() for t in trials]
+    print(json.dumps(document, indent=2))
+
+
+def _print_search_text(
+    args: argparse.Namespace,
+    problem: Any,
+    result: Any,
+    check: dict[str, Any] | None,
+    trials: list[Any] | None,
+) -> None:
+    from hpkit.plan import report
+
+    p = problem
+    title = (
+        f"{p.target} on {p.nodes} x {p.hw.name} ({p.world} GPUs, {p.gpu_gib:g} GiB each), seq {p.seq}, "
+        f"global batch {p.global_batch} ({p.global_batch * p.seq:,} tokens), {p.precision}"
+    )
+    print(report.search_text(title, result, args.top))
+    if args.explain:
+        print(_explain(p.shape, result.ranked[0], p.hw, p.instance))
+    if check is not None:
+        print("\n" + _torch_line(check))
+    if args.write:
+        print(f"\nwrote {args.write}")
+    if trials is not None:
+        from hpkit.plan.trial import table
+
+        print(f"\ntrials, re-ranked by measured tokens/s per GPU ({args.trial_steps} steps each):")
+        print(table(trials))
 
 
 def _trial_warmup() -> int:
@@ -336,18 +282,14 @@ def _trial_warmup() -> int:
     return WARMUP_STEPS
 
 
-def _trials(
-    args: argparse.Namespace, model: Any, seq: int, hw: Any, result: Any, base: Any, spec_mode: bool
-) -> list[Any]:
+def _trials(args: argparse.Namespace, problem: Any, result: Any, base: Any) -> list[Any]:
     """--trial: the top K as short jobs under the base's job fields, submitted, waited for and measured."""
     from hpkit.plan import trial
     from hpkit.plan.recipe import model_block
     from hpkit.slurm import get_backend
 
-    if model is None:
-        model = model_block(args.target, seq)
-    elif not spec_mode:
-        model = dict(model, seq_len=seq)
+    hw, seq = problem.hw, problem.seq
+    model = model_block(args.target, seq) if problem.model is None else dict(problem.model, seq_len=seq)
     if base is None:
         print(
             "hpkit plan: note: --trial without --spec-base: the trial jobs take "
@@ -369,19 +311,18 @@ def _trials(
     job = trial.job_fields(dumped, hw)
     base_train = dumped["train"] if dumped else None
     trials = trial.choose(result, args.trial, prefix)
-    specs = [trial.trial_spec(t, model, hw, args.nodes, job, base_train, args.trial_steps) for t in trials]
+    specs = [trial.trial_spec(t, model, hw, problem.nodes, job, base_train, args.trial_steps) for t in trials]
     # Where the trials' specs go: beside their snapshots and logs, in the jobs' output_dir (as prepare puts it).
     workdir = Path(job["workdir"]) if job.get("workdir") else Path.cwd()
     folder = workdir.resolve() / job.get("output_dir", "logs")
-    done = trial.run_trials(
-        trials, specs, folder, get_backend(), args.nodes * hw.gpus_per_node, poll_s=args.poll
-    )
+    done = trial.run_trials(trials, specs, folder, get_backend(), problem.world, poll_s=args.poll)
     return trial.rerank(done)
 
 
 def _judge_spec(args: argparse.Namespace, path: Path) -> int:
     from hpkit.plan import report
     from hpkit.plan.layout import Layout
+    from hpkit.plan.problem import hardware
     from hpkit.plan.search import judge
     from hpkit.plan.shapes import shape_of_spec
     from hpkit.spec import JobSpec
@@ -396,14 +337,14 @@ def _judge_spec(args: argparse.Namespace, path: Path) -> int:
         from dataclasses import replace
 
         shape = replace(shape, seq_len=args.seq)
-    hw, gpu_gib = _hardware(instance, "bf16", args.network)
+    hw, gpu_gib = hardware(instance, "bf16", args.network)
     layout = Layout.from_run_config(spec, world=spec.world_size, device_type="cuda")
     if spec.ranks_per_node != hw.gpus_per_node:
         from dataclasses import replace
 
         hw = replace(hw, gpus_per_node=spec.ranks_per_node)
     if layout.precision != "bf16":
-        hw, gpu_gib = _hardware(instance, layout.precision, args.network)
+        hw, gpu_gib = hardware(instance, layout.precision, args.network)
     cand = judge(shape, layout, hw, instance, gpu_gib, memory_checkpoint=spec.checkpoint.memory)
     check = _torch_check(shape, cand) if args.check_with_torch and cand.peak_gib is not None else None
     title = (
@@ -429,17 +370,18 @@ def _explain(shape: Any, cand: Any, hw: Any, instance: str | None) -> str:
     return explain_text(shape, cand, hw, instance)
 
 
-def _write(path: Path, args: argparse.Namespace, model: Any, hw: Any, result: Any, seq: int) -> None:
+def _write(path: Path, args: argparse.Namespace, problem: Any, result: Any) -> None:
     """The winner as a job spec; the runners-up and why they lost as comments above it."""
     from hpkit.plan.recipe import model_block, spec_text
 
+    model, seq = problem.model, problem.seq
     stem = Path(args.target).stem if model is not None else Path(args.target).name
     name = "plan-" + "".join(ch if ch.isalnum() else "-" for ch in stem.lower())
     block = dict(model, seq_len=seq) if model is not None else model_block(args.target, seq)
     command = (
         " ".join(["hpkit plan", *sys.argv[2:]]) if sys.argv[1:2] == ["plan"] else f"hpkit plan {args.target}"
     )
-    text = spec_text(name, block, hw, args.nodes, result, args.top, command)
+    text = spec_text(name, block, problem.hw, problem.nodes, result, args.top, command)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
     try:

@@ -78,7 +78,46 @@ def _process_started() -> float:
 def _train(
     cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, phases: dict[str, float] | None = None
 ) -> int:
-    phases = {} if phases is None else phases
+    run = _set_up(cfg, launch, device, {} if phases is None else phases)
+    resumed = _restore(run)
+    # Built before the first step, so that a held-out set that cannot be read stops the run at once.
+    evaluator = Evaluator(run.trainer, cfg.eval) if cfg.eval is not None else None
+    if evaluator is not None and evaluator.spec.only:
+        return _validate_only_then_close(run, evaluator, resumed is not None)
+    _record_start(run, resumed)
+    summary = Throughput(first_step=run.trainer.step + 1, last_step=cfg.train.steps)
+    _arm_watchdog(run, evaluator)
+    run.fault = faults.from_env()
+    last = _loop_then_close(run, evaluator, summary)
+    if last is None:
+        run.say(f"hpkit train: nothing to do: already at step {run.trainer.step} of {cfg.train.steps}")
+        return 0
+    run.say(summary.line(last, run.trainer, launch, device, run.peak))
+    return 128 + run.trainer.stop_signal if run.trainer.stop_requested else 0
+
+
+@dataclasses.dataclass
+class _Run:
+    """What a run holds from set-up to its summary line; the steps of `_train` below share it."""
+
+    cfg: RunConfig
+    launch: LaunchEnv
+    say: Callable[[str], None]
+    paths: RunPaths
+    metrics: MetricsLogger
+    trainer: Trainer
+    peak: float | None
+    report: StepReporter
+    phase: WatchdogPhase
+    checkpointer: Checkpointer | None
+    memory: MemoryCheckpointer | None  # None once closed, so that the last `finally` does not close it again
+    phases: dict[str, float] = dataclasses.field(default_factory=dict)  # START_PHASES reached, Unix seconds
+    watchdog: HangWatchdog | None = None
+    fault: faults.Fault | None = None
+
+
+def _set_up(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, phases: dict[str, float]) -> _Run:
+    """The trainer, the metrics, the checkpointers and the reporter; the banner printed."""
     say = _printer(launch.rank == 0)
     identity = RunIdentity.from_env()
     paths = run_paths(cfg, identity)  # the same answer `hpkit status|plot` finds from outside (job_files)
@@ -87,134 +126,172 @@ def _train(
     phases["trainer"] = time.time()
     peak = peak_tflops(device.name, device.type, trainer.mixed_precision)
     report = StepReporter(trainer, metrics, _exporter(cfg, launch, identity), peak, say)
-    watchdog_phase = WatchdogPhase()
+    phase = WatchdogPhase()
     checkpointer = _checkpointer(
-        cfg, launch.rank, trainer, say, metrics, paths.checkpoint_dir, saving=lambda: watchdog_phase("save")
+        cfg, launch.rank, trainer, say, metrics, paths.checkpoint_dir, saving=lambda: phase("save")
     )
     memory = _memory_checkpointer(cfg, paths, identity, say)
     phases["memory"] = time.time()
     say(_banner(cfg, launch, device, trainer))
     if memory is not None:
         say(f"hpkit train: {memory.describe()}")
-    resumed = _resume(cfg, trainer, checkpointer, memory) if cfg.checkpoint.resume else None
+    return _Run(cfg, launch, say, paths, metrics, trainer, peak, report, phase, checkpointer, memory, phases)
+
+
+def _restore(run: _Run) -> str | None:
+    """The run's own checkpoint when there is one (checkpoint.resume), then init_from's weights where they
+    still apply; what it resumed from, or None."""
+    cfg, trainer, memory = run.cfg, run.trainer, run.memory
+    resumed = _resume(cfg, trainer, run.checkpointer, memory) if cfg.checkpoint.resume else None
     if memory is not None:
         memory.forget_after(trainer.step)
-    phases["restored"] = time.time()
+    run.phases["restored"] = time.time()
     if resumed is not None:
-        say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
+        run.say(f"hpkit train: resumed from {resumed} at step {trainer.step}")
     if trainer.hf is not None and (resumed is None or cfg.model.lora is not None):
         # A checkpoint of this run (above) takes precedence: it holds the weights trained since. A LoRA
         # checkpoint holds only the adapters: the frozen base it was trained on is still init_from's.
         loaded = trainer.load_pretrained()
-        say(
+        run.say(
             f"hpkit train: loaded {loaded.tensors} tensors from {cfg.model.init_from} "
             f"(rank 0 read {loaded.bytes_read / 2**20:.1f} MiB)"
         )
-    # Built before the first step, so that a held-out set that cannot be read stops the run at once.
-    evaluator = Evaluator(trainer, cfg.eval) if cfg.eval is not None else None
-    if evaluator is not None and evaluator.spec.only:
-        try:
-            return _validate_only(cfg, trainer, evaluator, report, resumed is not None, say)
-        finally:
-            if checkpointer is not None:
-                checkpointer.close()
-            if memory is not None:
-                memory.close(completed=False)
-            trainer.close()
-            report.close()
+    return resumed
+
+
+def _validate_only_then_close(run: _Run, evaluator: Evaluator, resumed: bool) -> int:
+    try:
+        return _validate_only(run.cfg, run.trainer, evaluator, run.report, resumed, run.say)
+    finally:
+        if run.checkpointer is not None:
+            run.checkpointer.close()
+        if run.memory is not None:
+            run.memory.close(completed=False)
+        run.trainer.close()
+        run.report.close()
+
+
+def _record_start(run: _Run, resumed: str | None) -> None:
     # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
-    metrics.event(
+    run.metrics.event(
         StartEvent(
-            trainer.step,
-            total_steps=cfg.train.steps,
+            run.trainer.step,
+            total_steps=run.cfg.train.steps,
             restart=int(os.environ.get("SLURM_RESTART_COUNT") or 0),
             resumed_from=str(resumed) if resumed is not None else None,
-            world_size=launch.world_size,
+            world_size=run.launch.world_size,
             overrides=sweep_overrides(),
-            phases=phases or None,
+            phases=run.phases or None,
         )
     )
-    summary = Throughput(first_step=trainer.step + 1, last_step=cfg.train.steps)
+
+
+def _arm_watchdog(run: _Run, evaluator: Evaluator | None) -> None:
+    run.watchdog = run.phase.watchdog = _watchdog(run.cfg, run.launch, run.paths)
+    if run.watchdog is not None and evaluator is not None:
+        run.watchdog.eval_rounds = len(evaluator.rounds)
+
+
+def _loop_then_close(run: _Run, evaluator: Evaluator | None, summary: Throughput) -> StepResult | None:
+    """The steps, the final save and the end record; whatever happens, the watchdog, trainer and reporter
+    are closed. The last step's result (None: no step ran)."""
+    trainer = run.trainer
     last: StepResult | None = None
-    watchdog = watchdog_phase.watchdog = _watchdog(cfg, launch, paths)
-    if watchdog is not None and evaluator is not None:
-        watchdog.eval_rounds = len(evaluator.rounds)
-    fault = faults.from_env()
-
-    def save(step: int, *, final: bool = False, forced: bool = False) -> None:
-        assert checkpointer is not None
-        if not checkpointer.due(step, final=final, forced=forced):
-            return
-        with watchdog_phase("save"):  # every save, the final one included, is judged as a save
-            if fault is not None:
-                fault.before_save(launch.rank, step)
-            checkpointer.save(step, trainer.checkpoint_state(), final=final, forced=forced)
-
     try:
         with _stop_on_signals(trainer.request_stop):
             # The job's supervisor holds a USR1 until every rank's handler is in place (it would kill the rank).
-            announce_ready(os.environ, launch.rank, launch.world_size)
-            while trainer.step < cfg.train.steps:
-                if fault is not None:
-                    fault.before_step(launch.rank, trainer.step + 1)
-                last = trainer.train_step(checkpointer, memory)
-                if watchdog is not None:
-                    watchdog.step_done(last.step, last.step_time_s)
-                summary.add(last, trainer.tokens_per_step)
-                if last.logged:
-                    _check_finite(last)
-                evaluation = None
-                if evaluator is not None and evaluator.due(last.step) and not trainer.stop_requested:
-                    # A phase of its own for the hang watchdog: a long held-out set is no hang, but a rank
-                    # stuck in it is named once the validation outlasts its own length (hang_rules), not
-                    # at the collective timeout as in a save.
-                    with watchdog_phase("eval"):
-                        if fault is not None:
-                            fault.before_eval(launch.rank, last.step)
-                        evaluation = evaluator.run()
-                report.step(last, evaluation)
-                if checkpointer is not None:
-                    save(last.step, forced=trainer.stop_requested)
-                if memory is not None:
-                    with watchdog_phase("save"):
-                        memory.save(last.step, trainer.checkpoint_state())
-                if trainer.stop_requested:
-                    say(stopping_line(trainer.step, trainer.stop_signal))
-                    break
-            if (window := trainer.last_window()) is not None:
-                report.window(window)
-            if checkpointer is not None:
-                # The final save and the wait for the last async save's upload block on I/O like any
-                # save: judged as one, or a save slower than the hang threshold is called a hang.
-                with watchdog_phase("save"):
-                    if last is not None and not trainer.stop_requested:
-                        save(last.step, final=True)
-                    checkpointer.close()
-        if memory is not None:
-            with watchdog_phase("save"):
-                # A run that reached its last step frees its nodes' memory; one stopped by a signal keeps
-                # it for the restart (a requeue onto the same nodes resumes from it).
-                memory.close(completed=not trainer.stop_requested)
-            memory = None
-        metrics.event(
+            announce_ready(os.environ, run.launch.rank, run.launch.world_size)
+            last = _loop(run, evaluator, summary)
+            _after_loop(run, last)
+        _release_memory(run)
+        run.metrics.event(
             EndEvent(
                 trainer.step,
-                total_steps=cfg.train.steps,
+                total_steps=run.cfg.train.steps,
                 stopped_by_signal=trainer.stop_signal if trainer.stop_requested else None,
             )
         )
     finally:
-        if watchdog is not None:
-            watchdog.stop()
-        if memory is not None:
-            memory.close(completed=False)
+        if run.watchdog is not None:
+            run.watchdog.stop()
+        if run.memory is not None:
+            run.memory.close(completed=False)
         trainer.close()
-        report.close()
-    if last is None:
-        say(f"hpkit train: nothing to do: already at step {trainer.step} of {cfg.train.steps}")
-        return 0
-    say(summary.line(last, trainer, launch, device, peak))
-    return 128 + trainer.stop_signal if trainer.stop_requested else 0
+        run.report.close()
+    return last
+
+
+def _loop(run: _Run, evaluator: Evaluator | None, summary: Throughput) -> StepResult | None:
+    """Steps until the last one, or until a signal asks the run to stop."""
+    last: StepResult | None = None
+    while run.trainer.step < run.cfg.train.steps:
+        last = _step(run, evaluator, summary)
+        if run.trainer.stop_requested:
+            run.say(stopping_line(run.trainer.step, run.trainer.stop_signal))
+            break
+    return last
+
+
+def _step(run: _Run, evaluator: Evaluator | None, summary: Throughput) -> StepResult:
+    """One step, timed, checked, validated and saved when due, and reported."""
+    trainer, fault = run.trainer, run.fault
+    if fault is not None:
+        fault.before_step(run.launch.rank, trainer.step + 1)
+    last = trainer.train_step(run.checkpointer, run.memory)
+    if run.watchdog is not None:
+        run.watchdog.step_done(last.step, last.step_time_s)
+    summary.add(last, trainer.tokens_per_step)
+    if last.logged:
+        _check_finite(last)
+    evaluation = None
+    if evaluator is not None and evaluator.due(last.step) and not trainer.stop_requested:
+        # A phase of its own for the hang watchdog: a long held-out set is no hang, but a rank
+        # stuck in it is named once the validation outlasts its own length (hang_rules), not
+        # at the collective timeout as in a save.
+        with run.phase("eval"):
+            if fault is not None:
+                fault.before_eval(run.launch.rank, last.step)
+            evaluation = evaluator.run()
+    run.report.step(last, evaluation)
+    if run.checkpointer is not None:
+        _save(run, last.step, forced=trainer.stop_requested)
+    if run.memory is not None:
+        with run.phase("save"):
+            run.memory.save(last.step, trainer.checkpoint_state())
+    return last
+
+
+def _save(run: _Run, step: int, *, final: bool = False, forced: bool = False) -> None:
+    checkpointer = run.checkpointer
+    assert checkpointer is not None
+    if not checkpointer.due(step, final=final, forced=forced):
+        return
+    with run.phase("save"):  # every save, the final one included, is judged as a save
+        if run.fault is not None:
+            run.fault.before_save(run.launch.rank, step)
+        checkpointer.save(step, run.trainer.checkpoint_state(), final=final, forced=forced)
+
+
+def _after_loop(run: _Run, last: StepResult | None) -> None:
+    """The last window's report, the final save and the wait for the async saves."""
+    if (window := run.trainer.last_window()) is not None:
+        run.report.window(window)
+    if run.checkpointer is not None:
+        # The final save and the wait for the last async save's upload block on I/O like any
+        # save: judged as one, or a save slower than the hang threshold is called a hang.
+        with run.phase("save"):
+            if last is not None and not run.trainer.stop_requested:
+                _save(run, last.step, final=True)
+            run.checkpointer.close()
+
+
+def _release_memory(run: _Run) -> None:
+    if run.memory is not None:
+        with run.phase("save"):
+            # A run that reached its last step frees its nodes' memory; one stopped by a signal keeps
+            # it for the restart (a requeue onto the same nodes resumes from it).
+            run.memory.close(completed=not run.trainer.stop_requested)
+        run.memory = None
 
 
 def _validate_only(

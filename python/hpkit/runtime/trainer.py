@@ -112,13 +112,30 @@ class Trainer:
         self.device = device.torch_device()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
-        tr = cfg.train
-        self.mixed_precision = resolve_mixed_precision(tr.mixed_precision, device.type)
+        self._init_layout(cfg, device)
+        self._init_model_config(cfg)
+        self._init_stages(cfg, device)
+        self._init_model()
+        self.pp_group = self.coords.pp_mesh.get_group() if self.dims.pp_enabled else None
+        self.step = 0
+        self.flops_per_token = self.adapter.flops_per_token(self.model_cfg, cfg.model.seq_len)
+        self._init_host_side()
+
+    # ----------------------------------------------------------------------------------------------
+    # Construction
+
+    def _init_layout(self, cfg: RunConfig, device: DeviceInfo) -> None:
+        """The precision, the parallel degrees (checked against what the device allows) and the mesh."""
+        self.mixed_precision = resolve_mixed_precision(cfg.train.mixed_precision, device.type)
         self.dims = ParallelDims.from_spec(cfg.parallelism, self.world_size)
-        check_compile_allowed(tr.compile, self.dims.tp_enabled, device.type)
+        check_compile_allowed(cfg.train.compile, self.dims.tp_enabled, device.type)
         if self.dims.pp_enabled:
-            check_microbatches(tr.local_batch_size, cfg.parallelism.microbatches)
+            check_microbatches(cfg.train.local_batch_size, cfg.parallelism.microbatches)
         self.coords = make_mesh(self.dims, device.type)
+
+    def _init_model_config(self, cfg: RunConfig) -> None:
+        """The model family's adapter, the model's shape (from init_from's config.json when given) and LoRA's
+        record."""
         # The model family's adapter builds, splits and parallelises the model (hpkit.runtime.adapters).
         family = (
             hf_family(cfg.model.init_from)
@@ -141,6 +158,9 @@ class Trainer:
             if cfg.model.lora is not None
             else None
         )
+
+    def _init_stages(self, cfg: RunConfig, device: DeviceInfo) -> None:
+        """The pipeline stages this rank holds, and how tensor parallel shards the loss and the sequence."""
         par = cfg.parallelism
         self.n_stages = self.dims.pp * par.stages_per_rank
         # The spec's validator checks this only when model.n_layers is written; the shape knows it always.
@@ -159,6 +179,9 @@ class Trainer:
             if cfg.parallelism.sequence_parallel is not None
             else sequence_parallel_default(device.type)
         )
+
+    def _init_model(self) -> None:
+        """The model's parts, parallelised; the loss, the pipeline schedule, the optimizers and the loader."""
         self.model_parts, self.module = self._build_model()
         self.moe_blocks = self._moe_blocks()
         # FSDP casts parameters itself; otherwise bf16 comes from autocast around the forward.
@@ -179,22 +202,18 @@ class Trainer:
         self.optimizers = [self._build_optimizer(part) for part in self.model_parts]
         self.loader = self._build_loader()
         self.loss.masked = self.loader.masked
-        self.pp_group = self.coords.pp_mesh.get_group() if self.dims.pp_enabled else None
-        self.step = 0
-        self.flops_per_token = self.adapter.flops_per_token(self.model_cfg, cfg.model.seq_len)
+
+    def _init_host_side(self) -> None:
         # Host-side agreements (the stop flag, straggler windows) travel on a CPU group of their own, so
         # that they never queue behind the device's collectives.
         self.cpu_group = dist.new_group(backend="gloo")
         self.stop = StopFlag(self.cpu_group)
         self.stragglers = (
-            StragglerMonitor(tr.stragglers, self.cpu_group, self.device, node_name())
-            if tr.stragglers.enabled
+            StragglerMonitor(self.cfg.train.stragglers, self.cpu_group, self.device, node_name())
+            if self.cfg.train.stragglers.enabled
             else None
         )
         self._work = self.stragglers.timer if self.stragglers is not None else _NoTimer()
-
-    # ----------------------------------------------------------------------------------------------
-    # Construction
 
     def _hf_model(self) -> Any:
         hf = self.adapter.hf
