@@ -30,7 +30,7 @@ from pathlib import Path
 
 from _sides import REPO, run_env
 from hpkit.rendezvous import free_local_ports
-from hpkit.runtime.hang_board import clear_reports, reports_of
+from hpkit.runtime.watchdog.hang_board import clear_reports, reports_of
 
 NODES = ("nodeA", "nodeB")
 PER_NODE = 2

@@ -132,10 +132,10 @@ def _measure(args: argparse.Namespace, launch, device) -> None:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from hpkit.runtime.checkpoint import Checkpointer, ChecksummingFileSystem, committed
-    from hpkit.runtime.checkpoint_record import read_record
+    from hpkit.runtime.checkpoints.checkpoint import Checkpointer, ChecksummingFileSystem, committed
+    from hpkit.runtime.checkpoints.checkpoint_record import read_record
     from hpkit.runtime.config import CheckpointSpec, ModelSpec, ParallelismSpec, RunConfig, TrainSpec
-    from hpkit.runtime.trainer import Trainer
+    from hpkit.runtime.loop.trainer import Trainer
 
     class PlainCheckpointer(Checkpointer):
         """The same save path with DCP's own FileSystemWriter: no checksums, no early writeback (c)."""

@@ -42,7 +42,7 @@ sys.path.insert(0, str(REPO / "python"))
 
 from hpkit import devcluster  # noqa: E402
 from hpkit import job_events as ev  # noqa: E402
-from hpkit.runtime.hang_board import clear_reports  # noqa: E402
+from hpkit.runtime.watchdog.hang_board import clear_reports  # noqa: E402
 
 TINY_MODEL = {
     "name": "debug",

@@ -142,7 +142,7 @@ def _direct(args, net_cls, data, target):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     from hpkit.compat.smp import topology
-    from hpkit.runtime.pipeline import build_schedule
+    from hpkit.runtime.parallel.pipeline import build_schedule
 
     st = topology.state()
     coords = st.coords
@@ -186,7 +186,7 @@ def _direct(args, net_cls, data, target):
     if coords.fsdp_mesh is not None:
         fully_shard(part, mesh=coords.fsdp_mesh, reshard_after_forward=False)
     elif coords.ddp_mesh is not None:
-        from hpkit.runtime.fsdp import apply_ddp
+        from hpkit.runtime.parallel.fsdp import apply_ddp
 
         part = apply_ddp(part, coords.ddp_mesh, st.device)
     opt = torch.optim.Adadelta(part.parameters(), lr=4.0)

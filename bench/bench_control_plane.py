@@ -39,9 +39,9 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 
-from hpkit.runtime.hang_board import Freshness
-from hpkit.runtime.hang_channel import Judge, Uplink, summarize
-from hpkit.runtime.hang_watchdog import HangWatchdog
+from hpkit.runtime.watchdog.hang_board import Freshness
+from hpkit.runtime.watchdog.hang_channel import Judge, Uplink, summarize
+from hpkit.runtime.watchdog.hang_watchdog import HangWatchdog
 from hpkit.watch_store import serve
 
 PER_NODE = 8
@@ -144,8 +144,8 @@ def shared_fs_ops(seconds: float, min_s: float) -> tuple[float, float]:
 
 def replay_stalled_round(summaries: list[bytes], nodes: int, world: int, min_s: float) -> dict[str, float]:
     """Judge.round on the summaries of the round that found the stall, with nothing else running."""
-    from hpkit.runtime.hang_channel import node_key
-    from hpkit.runtime.hang_watchdog import MemoryStore
+    from hpkit.runtime.watchdog.hang_channel import node_key
+    from hpkit.runtime.watchdog.hang_watchdog import MemoryStore
 
     store = MemoryStore()
     store.multi_set([node_key(i) for i in range(nodes)], [s.decode() for s in summaries])

@@ -39,10 +39,10 @@ def main() -> int:
     import torch.distributed.checkpoint as dcp
 
     from hpkit.hf_export import export_hf
-    from hpkit.runtime.checkpoint import Checkpointer, ModelState
+    from hpkit.runtime.checkpoints.checkpoint import Checkpointer, ModelState
     from hpkit.runtime.config import CheckpointSpec, RunConfig
     from hpkit.runtime.env import distributed
-    from hpkit.runtime.trainer import Trainer
+    from hpkit.runtime.loop.trainer import Trainer
     from hpkit.validation import parse_document
 
     root = Path(args.dir)

@@ -43,8 +43,8 @@ def main() -> int:
 
     from hpkit.runtime.config import CheckpointSpec, RunConfig, resolve_mixed_precision
     from hpkit.runtime.env import distributed
+    from hpkit.runtime.loop.trainer import Trainer
     from hpkit.runtime.run import quiet_known_warnings
-    from hpkit.runtime.trainer import Trainer
     from hpkit.validation import parse_document
 
     quiet_known_warnings()
@@ -139,8 +139,8 @@ def main() -> int:
 def _checkpoint_bytes(sides: dict, rank: int, spec_cls) -> dict[str, int]:
     import torch.distributed as dist
 
-    from hpkit.runtime.checkpoint import Checkpointer
-    from hpkit.runtime.checkpoint_record import read_record
+    from hpkit.runtime.checkpoints.checkpoint import Checkpointer
+    from hpkit.runtime.checkpoints.checkpoint_record import read_record
 
     sizes = {}
     holder = [tempfile.mkdtemp(prefix="bench-lora-") if rank == 0 else None]

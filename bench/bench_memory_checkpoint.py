@@ -115,8 +115,8 @@ def _staging_bytes(memory: Any, state_tensors: int) -> int:
 def _measure(args: argparse.Namespace, launch, device) -> None:
     import torch.distributed as dist
 
+    from hpkit.runtime.checkpoints.memory_layout import memory_root
     from hpkit.runtime.config import MemoryCheckpointSpec
-    from hpkit.runtime.memory_layout import memory_root
 
     if launch.world_size != 2:
         raise SystemExit("bench_memory_checkpoint: run with torchrun --nproc-per-node 2 (each rank one node)")
@@ -154,10 +154,10 @@ def _one_size(args, size: str, launch, device, spec, disk: Path, root: Path) -> 
     import torch
     import torch.distributed as dist
 
-    from hpkit.runtime.checkpoint import Checkpointer, committed
+    from hpkit.runtime.checkpoints.checkpoint import Checkpointer, committed
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
     from hpkit.runtime.config import CheckpointSpec, ModelSpec, ParallelismSpec, RunConfig, TrainSpec
-    from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
-    from hpkit.runtime.trainer import Trainer
+    from hpkit.runtime.loop.trainer import Trainer
 
     rank = launch.rank
     node = f"node{rank}"  # each rank its own emulated node: rank 0's partner is rank 1 and back
@@ -288,7 +288,7 @@ def _restore_once(r: dict[str, Any], kind: str, rank: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
 
     trainer, root = r["_trainer"], r["_root"]
     node = f"node{rank}"

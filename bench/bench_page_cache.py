@@ -6,7 +6,7 @@ Writes SIZE MiB (1 MiB writes, then fsync) three ways, alternating, for --rounds
   reported: into pages freed --idle seconds ago, as a save gets them minutes after the last one (on
             a VM with virtio-balloon free page reporting those pages went back to the host, and the
             first write into each faults there);
-  window:   as `reported`, through hpkit's 16 MiB writeback window (hpkit.runtime.page_cache).
+  window:   as `reported`, through hpkit's 16 MiB writeback window (hpkit.runtime.checkpoints.page_cache).
 Prints the seconds spent writing into the page cache and in the final fsync, and the host's page
 reporting counter where the kernel has one.
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
-from hpkit.runtime.page_cache import StreamingWriteback
+from hpkit.runtime.checkpoints.page_cache import StreamingWriteback
 
 REPORTED = Path("/sys/module/page_reporting/parameters/reported_kib")
 

@@ -197,8 +197,8 @@ def worker(out: str, steps: int, warmup: int) -> None:
 
     from hpkit.runtime.config import RunConfig
     from hpkit.runtime.env import distributed
+    from hpkit.runtime.loop.trainer import Trainer
     from hpkit.runtime.run import quiet_known_warnings
-    from hpkit.runtime.trainer import Trainer
 
     quiet_known_warnings()
     with distributed() as job:

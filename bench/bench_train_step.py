@@ -62,8 +62,8 @@ def _compare(args: argparse.Namespace, device_info) -> None:
 
     from hpkit.models.llama import build_model
     from hpkit.runtime.config import RunConfig, resolve_mixed_precision
-    from hpkit.runtime.fsdp import mixed_precision_policy
-    from hpkit.runtime.trainer import Trainer
+    from hpkit.runtime.loop.trainer import Trainer
+    from hpkit.runtime.parallel.fsdp import mixed_precision_policy
     from hpkit.validation import parse_document
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -161,10 +161,10 @@ def _compare_monitoring(args: argparse.Namespace, device_info) -> None:
 
     from hpkit.runtime.config import RunConfig, resolve_mixed_precision
     from hpkit.runtime.env import node_name
-    from hpkit.runtime.metrics import MetricsLogger
-    from hpkit.runtime.prometheus import PrometheusExporter
-    from hpkit.runtime.report import StepReporter
-    from hpkit.runtime.trainer import Trainer
+    from hpkit.runtime.loop.trainer import Trainer
+    from hpkit.runtime.observe.metrics import MetricsLogger
+    from hpkit.runtime.observe.prometheus import PrometheusExporter
+    from hpkit.runtime.observe.report import StepReporter
     from hpkit.validation import parse_document
 
     world, rank = dist.get_world_size(), dist.get_rank()

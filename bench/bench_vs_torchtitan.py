@@ -299,8 +299,8 @@ def hpkit_profile_main(cfg_path: str, step: int) -> int:
     import torch
 
     from hpkit.runtime.env import distributed
+    from hpkit.runtime.loop.trainer import Trainer
     from hpkit.runtime.run import quiet_known_warnings
-    from hpkit.runtime.trainer import Trainer
     from hpkit.spec import load_run_config
 
     quiet_known_warnings()

@@ -2,7 +2,7 @@
 
 bf16 autocast over fp32 master weights, fused AdamW, synthetic tokens; the FLOP count is the model's
 own `flops_per_token` (6 per weight plus causal attention) and the peak comes from the runtime's
-table (python/hpkit/runtime/metrics.py), so the figures match what `hpkit train` reports. The first
+table (python/hpkit/runtime/observe/metrics.py), so the figures match what `hpkit train` reports. The first
 steps (allocation, cuBLAS autotuning, compile) are left out; the median of the timed steps is used.
 
     python3 bench/gpu_mfu.py [--batch 2] [--seq-len 2048] [--steps 10] [--ac full] [--compile]
@@ -43,9 +43,9 @@ def main() -> int:
     import torch.nn.functional as F
 
     from hpkit.models.llama import build_model, config_for
-    from hpkit.runtime.activation_checkpoint import apply_ac
-    from hpkit.runtime.compile import apply_compile
-    from hpkit.runtime.metrics import peak_tflops
+    from hpkit.runtime.observe.metrics import peak_tflops
+    from hpkit.runtime.parallel.activation_checkpoint import apply_ac
+    from hpkit.runtime.parallel.compile import apply_compile
 
     if not torch.cuda.is_available():
         if not args.cpu_dry_run:

@@ -144,7 +144,7 @@ def host_memory_gib(instance_type: str | None) -> int | None:
 
 
 # Dense (no sparsity) peak TFLOP/s per GPU model, bf16 and tf32, from the vendors' data sheets. The step line's
-# MFU (hpkit.runtime.metrics) and the planner's (hpkit.plan.speed) divide by the same figure. Matched by
+# MFU (hpkit.runtime.observe.metrics) and the planner's (hpkit.plan.speed) divide by the same figure. Matched by
 # substring of the CUDA device name, longest first (see peak_tflops_for).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H200": {"bf16": 989.5, "tf32": 494.7},

@@ -25,7 +25,7 @@ from hpkit.errors import HpkitError, SpecError
 from hpkit.hf.config import HfMapping
 from hpkit.hf.load import INDEX_NAME, to_hf_rows
 from hpkit.runtime.adapters import ADAPTERS, ModelAdapter
-from hpkit.runtime.checkpoint_record import RECORD_NAME, RecordError, read_record, verify_files
+from hpkit.runtime.checkpoints.checkpoint_record import RECORD_NAME, RecordError, read_record, verify_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _MODEL_PREFIX = "model."  # the runtime saves the model's state under this key (Trainer.checkpoint_state)
@@ -45,7 +45,7 @@ def find_step_dir(source: Path) -> Path:
     """SOURCE itself when it is one checkpoint, else the newest committed one under it."""
     if (source / RECORD_NAME).is_file():
         return source
-    from hpkit.runtime.checkpoint import find_latest
+    from hpkit.runtime.checkpoints.checkpoint import find_latest
 
     found = find_latest(source) if source.is_dir() else None
     if found is None:
@@ -334,7 +334,7 @@ def _write_peft(
 def _base_hf_tensors(model: dict[str, Any], adapter: ModelAdapter, cfg: Any) -> dict[str, torch.Tensor]:
     """The frozen base as Hugging Face tensors: init_from's files (refused if they are not the recorded
     base any more), or the seed's initialisation."""
-    from hpkit.runtime.lora import base_identity
+    from hpkit.runtime.loop.lora import base_identity
 
     lora, mapping = model["lora"], adapter.hf
     assert mapping is not None

@@ -1,4 +1,4 @@
-"""Reading a training run's metrics JSONL (written by hpkit.runtime.metrics) without torch.
+"""Reading a training run's metrics JSONL (written by hpkit.runtime.observe.metrics) without torch.
 
 The file holds two kinds of records, one JSON object a line (their fields: hpkit.metrics_records): step
 records and event records with an "event" key (start, checkpoint, end, ...). A requeued job appends to

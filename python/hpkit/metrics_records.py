@@ -1,5 +1,5 @@
 """The records of a training run's metrics JSONL, field names in one place for the writer
-(hpkit.runtime.metrics, run, report) and the readers (hpkit.metrics_file, progress, plot, status).
+(hpkit.runtime.observe.metrics, run, report) and the readers (hpkit.metrics_file, progress, plot, status).
 
 One JSON object a line. Step records have no "event" key; event records name their kind in it. The
 field names of these dataclasses are the file format: renaming one breaks every file already written

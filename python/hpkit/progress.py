@@ -12,7 +12,7 @@ from pathlib import Path
 
 from hpkit.metrics_file import MetricsLog
 from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
-from hpkit.runtime.checkpoint_record import RecordError, checkpoint_dirs, read_record
+from hpkit.runtime.checkpoints.checkpoint_record import RecordError, checkpoint_dirs, read_record
 
 # Steps averaged for the speed and the ETA: recent enough to follow a change, long enough to smooth noise.
 WINDOW = 20

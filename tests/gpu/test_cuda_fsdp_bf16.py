@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent(
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from hpkit.models.llama import build_model, config_for
-    from hpkit.runtime.fsdp import apply_fsdp, mixed_precision_policy
+    from hpkit.runtime.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
     mesh = init_device_mesh("cuda", (1,), mesh_dim_names=("dp_shard",))

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import distributed
-from hpkit.runtime.trainer import Trainer
+from hpkit.runtime.loop.trainer import Trainer
 from hpkit.validation import parse_document
 
 

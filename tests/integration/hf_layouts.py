@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import distributed
-from hpkit.runtime.trainer import Trainer
+from hpkit.runtime.loop.trainer import Trainer
 from hpkit.validation import parse_document
 
 SEQ = 32

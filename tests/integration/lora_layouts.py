@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hpkit.runtime.checkpoint import Checkpointer, CheckpointError
-from hpkit.runtime.checkpoint_record import read_record
+from hpkit.runtime.checkpoints.checkpoint import Checkpointer, CheckpointError
+from hpkit.runtime.checkpoints.checkpoint_record import read_record
 from hpkit.runtime.config import CheckpointSpec, RunConfig
 from hpkit.runtime.env import distributed
-from hpkit.runtime.lora import ADAPTER_SUFFIXES
+from hpkit.runtime.loop.lora import ADAPTER_SUFFIXES
+from hpkit.runtime.loop.trainer import Trainer
 from hpkit.runtime.run import quiet_known_warnings
-from hpkit.runtime.trainer import Trainer
 from hpkit.validation import parse_document
 
 SEQ = 32
@@ -126,7 +126,7 @@ def train_layout(
 ) -> tuple[Trainer, dict[str, Any]]:
     world = dist.get_world_size()
     probe = config(init_from, parallelism, 1)
-    from hpkit.runtime.parallel_dims import ParallelDims
+    from hpkit.runtime.parallel.parallel_dims import ParallelDims
 
     dp = ParallelDims.from_spec(probe.parallelism, world).dp
     trainer = Trainer(config(init_from, parallelism, dp, precision), device)

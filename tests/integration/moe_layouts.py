@@ -56,7 +56,7 @@ STARVED_TIMEOUT_S = 30.0
 
 def config_for(parallelism: dict[str, Any], world_size: int):
     from hpkit.runtime.config import RunConfig
-    from hpkit.runtime.parallel_dims import ParallelDims
+    from hpkit.runtime.parallel.parallel_dims import ParallelDims
     from hpkit.validation import parse_document
 
     data = json.loads(json.dumps(BASE))
@@ -113,7 +113,7 @@ def starve_last_experts(trainer: Any) -> list[list[int]]:
 def run_layouts(rank: int, world_size: int, device: Any, starved: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from hpkit.runtime.trainer import Trainer
+    from hpkit.runtime.loop.trainer import Trainer
 
     results: dict[str, Any] = {}
     for name, parallelism in (STARVED if starved else LAYOUTS).get(world_size, {}).items():

@@ -156,8 +156,8 @@ def main(out_path: str, only: list[str] | None = None) -> int:
 
     from hpkit.runtime.config import RunConfig
     from hpkit.runtime.env import distributed
+    from hpkit.runtime.loop.trainer import Trainer
     from hpkit.runtime.run import quiet_known_warnings
-    from hpkit.runtime.trainer import Trainer
     from hpkit.validation import parse_document
 
     quiet_known_warnings()

@@ -23,7 +23,7 @@ import yaml
 from _dirwatch import DirWatch
 
 from hpkit.rendezvous import free_local_ports
-from hpkit.runtime.checkpoint import find_latest
+from hpkit.runtime.checkpoints.checkpoint import find_latest
 
 pytestmark = pytest.mark.dist
 

@@ -18,7 +18,7 @@ from _torchrun import REPO, torch_env
 
 sys.path.insert(0, str(REPO / "bench"))
 from _hang_trials import beats as read_beats  # the heartbeat reader the hang drills use
-from hpkit.runtime.hang_board import clear_reports
+from hpkit.runtime.watchdog.hang_board import clear_reports
 
 MIN_S = 5.0
 

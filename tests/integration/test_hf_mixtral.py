@@ -67,7 +67,7 @@ def _hpkit_logits_from_checkpoint(step_dir: Path, tokens: torch.Tensor) -> torch
     import torch.distributed.checkpoint as dcp
 
     from hpkit.models.llama import build_model, config_from_dict
-    from hpkit.runtime.checkpoint_record import read_record
+    from hpkit.runtime.checkpoints.checkpoint_record import read_record
 
     record = read_record(step_dir)
     assert record.model["family"] == "moe"

@@ -24,7 +24,7 @@ from transformers import LlamaForCausalLM
 from hpkit.commands import ckpt
 from hpkit.errors import HpkitError
 from hpkit.models.llama import build_model, config_from_dict
-from hpkit.runtime.checkpoint_record import read_record
+from hpkit.runtime.checkpoints.checkpoint_record import read_record
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))
 from test_hf_weights import LLAMA3_SCALING, make_hf

@@ -27,7 +27,7 @@ from test_resilience import TINY_MODEL, submit, wait_for
 
 from _clusters import slot
 from hpkit import devcluster
-from hpkit.runtime.hang_board import clear_reports, reports_of
+from hpkit.runtime.watchdog.hang_board import clear_reports, reports_of
 
 pytestmark = [pytest.mark.cluster, pytest.mark.dist]
 
@@ -94,7 +94,7 @@ def training(name: str, work: Path, **resilience) -> dict:
 
 
 def beats(work: Path) -> list[dict]:
-    """The training ranks' reports (hpkit.runtime.hang_board: node-local, and every node of the local cluster
+    """The training ranks' reports (hpkit.runtime.watchdog.hang_board: node-local, and every node of the local cluster
     shares this host's /dev/shm) that show three steps done."""
     return [r for r in reports_of(work / "logs" / "hangs").values() if r.get("step", 0) >= 3]
 

@@ -112,7 +112,7 @@ LAYOUTS: dict[int, dict[str, tuple[dict[str, Any], dict[str, Any]]]] = {
 
 def config_for(parallelism: dict[str, Any], train: dict[str, Any], world_size: int):
     from hpkit.runtime.config import RunConfig
-    from hpkit.runtime.parallel_dims import ParallelDims
+    from hpkit.runtime.parallel.parallel_dims import ParallelDims
     from hpkit.validation import parse_document
 
     data = json.loads(json.dumps(BASE))
@@ -148,8 +148,8 @@ def main(out_path: str, only: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     from hpkit.runtime.env import distributed
+    from hpkit.runtime.loop.trainer import Trainer
     from hpkit.runtime.run import quiet_known_warnings
-    from hpkit.runtime.trainer import Trainer
 
     quiet_known_warnings()
     results: dict[str, Any] = {}

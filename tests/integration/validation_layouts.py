@@ -104,7 +104,7 @@ def write_data(root: Path) -> tuple[Path, Path]:
 
 def config(root: Path, run: Run, world: int):
     from hpkit.runtime.config import RunConfig
-    from hpkit.runtime.parallel_dims import ParallelDims
+    from hpkit.runtime.parallel.parallel_dims import ParallelDims
     from hpkit.validation import parse_document
 
     train, held_out = write_data(root)
@@ -157,7 +157,7 @@ def held_out_rows(root: Path, chat: bool) -> tuple[Any, Any, Any]:
         return rows[:, :-1], rows[:, 1:], None
     from hpkit.data.chat import row_labels_positions
     from hpkit.data.index import flags_name, read_index
-    from hpkit.runtime.loss import IGNORE_INDEX
+    from hpkit.runtime.loop.loss import IGNORE_INDEX
 
     index = read_index(root / "chat")
     ids = np.concatenate([np.fromfile(index.path / s.name, dtype=index.dtype) for s in index.shards])
@@ -180,8 +180,8 @@ def expected(root: Path, cfg: Any, device: Any, run: Run) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
 
-    from hpkit.runtime.checkpoint import Checkpointer
-    from hpkit.runtime.trainer import Trainer
+    from hpkit.runtime.checkpoints.checkpoint import Checkpointer
+    from hpkit.runtime.loop.trainer import Trainer
 
     trainer = Trainer(cfg, device)
     checkpointer = Checkpointer(

@@ -14,8 +14,8 @@ from test_chat_templates import encoder, make_chat_tokenizer
 from hpkit.commands import data as data_cmd
 from hpkit.data.index import read_index
 from hpkit.errors import HpkitError
-from hpkit.runtime.data import ChatRows, DataLoader, build_source
-from hpkit.runtime.loss import IGNORE_INDEX
+from hpkit.runtime.loop.data import ChatRows, DataLoader, build_source
+from hpkit.runtime.loop.loss import IGNORE_INDEX
 
 SEQ = 48
 LINES = [

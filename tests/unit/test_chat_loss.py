@@ -1,4 +1,4 @@
-"""The loss contract (hpkit.runtime.loss): counted sums, and a token-weighted mean that equals today's
+"""The loss contract (hpkit.runtime.loop.loss): counted sums, and a token-weighted mean that equals today's
 mean when nothing is masked, over data-parallel ranks too (two real gloo processes)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from _gloo import run_ranks
 
-from hpkit.runtime.loss import IGNORE_INDEX, TokenWeightedLoss, masked_loss_sum
+from hpkit.runtime.loop.loss import IGNORE_INDEX, TokenWeightedLoss, masked_loss_sum
 
 
 def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -86,9 +86,9 @@ def test_with_the_fallback_the_alias_registers(tmp_path):
 
 
 def test_hpkit_train_does_not_take_the_alias_for_smddp(tmp_path):
-    # With the shim on the path, runtime.collectives must report SMDDP as missing, importing nothing.
+    # With the shim on the path, runtime.parallel.collectives must report SMDDP as missing, importing nothing.
     code = (
-        "import sys; from hpkit.runtime.collectives import import_smddp; print(import_smddp()); "
+        "import sys; from hpkit.runtime.parallel.collectives import import_smddp; print(import_smddp()); "
         "print('smdistributed' in sys.modules)"
     )
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{SHIM_DIR}:{PYTHON_DIR}"}

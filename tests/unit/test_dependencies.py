@@ -85,7 +85,7 @@ def test_each_extra_declares_what_its_modules_import(extra: str, tmp_path: Path)
 
 
 def test_the_check_catches_an_import_only_another_extra_declares(tmp_path: Path) -> None:
-    # Issue 19 as it was: runtime/data.py imports numpy, which only the mpi extra declared.
+    # Issue 19 as it was: runtime/loop/data.py imports numpy, which only the mpi extra declared.
     text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
     declared = 'train = ["torch==2.13.0", "numpy", "prometheus-client>=0.20"]'
     assert declared in text

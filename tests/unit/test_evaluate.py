@@ -23,10 +23,10 @@ from hpkit.metrics_file import read_metrics
 from hpkit.metrics_records import EvalEvent, parse_record
 from hpkit.runtime.config import EvalSpec, PrometheusSpec, RunConfig
 from hpkit.runtime.env import DeviceInfo
-from hpkit.runtime.evaluate import EvalSet, Evaluator, rank_rounds, token_weighted_mean
-from hpkit.runtime.loss import IGNORE_INDEX
-from hpkit.runtime.metrics import MetricsLogger, StepStats
-from hpkit.runtime.prometheus import PrometheusExporter
+from hpkit.runtime.loop.evaluate import EvalSet, Evaluator, rank_rounds, token_weighted_mean
+from hpkit.runtime.loop.loss import IGNORE_INDEX
+from hpkit.runtime.observe.metrics import MetricsLogger, StepStats
+from hpkit.runtime.observe.prometheus import PrometheusExporter
 from hpkit.validation import parse_document
 
 SEQ = 8
@@ -82,7 +82,7 @@ def test_held_out_batches_pad_the_last_and_an_empty_batch_counts_nothing(tmp_pat
 
 
 def _validate_over_two_fsdp_ranks(rank: int, world: int, held_out: str) -> None:
-    from hpkit.runtime.trainer import Trainer
+    from hpkit.runtime.loop.trainer import Trainer
 
     model = {"name": "debug", "dim": 32, "n_layers": 2, "n_heads": 4, "ffn_dim": 48, "vocab_size": 64}
     cfg = parse_document(

@@ -14,8 +14,8 @@ from typing import TypeVar
 
 import pytest
 
-from hpkit.runtime.hang_rules import RankView, decide
-from hpkit.runtime.hang_watchdog import attempt_id, top_frame
+from hpkit.runtime.watchdog.hang_rules import RankView, decide
+from hpkit.runtime.watchdog.hang_watchdog import attempt_id, top_frame
 
 NOW = 1000.0
 T = TypeVar("T")
@@ -114,12 +114,12 @@ def test_top_frame_is_the_main_threads_innermost_frame():
     # A stopped rank's own dump, written by faulthandler's signal handler on its main thread.
     dump = (
         "Thread 0x00007f (most recent call first):\n"
-        '  File "/x/hpkit/runtime/hang_watchdog.py", line 200 in _on_hang\n'
+        '  File "/x/hpkit/runtime/watchdog/hang_watchdog.py", line 200 in _on_hang\n'
         '  File "/usr/lib/python3.11/threading.py", line 975 in run\n'
         "\n"
         "Current thread 0x00007e (most recent call first):\n"
         '  File "/x/torch/distributed/c10d_logger.py", line 83 in wrapper\n'
-        '  File "/x/hpkit/runtime/trainer.py", line 400 in train_step\n'
+        '  File "/x/hpkit/runtime/loop/trainer.py", line 400 in train_step\n'
         '  File "<frozen runpy>", line 88 in _run_code\n'
     )
     assert top_frame(dump) == "/x/torch/distributed/c10d_logger.py:83 in wrapper"
@@ -207,7 +207,7 @@ def test_a_frozen_node_is_named_as_a_node_and_a_freezing_rank_is_waited_for():
 
 
 def test_newest_ops_reads_the_flight_recorders_newest_collective_per_group():
-    from hpkit.runtime.hang_watchdog import newest_ops
+    from hpkit.runtime.watchdog.hang_watchdog import newest_ops
 
     entries = [
         {
@@ -243,7 +243,7 @@ def test_newest_ops_reads_the_flight_recorders_newest_collective_per_group():
 def test_faults_parse_the_skip_kind_and_log_when_they_fire(tmp_path, monkeypatch):
     import torch.distributed as dist
 
-    from hpkit.runtime import faults
+    from hpkit.runtime.watchdog import faults
 
     log = tmp_path / "faults.jsonl"
     monkeypatch.setenv("HPKIT_FAULT_LOG", str(log))
@@ -295,7 +295,7 @@ def test_the_stop_fault_stops_the_whole_process_before_its_step_and_logs_where(t
         "SLURMD_NODENAME": "node7",
     }
     code = (
-        "from hpkit.runtime import faults\n"
+        "from hpkit.runtime.watchdog import faults\n"
         "f = faults.from_env()\n"
         "f.before_step(0, 3); f.before_step(1, 2)\n"
         "print('reached', flush=True)\n"
@@ -362,7 +362,7 @@ class Clock:
 
 class CountingStore:
     def __init__(self) -> None:
-        from hpkit.runtime.hang_watchdog import MemoryStore
+        from hpkit.runtime.watchdog.hang_watchdog import MemoryStore
 
         self.inner, self.calls = MemoryStore(), 0
 
@@ -377,7 +377,7 @@ class CountingStore:
 
 
 def cluster(nodes: int = 3, per_node: int = 2):
-    from hpkit.runtime.hang_channel import Judge, Uplink
+    from hpkit.runtime.watchdog.hang_channel import Judge, Uplink
 
     clock, store = Clock(), CountingStore()
     uplinks = []
@@ -407,7 +407,7 @@ def reports(node: int, per_node: int, step: int, since: float, seq: int) -> dict
 def run_seconds(
     clock, store, uplinks, seconds: int, frozen=(), stalled_from: int | None = None, stopped_rank=None
 ):
-    from hpkit.runtime.hang_channel import summarize
+    from hpkit.runtime.watchdog.hang_channel import summarize
 
     for _ in range(seconds):
         clock.now += 1
@@ -457,7 +457,7 @@ def test_a_frozen_judge_is_named_by_the_standby_that_takes_over():
 
 
 def test_a_node_that_cannot_reach_the_store_waits_for_the_judge_then_names_the_store():
-    from hpkit.runtime.hang_rules import store_verdict
+    from hpkit.runtime.watchdog.hang_rules import store_verdict
 
     common = dict(
         step=5, store="10.0.0.1:29500", store_node="n0", reporter="n3", store_ranks={0: "n0", 1: "n0"}
@@ -472,7 +472,7 @@ def test_a_node_that_cannot_reach_the_store_waits_for_the_judge_then_names_the_s
 
 
 def test_an_unreachable_store_leaves_the_uplink_silent():
-    from hpkit.runtime.hang_channel import Judge, Uplink
+    from hpkit.runtime.watchdog.hang_channel import Judge, Uplink
 
     clock = Clock()
 
@@ -486,7 +486,7 @@ def test_an_unreachable_store_leaves_the_uplink_silent():
 
 
 def test_a_process_that_was_stopped_restarts_its_count_of_the_stores_silence():
-    from hpkit.runtime.hang_channel import Judge, Uplink
+    from hpkit.runtime.watchdog.hang_channel import Judge, Uplink
 
     clock = Clock()
     up = Uplink(lambda: CountingStore(), 0, 2, Judge(2, 4, 10, 10, 600, clock), lambda v: {}, clock)
@@ -506,8 +506,8 @@ def test_a_node_leaders_first_summary_is_in_the_store_when_start_returns(tmp_pat
 
     from torch.distributed import TCPStore
 
-    from hpkit.runtime.hang_board import BOARD_ENV
-    from hpkit.runtime.hang_watchdog import HangWatchdog
+    from hpkit.runtime.watchdog.hang_board import BOARD_ENV
+    from hpkit.runtime.watchdog.hang_watchdog import HangWatchdog
 
     monkeypatch.setenv(BOARD_ENV, str(tmp_path / "board"))
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
@@ -529,7 +529,7 @@ def test_a_node_leaders_first_summary_is_in_the_store_when_start_returns(tmp_pat
 
 
 def test_node_boards_are_node_local_and_ages_are_counted_on_the_readers_clock(tmp_path):
-    from hpkit.runtime.hang_board import Freshness, NodeBoard, board_dir, reports_of
+    from hpkit.runtime.watchdog.hang_board import Freshness, NodeBoard, board_dir, reports_of
 
     folder = board_dir(tmp_path / "hangs", "7-0-0-0", {"HPKIT_WATCH_BOARD": str(tmp_path / "shm")})
     a0, a1 = NodeBoard(folder, "a", 0).open(), NodeBoard(folder, "a", 1).open()
@@ -551,7 +551,7 @@ def test_node_boards_are_node_local_and_ages_are_counted_on_the_readers_clock(tm
 
 
 def test_node_place_follows_the_launcher():
-    from hpkit.runtime.hang_watchdog import node_place
+    from hpkit.runtime.watchdog.hang_watchdog import node_place
 
     assert node_place(5, 8, {"GROUP_RANK": "2", "GROUP_WORLD_SIZE": "4"}) == (2, 4)
     assert node_place(5, 8, {"SLURM_NODEID": "1", "SLURM_STEP_NUM_NODES": "2"}) == (1, 2)
@@ -563,9 +563,9 @@ def test_the_judge_decides_from_node_aggregates_and_unpacks_only_the_nodes_that_
     # At 16k ranks, parsing every rank of every node in the round that finds a stall took the judge 213 ms
     # (target 100): it now reads each node's aggregate and unpacks the ranks only of the nodes that may hold a
     # late or stopped rank, or of every node when the live ranks' collectives must be compared. Same verdict.
-    from hpkit.runtime import hang_channel
-    from hpkit.runtime.hang_channel import Judge, node_key, parse_summary, summarize
-    from hpkit.runtime.hang_watchdog import MemoryStore
+    from hpkit.runtime.watchdog import hang_channel
+    from hpkit.runtime.watchdog.hang_channel import Judge, node_key, parse_summary, summarize
+    from hpkit.runtime.watchdog.hang_watchdog import MemoryStore
 
     nodes, per_node = 6, 2
     unpacked: list[int] = []

@@ -215,7 +215,7 @@ def test_init_from_takes_the_shape_so_shape_fields_are_refused() -> None:
 def test_export_of_a_checkpoint_without_a_model_record_says_what_to_do(tmp_path: Path) -> None:
     from hpkit.errors import HpkitError
     from hpkit.hf_export import export_hf
-    from hpkit.runtime.checkpoint_record import CommitRecord, write_record
+    from hpkit.runtime.checkpoints.checkpoint_record import CommitRecord, write_record
 
     step = tmp_path / "ckpt" / "step-00000010"
     step.mkdir(parents=True)

@@ -11,7 +11,7 @@ import pytest
 from hpkit import job_events
 from hpkit.jobs.why import FAULT, HANG_LINE, TRAIN_DONE, TRAIN_STOPPED
 from hpkit.jobs.why_scan import scan_output
-from hpkit.runtime.hang_rules import Verdict
+from hpkit.runtime.watchdog.hang_rules import Verdict
 from hpkit.supervise.hangs import culprit_nodes, verdict_path
 
 

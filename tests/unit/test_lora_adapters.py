@@ -1,4 +1,4 @@
-"""LoRA (hpkit.runtime.lora) in one process: the spec's checks, what apply_lora does to a model, PEFT's
+"""LoRA (hpkit.runtime.loop.lora) in one process: the spec's checks, what apply_lora does to a model, PEFT's
 initialisation, the adapter's arithmetic, and what refuses a resume; and the adapters' placements under
 tensor parallel, in two real gloo processes. The layouts are tests/integration/test_lora.py's."""
 
@@ -16,7 +16,7 @@ from hpkit.models.llama import build_model, config_for, named_parameters_unwrapp
 from hpkit.models.moe import MoEConfig
 from hpkit.runtime.adapters import adapter_for
 from hpkit.runtime.config import LORA_TARGETS, LoraSpec, RunConfig
-from hpkit.runtime.lora import (
+from hpkit.runtime.loop.lora import (
     LoRALinear,
     apply_lora,
     base_identity,
@@ -180,7 +180,7 @@ def _adapters_under_tensor_parallel(rank: int, world: int) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from hpkit.runtime.tensor_parallel import apply_tp
+    from hpkit.runtime.parallel.tensor_parallel import apply_tp
 
     adapter = adapter_for("llama")
     model = build_model(config_for("debug", 16, **TINY), "meta")

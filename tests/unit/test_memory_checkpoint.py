@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from hpkit.runtime.config import MemoryCheckpointSpec
-from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
+from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
 
 root, rank, world = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 dist.init_process_group("gloo", init_method=f"file://{root.parent / 'store'}", rank=rank, world_size=world)

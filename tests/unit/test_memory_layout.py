@@ -1,4 +1,4 @@
-"""In-memory checkpoints: partner placement and the restore plan (hpkit.runtime.memory_layout, torch-free)."""
+"""In-memory checkpoints: partner placement and the restore plan (hpkit.runtime.checkpoints.memory_layout, torch-free)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hpkit.runtime.checkpoint_record import step_dir_name
-from hpkit.runtime.memory_layout import (
+from hpkit.runtime.checkpoints.checkpoint_record import step_dir_name
+from hpkit.runtime.checkpoints.memory_layout import (
     COMPLETE,
     METADATA,
     RANKS,
@@ -149,7 +149,7 @@ def test_holdings_are_read_from_complete_steps_only(tmp_path: Path):
 def test_only_runs_untouched_for_a_day_are_removed_as_leftovers(tmp_path: Path):
     import os
 
-    from hpkit.runtime.memory_layout import LEFTOVER_S, remove_leftovers
+    from hpkit.runtime.checkpoints.memory_layout import LEFTOVER_S, remove_leftovers
 
     now = 1_000_000.0
     for name, age in (("old", LEFTOVER_S + 60), ("recent", 60), ("mine", LEFTOVER_S + 60)):

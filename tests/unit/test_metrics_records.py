@@ -45,7 +45,7 @@ RECORDS = [
 def test_the_writer_writes_the_fields_it_always_wrote(tmp_path, monkeypatch):
     import io
 
-    import hpkit.runtime.metrics as metrics
+    import hpkit.runtime.observe.metrics as metrics
 
     monkeypatch.setattr(metrics.time, "time", lambda: T)
     path = tmp_path / "m.jsonl"

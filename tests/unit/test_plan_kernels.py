@@ -19,7 +19,7 @@ def test_sdpa_picks_flash_for_half_precision_and_falls_back_by_dtype_mask_and_gq
 def test_hpkits_selective_policy_keeps_what_the_runtime_saves() -> None:
     import torch
 
-    from hpkit.runtime.activation_checkpoint import _SAVE_OPS
+    from hpkit.runtime.parallel.activation_checkpoint import _SAVE_OPS
 
     # Every matmul of a block is an mm once F.linear flattens its input, and the GPU attention kernels are saved.
     assert torch.ops.aten.mm.default in _SAVE_OPS

@@ -13,7 +13,7 @@ from hpkit.jobs.files import files_for, spec_of_script
 from hpkit.metrics_file import MetricsReader, read_metrics
 from hpkit.progress import progress
 from hpkit.render import render
-from hpkit.runtime.checkpoint_record import CommitRecord, FileDigest, write_record
+from hpkit.runtime.checkpoints.checkpoint_record import CommitRecord, FileDigest, write_record
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 

@@ -6,8 +6,8 @@ import pytest
 
 from hpkit.cli import main as hpkit_main
 from hpkit.errors import SpecError
-from hpkit.runtime.checkpoint import committed, find_latest, step_dir_name
-from hpkit.runtime.checkpoint_record import (
+from hpkit.runtime.checkpoints.checkpoint import committed, find_latest, step_dir_name
+from hpkit.runtime.checkpoints.checkpoint_record import (
     RECORD_NAME,
     CommitRecord,
     FileDigest,
@@ -87,7 +87,7 @@ import contextlib, sys
 from pathlib import Path
 import torch
 import torch.distributed as dist
-from hpkit.runtime.checkpoint import Checkpointer
+from hpkit.runtime.checkpoints.checkpoint import Checkpointer
 from hpkit.runtime.config import CheckpointSpec
 
 root, mode = Path(sys.argv[1]), sys.argv[2]
@@ -225,9 +225,9 @@ def test_checkpoint_streams_checksum_what_they_write_through_a_window_of_page_ca
 
     import crc32c
 
-    from hpkit.runtime import page_cache
-    from hpkit.runtime.checkpoint import ChecksummingFileSystem
-    from hpkit.runtime.checkpoint_record import ChecksumWriter, DigestLog
+    from hpkit.runtime.checkpoints import page_cache
+    from hpkit.runtime.checkpoints.checkpoint import ChecksummingFileSystem
+    from hpkit.runtime.checkpoints.checkpoint_record import ChecksumWriter, DigestLog
 
     events: list[tuple[str, int, int, int]] = []  # (what, offset, end, file size on disk at the call)
     real_sync, real_fadvise = page_cache._sync_file_range, os.posix_fadvise
@@ -299,8 +299,8 @@ def test_a_failed_writeback_fails_the_write_instead_of_hiding_from_fsync(tmp_pat
     import errno
     import os
 
-    from hpkit.runtime import page_cache
-    from hpkit.runtime.checkpoint_record import ChecksumWriter
+    from hpkit.runtime.checkpoints import page_cache
+    from hpkit.runtime.checkpoints.checkpoint_record import ChecksumWriter
 
     def failing(code: int):
         def call(fd: int, offset: int, length: int, flags: int) -> int:
@@ -372,7 +372,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hpkit.runtime.checkpoint import Checkpointer
+from hpkit.runtime.checkpoints.checkpoint import Checkpointer
 from hpkit.runtime.config import CheckpointSpec
 
 

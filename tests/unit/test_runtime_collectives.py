@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from hpkit.runtime.collectives import choose_backend, decide, import_smddp
+from hpkit.runtime.parallel.collectives import choose_backend, decide, import_smddp
 
 
 def test_auto_is_nccl_whatever_the_library():
@@ -51,7 +51,7 @@ def test_decide_imports_the_real_module_here_where_it_is_absent():
 def test_importing_the_choice_loads_neither_torch_nor_the_importer_nor_the_checker(repo):
     # The runtime reads this module; it must not drag in SageMaker's importer or the checks with it.
     probe = (
-        "import sys, hpkit.runtime.collectives; "
+        "import sys, hpkit.runtime.parallel.collectives; "
         "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith(('hpkit.sagemaker', 'hpkit.checks'))))"
     )
     out = subprocess.run(

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hpkit.errors import SpecError
-from hpkit.runtime.data import DataLoader, SyntheticTokens, TokenFile, build_source
+from hpkit.runtime.loop.data import DataLoader, SyntheticTokens, TokenFile, build_source
 
 
 def _global_batch(source, local: int, dp: int, position: int = 0) -> torch.Tensor:
@@ -96,7 +96,7 @@ def _prepared_dir(tmp_path, shard_lengths: list[int], vocab: int = 1000, dtype: 
 
 
 def test_prepared_windows_run_across_shard_boundaries(tmp_path):
-    from hpkit.runtime.data import PreparedTokens
+    from hpkit.runtime.loop.data import PreparedTokens
 
     source = PreparedTokens(_prepared_dir(tmp_path, [7, 3, 0, 11]), seq_len=4, seed=5, vocab_size=1000)
     assert len(source) == 5  # 21 tokens: windows start at 0, 4, 8, 12, 16
@@ -107,7 +107,7 @@ def test_prepared_windows_run_across_shard_boundaries(tmp_path):
 
 
 def test_prepared_directory_errors_name_the_field_and_the_fix(tmp_path):
-    from hpkit.runtime.data import PreparedTokens
+    from hpkit.runtime.loop.data import PreparedTokens
 
     with pytest.raises(
         SpecError, match=r"train.data.path: .* has no index.json: make one with `hpkit data prepare"

@@ -105,7 +105,7 @@ def test_node_name_is_slurms_else_the_host_name():
 def test_in_an_oci_container_the_node_is_slurms_name_for_it_not_the_containers(tmp_path):
     # An OCI container's host name is the container's own: the hang watchdog named nodes by it, so its verdict
     # (and culprit_nodes, which the supervisor swaps for spares) named no node of the job.
-    from hpkit.runtime.hang_watchdog import HangWatchdog
+    from hpkit.runtime.watchdog.hang_watchdog import HangWatchdog
 
     env = {"SLURM_TOPOLOGY_ADDR": "spine1.leaf3.node7", "SLURM_TOPOLOGY_ADDR_PATTERN": "switch.switch.node"}
     assert node_name(env) == "node7"

@@ -7,7 +7,7 @@ import pytest
 
 from hpkit.errors import SpecError
 from hpkit.models.llama import SHAPES, config_for
-from hpkit.runtime.metrics import MetricsLogger, StepStats, peak_tflops
+from hpkit.runtime.observe.metrics import MetricsLogger, StepStats, peak_tflops
 
 
 def test_peak_table():

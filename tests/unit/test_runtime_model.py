@@ -5,10 +5,10 @@ import torch
 
 from hpkit.errors import SpecError
 from hpkit.models.llama import build_model, config_for
-from hpkit.runtime.activation_checkpoint import apply_ac
-from hpkit.runtime.compile import ALLOW_COMPILE_TP_ENV, check_compile_allowed
-from hpkit.runtime.pipeline import split_model
-from hpkit.runtime.tensor_parallel import select_units, tp_units
+from hpkit.runtime.parallel.activation_checkpoint import apply_ac
+from hpkit.runtime.parallel.compile import ALLOW_COMPILE_TP_ENV, check_compile_allowed
+from hpkit.runtime.parallel.pipeline import split_model
+from hpkit.runtime.parallel.tensor_parallel import select_units, tp_units
 
 CFG = config_for("debug", 16, dim=32, n_layers=3, n_heads=4, ffn_dim=64, vocab_size=50)
 

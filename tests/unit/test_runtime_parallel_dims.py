@@ -4,7 +4,7 @@ import pytest
 
 from hpkit.arch.pipeline import stage_ids
 from hpkit.errors import SpecError
-from hpkit.runtime.parallel_dims import ParallelDims
+from hpkit.runtime.parallel.parallel_dims import ParallelDims
 from hpkit.spec import ParallelismSpec
 
 
@@ -53,7 +53,7 @@ def test_degrees_that_do_not_make_the_world(world, kw, message):
 
 def test_every_schedule_a_spec_may_name_has_a_torch_class():
     from hpkit.arch.pipeline import SCHEDULES
-    from hpkit.runtime import pipeline
+    from hpkit.runtime.parallel import pipeline
 
     assert sorted(pipeline.SCHEDULES) == sorted(SCHEDULES)
 
@@ -80,7 +80,7 @@ def test_inferred_pp_meets_the_schedule_rules_once_resolved():
 
 
 def test_sequence_parallel_follows_the_backend_unless_set():
-    from hpkit.runtime.tensor_parallel import sequence_parallel_default
+    from hpkit.runtime.parallel.tensor_parallel import sequence_parallel_default
 
     # NCCL reduce-scatters natively; gloo would run a full all-reduce and then all-gather.
     assert sequence_parallel_default("cuda") and not sequence_parallel_default("cpu")
@@ -96,7 +96,7 @@ def test_sequence_parallel_needs_the_whole_model():
 
 def test_seq_len_must_divide_only_under_sequence_parallel():
     from hpkit.models.llama import build_model, config_for
-    from hpkit.runtime.tensor_parallel import check_tp_shape
+    from hpkit.runtime.parallel.tensor_parallel import check_tp_shape
 
     model = build_model(config_for("debug", seq_len=30), "meta")
     check_tp_shape(model, 4, 30, whole_model=True, sequence_parallel=False)

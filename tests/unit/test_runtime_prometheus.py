@@ -11,9 +11,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from hpkit.errors import SpecError
 from hpkit.rendezvous import free_local_ports
 from hpkit.runtime.config import PrometheusSpec, RunConfig
-from hpkit.runtime.metrics import StepStats
-from hpkit.runtime.prometheus import PrometheusExporter
-from hpkit.runtime.stragglers import Straggler, Window
+from hpkit.runtime.observe.metrics import StepStats
+from hpkit.runtime.observe.prometheus import PrometheusExporter
+from hpkit.runtime.watchdog.stragglers import Straggler, Window
 from hpkit.validation import parse_document
 
 

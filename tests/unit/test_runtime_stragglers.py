@@ -11,7 +11,7 @@ import torch
 
 from hpkit.errors import SpecError
 from hpkit.runtime.config import RunConfig
-from hpkit.runtime.stragglers import StragglerDetector, WorkTimer, ring_link_figures, slowdowns
+from hpkit.runtime.watchdog.stragglers import StragglerDetector, WorkTimer, ring_link_figures, slowdowns
 from hpkit.validation import parse_document
 
 

@@ -205,7 +205,7 @@ def of(outcome: Outcome, kind: str) -> list[dict]:
 
 
 def hang_at(tmp_path: Path, restart: int = 0, culprit: str | None = None) -> Callable[[int], None]:
-    """What the watchdog leaves when it stops a hung step (hpkit.runtime.hang_watchdog's layout)."""
+    """What the watchdog leaves when it stops a hung step (hpkit.runtime.watchdog.hang_watchdog's layout)."""
 
     def write(attempt: int) -> None:
         folder = tmp_path / "logs" / "hangs" / f"{JOB}-{restart}-{attempt}-0-step5"

@@ -100,7 +100,7 @@ HANG_DIR = "/w/logs/hangs/19822-0-0-0-step6"
 HANG = f"""\
 hpkit: job 19822 (restart 0 of at most 0) on node[1-2], rendezvous 127.0.0.1:49322
 1: hpkit: fault injected (HPKIT_FAULT): hang on rank 1 before step 6
-0: hpkit: hang: rank 1 on node2 held up step 6 for 6 s (limit 5 s): it has not entered the collective the other ranks wait in at /hpkit/runtime/faults.py:67 in before_step; stacks of every rank in {HANG_DIR}
+0: hpkit: hang: rank 1 on node2 held up step 6 for 6 s (limit 5 s): it has not entered the collective the other ranks wait in at /hpkit/runtime/watchdog/faults.py:67 in before_step; stacks of every rank in {HANG_DIR}
 E1125 11:28:20.876000 644 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 75) local_rank: 0 (pid: 767) of binary: /venv/bin/python
 Root Cause (first observed failure):
 [0]:
@@ -119,9 +119,9 @@ HANG_VERDICT_JSON = json.dumps(
         "culprits": [1],
         "reason": "behind",
         "nodes": {"0": "node1", "1": "node2"},
-        "top_frames": {"1": "/hpkit/runtime/faults.py:67 in before_step"},
+        "top_frames": {"1": "/hpkit/runtime/watchdog/faults.py:67 in before_step"},
         "line": "hpkit: hang: rank 1 on node2 held up step 6 for 6 s (limit 5 s): it has not entered the "
-        "collective the other ranks wait in at /hpkit/runtime/faults.py:67 in before_step",
+        "collective the other ranks wait in at /hpkit/runtime/watchdog/faults.py:67 in before_step",
         "stacks": HANG_DIR,
     },
     indent=1,

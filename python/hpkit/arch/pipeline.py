@@ -1,7 +1,7 @@
 """Pipeline parallel as plain numbers: the schedule names, which stages a pp rank holds, which blocks a stage
 holds, and the settings torch's schedules (2.13) refuse.
 
-The runtime (hpkit.runtime.pipeline, which maps each name to torch's class) and the planner (hpkit.plan) both
+The runtime (hpkit.runtime.parallel.pipeline, which maps each name to torch's class) and the planner (hpkit.plan) both
 call these functions: one placement, one set of rules.
 """
 

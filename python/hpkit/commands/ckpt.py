@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from hpkit.errors import HpkitError
-from hpkit.runtime.checkpoint_record import CheckpointReport, checkpoint_dirs, inspect
+from hpkit.runtime.checkpoints.checkpoint_record import CheckpointReport, checkpoint_dirs, inspect
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:

@@ -119,7 +119,7 @@ def _training_run(text: str, label: str, plot):
     if not text.isdigit():
         return plot.TrainingRun(label, read_metrics(Path(text)))
     from hpkit.jobs.files import locate
-    from hpkit.runtime.checkpoint_record import checkpoint_dirs
+    from hpkit.runtime.checkpoints.checkpoint_record import checkpoint_dirs
 
     files = locate(text)
     if files is None:

@@ -430,7 +430,7 @@ def _uid(user: str) -> int | None:
 
 
 def scan_hang_verdict(text: str, source: str, restart: int | None = None) -> Finding | None:
-    """The watchdog's verdict.json (hpkit.runtime.hang_watchdog): culprit, node, top frame, stacks folder."""
+    """The watchdog's verdict.json (hpkit.runtime.watchdog.hang_watchdog): culprit, node, top frame, stacks folder."""
     try:
         data = json.loads(text)
     except ValueError:

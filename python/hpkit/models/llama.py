@@ -343,7 +343,7 @@ def named_parameters_unwrapped(model: nn.Module):
     for name, param in model.named_parameters():
         clean = name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
         if clean.endswith((".lora_A.weight", ".lora_B.weight")):
-            # LoRA adapters (hpkit.runtime.lora) are not the model's weights: neither initialised like
+            # LoRA adapters (hpkit.runtime.loop.lora) are not the model's weights: neither initialised like
             # them nor read from a Hugging Face checkpoint; the runtime initialises them itself.
             continue
         yield clean, param

@@ -14,7 +14,7 @@ exactly what one process computes on the whole batch. It enters training through
 in backward, so it needs no path to the loss through pipeline stages. Its value is kept for the logs.
 
 The experts' weights are 3-D (experts first), so expert parallel shards them along dim 0 and a checkpoint
-holds one tensor per weight, whatever the layout. Under expert parallel (`hpkit.runtime.expert_parallel`)
+holds one tensor per weight, whatever the layout. Under expert parallel (`hpkit.runtime.parallel.expert_parallel`)
 tokens travel to the rank holding their expert and back with two all-to-alls.
 """
 
@@ -220,10 +220,10 @@ class MoE(nn.Module):
         self.register_buffer("aux_sum", torch.zeros(()), persistent=False)
         self.register_buffer("aux_calls", torch.zeros(()), persistent=False)
         # Forwards to leave out of the counters: a pipeline stage's first forward is torch's metadata
-        # inference (hpkit.runtime.trainer sets this), which the job never trains on.
+        # inference (hpkit.runtime.loop.trainer sets this), which the job never trains on.
         self.skip_forwards = 0
         # What the auxiliary loss's gradient is scaled by: a pipeline schedule that sums its microbatches'
-        # gradients sets 1/microbatches (hpkit.runtime.trainer).
+        # gradients sets 1/microbatches (hpkit.runtime.loop.trainer).
         self.aux_grad_scale = 1.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

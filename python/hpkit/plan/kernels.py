@@ -3,7 +3,7 @@ picks, which tensors each activation-checkpointing policy keeps, and how a train
 
 Torch-free (the planner runs on login nodes). The rules restate torch's own (sdp_utils.cpp's kernel
 constraints, in priority order flash, memory-efficient, math) and the runtime's
-(hpkit.runtime.activation_checkpoint's save list, hpkit.runtime.trainer's loss); tests/unit/test_plan_kernels.py
+(hpkit.runtime.parallel.activation_checkpoint's save list, hpkit.runtime.loop.trainer's loss); tests/unit/test_plan_kernels.py
 keeps the save lists equal to the runtime's.
 """
 
@@ -55,7 +55,7 @@ class SelectivePolicy:
     keeps_attention: bool  # the flash/efficient kernel's output and log-sum-exp
 
 
-# hpkit.runtime.activation_checkpoint._SAVE_OPS: every mm/addmm/bmm and the attention kernels.
+# hpkit.runtime.parallel.activation_checkpoint._SAVE_OPS: every mm/addmm/bmm and the attention kernels.
 HPKIT_SELECTIVE = SelectivePolicy("hpkit", MATMULS, True)
 # torchtitan's "op" selective AC (torchtitan/parallelisms/parallelize_llama.py at 9dec370, _save_list): every
 # saved op except every second mm, counted per block: mm 1, 3, 5, 7 (wq, wv, w1, w2) are kept.
@@ -70,7 +70,7 @@ class TrainingLoop:
     keeps_logits: the loop's variable still references the logits while backward runs (hpkit's trainer and
     bench/gpu_mfu.py; torchtitan's train.py `del pred`s them first). embeddings_kept: FSDP keeps the
     embeddings gathered from forward to backward (torchtitan leaves them to the root, which never reshards
-    after forward; hpkit makes them a unit that does, hpkit.runtime.fsdp)."""
+    after forward; hpkit makes them a unit that does, hpkit.runtime.parallel.fsdp)."""
 
     selective: SelectivePolicy = HPKIT_SELECTIVE
     keeps_logits: bool = True

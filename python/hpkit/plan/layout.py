@@ -1,7 +1,7 @@
 """One training layout: the parallel degrees, the pipeline schedule, activation checkpointing, batch and precision.
 
 The planner's unit of choice, and the bridge to a job spec: `Layout.from_run_config` reads the spec's
-parallelism and train blocks (degrees resolved for the world, as hpkit.runtime.parallel_dims does) and
+parallelism and train blocks (degrees resolved for the world, as hpkit.runtime.parallel.parallel_dims does) and
 `to_parallelism` / `train_fields` write them back. Which of FSDP, HSDP and DDP a layout gets is asked of the
 runtime's ParallelDims (torch-free to import), never restated here.
 """
@@ -16,7 +16,7 @@ from pydantic import ValidationError
 from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, Schedule
 from hpkit.errors import SpecError
 from hpkit.runtime.config import ParallelismSpec, resolve_mixed_precision
-from hpkit.runtime.parallel_dims import ParallelDims
+from hpkit.runtime.parallel.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
     from hpkit.runtime.config import RunConfig
@@ -39,7 +39,7 @@ class Layout:
     local_batch_size: int = 1  # sequences per data-parallel rank per step
     precision: Precision = "bf16"
     # Whole-model TP shards the residual stream along the sequence; None: the runtime's default (on for
-    # CUDA, off on CPU: hpkit.runtime.tensor_parallel.sequence_parallel_default).
+    # CUDA, off on CPU: hpkit.runtime.parallel.tensor_parallel.sequence_parallel_default).
     sequence_parallel: bool | None = None
 
     # ---- derived -----------------------------------------------------------------------------------

@@ -237,7 +237,7 @@ def _part(shape: ModelShape, layout: Layout, blocks: list[int], first: bool, las
 # LoRA targets (Hugging Face names) -> (input width, output width, column-parallel) of the projection.
 def _adapters(shape: ModelShape, layout: Layout, index: int) -> list[tuple[int, int]]:
     """A (r x in) and B (out x r) of each adapted projection of block `index`, after TP: a column-parallel
-    base shards B's rows, a row-parallel one A's columns (hpkit.runtime.lora)."""
+    base shards B's rows, a row-parallel one A's columns (hpkit.runtime.loop.lora)."""
     r, tp = shape.lora_rank, layout.tp
     if not r:
         return []

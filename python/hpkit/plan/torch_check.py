@@ -54,10 +54,10 @@ def _track(shape: ModelShape, layout: Layout) -> TorchCheck:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hpkit.runtime.activation_checkpoint import apply_ac
     from hpkit.runtime.adapters import adapter_for
-    from hpkit.runtime.fsdp import apply_fsdp
-    from hpkit.runtime.loss import masked_loss_sum
+    from hpkit.runtime.loop.loss import masked_loss_sum
+    from hpkit.runtime.parallel.activation_checkpoint import apply_ac
+    from hpkit.runtime.parallel.fsdp import apply_fsdp
 
     world = layout.dp_shard
     owns_group = not dist.is_initialized()

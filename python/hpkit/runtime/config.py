@@ -432,7 +432,7 @@ class TrainSpec(StrictModel):
 
 
 class MemoryCheckpointSpec(StrictModel):
-    """In-memory checkpoints (hpkit.runtime.memory_checkpoint): each rank's state staged to host RAM every `every`
+    """In-memory checkpoints (hpkit.runtime.checkpoints.memory_checkpoint): each rank's state staged to host RAM every `every`
     steps, with a copy on a partner node, so that a restart after a lost node or rank reads nothing from
     `checkpoint.dir` and redoes at most `every` steps."""
 
@@ -475,7 +475,7 @@ class CheckpointSpec(StrictModel):
 
 
 class HangSpec(StrictModel):
-    """The hang watchdog (hpkit.runtime.hang_watchdog): a job whose ranks stop finishing steps is stopped in
+    """The hang watchdog (hpkit.runtime.watchdog.hang_watchdog): a job whose ranks stop finishing steps is stopped in
     seconds, with the culprit named and every rank's stacks on disk, instead of waiting out the collective
     timeout."""
 

@@ -19,24 +19,24 @@ from typing import TYPE_CHECKING
 from hpkit.errors import SpecError
 from hpkit.job_events import done_line, stopping_line
 from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
-from hpkit.runtime import faults
-from hpkit.runtime.checkpoint import Checkpointer
-from hpkit.runtime.checkpoint_record import CommitRecord, step_dir_name, step_of
-from hpkit.runtime.collectives import decide
+from hpkit.runtime.checkpoints.checkpoint import Checkpointer
+from hpkit.runtime.checkpoints.checkpoint_record import CommitRecord, step_dir_name, step_of
+from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
+from hpkit.runtime.checkpoints.memory_layout import memory_root, run_key
 from hpkit.runtime.config import RunConfig
 from hpkit.runtime.env import DeviceInfo, LaunchEnv, distributed, node_name
-from hpkit.runtime.evaluate import Evaluator
-from hpkit.runtime.hang_watchdog import HangWatchdog, enable_flight_recorder
-from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
-from hpkit.runtime.memory_layout import memory_root, run_key
-from hpkit.runtime.metrics import MetricsLogger, peak_tflops
-from hpkit.runtime.report import StepReporter
+from hpkit.runtime.loop.evaluate import Evaluator
+from hpkit.runtime.loop.trainer import StepResult, Trainer
+from hpkit.runtime.observe.metrics import MetricsLogger, peak_tflops
+from hpkit.runtime.observe.report import StepReporter
+from hpkit.runtime.parallel.collectives import decide
 from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths, sweep_overrides
-from hpkit.runtime.trainer import StepResult, Trainer
+from hpkit.runtime.watchdog import faults
+from hpkit.runtime.watchdog.hang_watchdog import HangWatchdog, enable_flight_recorder
 from hpkit.supervise.ready import announce as announce_ready
 
 if TYPE_CHECKING:
-    from hpkit.runtime.prometheus import PrometheusExporter
+    from hpkit.runtime.observe.prometheus import PrometheusExporter
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # The parts of a start-up, in order, whose end rank 0 records in its start record (StartEvent.phases, Unix
@@ -417,7 +417,7 @@ def _exporter(cfg: RunConfig, launch: LaunchEnv, identity: RunIdentity) -> Prome
         return None
     # Imported only when asked for: the images install torch and hpkit, not every package of the extra.
     try:
-        from hpkit.runtime.prometheus import PrometheusExporter
+        from hpkit.runtime.observe.prometheus import PrometheusExporter
     except ImportError:
         raise SpecError(
             "train.prometheus needs prometheus-client, which is not installed here: "

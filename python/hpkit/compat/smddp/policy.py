@@ -1,6 +1,6 @@
 """May a job run its "smddp" backend on hpkit's alias, and the one line that says so or why not.
 
-The same decision `hpkit train` makes (hpkit.runtime.collectives.choose_backend), read from the job's
+The same decision `hpkit train` makes (hpkit.runtime.parallel.collectives.choose_backend), read from the job's
 spec snapshot (HPKIT_SPEC): `collectives.backend: smddp` with `smddp_fallback: false` asks for SageMaker's
 library itself, which is not installed wherever this alias is imported, so the job stops. Anything else
 (no spec, backend auto, or the fallback allowed) runs on the alias. Torch-free, so a refusal costs no
@@ -46,7 +46,7 @@ def job_config(env: Mapping[str, str] | None = None) -> RunConfig | None:
 def verdict(cfg: RunConfig | None, alias_of: str) -> AliasVerdict:
     """alias_of: "nccl" (CUDA) or "gloo" (CPU), the backend the alias creates process groups with.
 
-    As in hpkit.runtime.collectives.choose_backend, with the import known to have failed: a spec that
+    As in hpkit.runtime.parallel.collectives.choose_backend, with the import known to have failed: a spec that
     asks for SMDDP and forbids the fallback stops; everything else runs on the alias.
     """
     instance_type = cfg.instance_type if cfg else None

@@ -43,7 +43,7 @@ def load(f: str | os.PathLike, partial: bool = True, map_location: Any = None, *
 
 
 def _checkpointer(root: Path, keep: int) -> Any:
-    from hpkit.runtime.checkpoint import Checkpointer
+    from hpkit.runtime.checkpoints.checkpoint import Checkpointer
     from hpkit.runtime.config import CheckpointSpec
 
     layout = {"tp": topology.tp_size(), "pp": topology.pp_size(), "dp_replicate": topology.dp_size()}
@@ -51,7 +51,7 @@ def _checkpointer(root: Path, keep: int) -> Any:
 
 
 def _state(model: Any, optimizer: Any, user_content: Any) -> dict[str, Any]:
-    from hpkit.runtime.checkpoint import ModelState, OptimizerState
+    from hpkit.runtime.checkpoints.checkpoint import ModelState, OptimizerState
 
     state: dict[str, Any] = {}
     if model is not None:

@@ -171,7 +171,7 @@ class DistributedModel(nn.Module):
             fully_shard(local, mesh=coords.fsdp_mesh, reshard_after_forward=False)
             self.module = local
         elif self._ddp:
-            from hpkit.runtime.fsdp import apply_ddp
+            from hpkit.runtime.parallel.fsdp import apply_ddp
 
             self.module = apply_ddp(local, coords.ddp_mesh, self.device)
         else:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from hpkit.runtime.parallel_dims import MeshCoords
+    from hpkit.runtime.parallel.parallel_dims import MeshCoords
 
 
 @dataclass
@@ -81,7 +81,7 @@ def build_schedule(
     local: torch.nn.Module, coords: MeshCoords, device: torch.device, microbatches: int, schedule: str
 ) -> Any:
     """The model's pipeline schedule; its loss function is the running step's (see step.py)."""
-    from hpkit.runtime.pipeline import build_schedule as hpkit_schedule
+    from hpkit.runtime.parallel.pipeline import build_schedule as hpkit_schedule
 
     return hpkit_schedule(local, coords.pp_mesh, device, microbatches, schedule, _schedule_loss)
 

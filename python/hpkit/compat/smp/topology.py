@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     import torch
     from torch.distributed import ProcessGroup
 
-    from hpkit.runtime.parallel_dims import MeshCoords
+    from hpkit.runtime.parallel.parallel_dims import MeshCoords
 
 SUPPORTED_PARAMETERS = SUPPORTED
 PIPELINES = SMP_PIPELINES
@@ -172,7 +172,7 @@ def init(config: dict[str, Any] | None = None) -> None:
         warn_ignored(name, value)
 
     from hpkit.runtime.env import choose_device, configure_threads, init_distributed, read_launch_env
-    from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
+    from hpkit.runtime.parallel.parallel_dims import ParallelDims, make_mesh
 
     launch = read_launch_env()
     # Checked before joining the process group: every rank reaches the same verdict, none waits for another.

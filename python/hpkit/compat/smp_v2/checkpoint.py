@@ -20,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from hpkit.compat.smp_v2.state import bad_config
-from hpkit.runtime.checkpoint_record import (
+from hpkit.runtime.checkpoints.checkpoint_record import (
     CommitRecord,
     RecordError,
     digest_file,

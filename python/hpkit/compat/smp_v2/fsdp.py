@@ -34,7 +34,7 @@ from torch.distributed.fsdp.api import ShardingStrategy, StateDictType
 from torch.distributed.tensor import DTensor
 
 from hpkit.compat.smp_v2.state import bad_config, require
-from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
+from hpkit.runtime.loop.grad_norm import clip_grads_, total_grad_norm
 
 _state_dict_type: contextvars.ContextVar[StateDictType | None] = contextvars.ContextVar(
     "hpkit_tsm_state_dict_type", default=None

@@ -1,7 +1,7 @@
 """`tsm.init` and `tsm.state`: SMP v2's configuration read once, and the mesh built from it.
 
 SMP v2 lays the world out as data parallel (hybrid shard groups, expert parallel borrowing from them) x tensor
-parallel, tp innermost. hpkit's runtime mesh (hpkit.runtime.parallel_dims) is that layout: dp_replicate x
+parallel, tp innermost. hpkit's runtime mesh (hpkit.runtime.parallel.parallel_dims) is that layout: dp_replicate x
 dp_shard x ep x tp, where a hybrid shard group of H ranks is dp_shard x ep. Building the same mesh lets the
 script's FSDP, the transform's TP plans and the experts' all-to-all use the runtime's sub-meshes.
 """
@@ -23,7 +23,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hpkit import smp_params
 from hpkit.compat.smp.unsupported import SmpExit
-from hpkit.runtime.parallel_dims import MeshCoords, ParallelDims, make_mesh
+from hpkit.runtime.parallel.parallel_dims import MeshCoords, ParallelDims, make_mesh
 
 # What the rendered job exports (the spec's smp_parameters as JSON); SageMaker's own variable is read too.
 CONFIG_ENV = "HPKIT_SMP_V2_CONFIG"

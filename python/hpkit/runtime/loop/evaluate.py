@@ -27,12 +27,12 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpkit.errors import SpecError
-from hpkit.runtime import data as data_mod
 from hpkit.runtime.config import EvalSpec
-from hpkit.runtime.loss import IGNORE_INDEX, masked_loss_sum
+from hpkit.runtime.loop import data as data_mod
+from hpkit.runtime.loop.loss import IGNORE_INDEX, masked_loss_sum
 
 if TYPE_CHECKING:
-    from hpkit.runtime.trainer import Trainer
+    from hpkit.runtime.loop.trainer import Trainer
 
 
 @dataclass(frozen=True)

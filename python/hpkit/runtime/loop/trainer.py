@@ -30,23 +30,23 @@ from hpkit.arch.families import family_for, hf_family
 from hpkit.arch.pipeline import stages_problem
 from hpkit.errors import SpecError
 from hpkit.models.moe import MoE
-from hpkit.runtime import data as data_mod
-from hpkit.runtime.activation_checkpoint import apply_ac
 from hpkit.runtime.adapters import adapter_for
-from hpkit.runtime.checkpoint import Checkpointer, ModelState, OptimizerState
-from hpkit.runtime.compile import apply_compile, check_compile_allowed
+from hpkit.runtime.checkpoints.checkpoint import Checkpointer, ModelState, OptimizerState
+from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
 from hpkit.runtime.config import RunConfig, resolve_mixed_precision
 from hpkit.runtime.env import DeviceInfo, node_name
-from hpkit.runtime.expert_parallel import apply_ep
-from hpkit.runtime.fsdp import apply_ddp, apply_fsdp
-from hpkit.runtime.grad_norm import clip_grads_, total_grad_norm
-from hpkit.runtime.lora import apply_lora, base_identity, init_lora, lora_record, resume_refusal
-from hpkit.runtime.loss import TokenWeightedLoss
-from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
-from hpkit.runtime.parallel_dims import ParallelDims, make_mesh
-from hpkit.runtime.pipeline import build_schedule, check_microbatches, split_model, stage_ids
-from hpkit.runtime.stragglers import StragglerMonitor, Window
-from hpkit.runtime.tensor_parallel import apply_tp, check_tp_shape, sequence_parallel_default
+from hpkit.runtime.loop import data as data_mod
+from hpkit.runtime.loop.grad_norm import clip_grads_, total_grad_norm
+from hpkit.runtime.loop.lora import apply_lora, base_identity, init_lora, lora_record, resume_refusal
+from hpkit.runtime.loop.loss import TokenWeightedLoss
+from hpkit.runtime.parallel.activation_checkpoint import apply_ac
+from hpkit.runtime.parallel.compile import apply_compile, check_compile_allowed
+from hpkit.runtime.parallel.expert_parallel import apply_ep
+from hpkit.runtime.parallel.fsdp import apply_ddp, apply_fsdp
+from hpkit.runtime.parallel.parallel_dims import ParallelDims, make_mesh
+from hpkit.runtime.parallel.pipeline import build_schedule, check_microbatches, split_model, stage_ids
+from hpkit.runtime.parallel.tensor_parallel import apply_tp, check_tp_shape, sequence_parallel_default
+from hpkit.runtime.watchdog.stragglers import StragglerMonitor, Window
 
 # Debug: a directory where each rank appends "sample-index sha1" per sample it trains on (tests compare runs).
 DIGESTS_ENV = "HPKIT_DATA_DIGESTS"
@@ -186,7 +186,7 @@ class Trainer:
         self.moe_blocks = self._moe_blocks()
         # FSDP casts parameters itself; otherwise bf16 comes from autocast around the forward.
         self.autocast = self.mixed_precision == "bf16" and not self.dims.fsdp_enabled
-        # The step's loss: token-weighted over every microbatch and data-parallel rank (runtime.loss).
+        # The step's loss: token-weighted over every microbatch and data-parallel rank (runtime.loop.loss).
         self.loss = TokenWeightedLoss(self.dims.dp, masked=False)
         self.schedule = self._build_schedule()
         if self.schedule is not None:
@@ -194,7 +194,7 @@ class Trainer:
             # before the first real microbatch: keep it out of the MoE load figures.
             for _, moe in self.moe_blocks:
                 moe.skip_forwards = 1
-                # The schedule sums its microbatches' gradients (scale_grads off, runtime.loss): each
+                # The schedule sums its microbatches' gradients (scale_grads off, runtime.loop.loss): each
                 # microbatch's auxiliary loss is its 1/microbatches share of the batch's, as one forward's is.
                 moe.aux_grad_scale = 1.0 / self.cfg.parallelism.microbatches
         self.params = [p for part in self.model_parts for p in part.parameters() if p.requires_grad]
@@ -458,7 +458,7 @@ class Trainer:
                 inputs = inputs.to(self.device, non_blocking=True)
                 labels = labels.to(self.device, non_blocking=True)
             self.loss.begin_step(labels)
-            if positions is not None:  # packed conversations: positions restart at each (runtime.data)
+            if positions is not None:  # packed conversations: positions restart at each (runtime.loop.data)
                 positions = positions.to(self.device, non_blocking=True)
             local_loss = self._forward_backward(inputs, labels, positions)
             norm = total_grad_norm(self.params, self.pp_group)
@@ -506,7 +506,7 @@ class Trainer:
         with self._autocast():
             self.schedule.step(*args, **kwargs, **extra)
         # The schedules hand the losses back as the loss function made them, requiring grad; each is its
-        # microbatch's share of the rank's loss (runtime.loss), so they add up.
+        # microbatch's share of the rank's loss (runtime.loop.loss), so they add up.
         return torch.stack(losses).sum().detach() if losses else torch.zeros((), device=self.device)
 
     def _global_loss(self, local_loss: torch.Tensor) -> float:

@@ -28,8 +28,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from hpkit.errors import SpecError
 from hpkit.runtime.config import PrometheusSpec
-from hpkit.runtime.metrics import StepStats
-from hpkit.runtime.stragglers import Window
+from hpkit.runtime.observe.metrics import StepStats
+from hpkit.runtime.watchdog.stragglers import Window
 
 LABELS = ("job_id", "rank", "node")
 

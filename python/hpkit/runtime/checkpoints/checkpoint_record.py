@@ -22,7 +22,7 @@ from typing import Any
 
 import crc32c
 
-from hpkit.runtime.page_cache import StreamingWriteback
+from hpkit.runtime.checkpoints.page_cache import StreamingWriteback
 
 RECORD_NAME = "hpkit-commit.json"
 RECORD_FORMAT = 1
@@ -30,7 +30,7 @@ STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
 def step_dir_name(step: int) -> str:
-    """A checkpoint's folder, persistent or in memory (`runtime.memory_layout`): names sort as steps do."""
+    """A checkpoint's folder, persistent or in memory (`runtime.checkpoints.memory_layout`): names sort as steps do."""
     return f"step-{step:08d}"
 
 

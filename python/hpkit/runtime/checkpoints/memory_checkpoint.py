@@ -32,10 +32,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from hpkit.runtime.checkpoint import files_to_read, load_into, make_stager, without_absent_optional_keys
-from hpkit.runtime.checkpoint_record import step_dir_name, step_of
-from hpkit.runtime.config import MemoryCheckpointSpec
-from hpkit.runtime.memory_layout import (
+from hpkit.runtime.checkpoints.checkpoint import (
+    files_to_read,
+    load_into,
+    make_stager,
+    without_absent_optional_keys,
+)
+from hpkit.runtime.checkpoints.checkpoint_record import step_dir_name, step_of
+from hpkit.runtime.checkpoints.memory_layout import (
     COMPLETE,
     METADATA,
     RANKS,
@@ -48,6 +52,7 @@ from hpkit.runtime.memory_layout import (
     remove_leftovers,
     shard_file,
 )
+from hpkit.runtime.config import MemoryCheckpointSpec
 
 _TAG = 4417  # p2p tag of the copies, apart from anything training sends
 

@@ -60,7 +60,7 @@ def build_schedule(
 
     scale_grads divides the summed microbatch gradients by their number: the gradient of the mean of
     per-microbatch losses. The trainer turns it off: its loss function is already weighted by the step's
-    token count (hpkit.runtime.loss), so the microbatches' gradients simply add up."""
+    token count (hpkit.runtime.loop.loss), so the microbatches' gradients simply add up."""
     parts = [parts] if isinstance(parts, nn.Module) else list(parts)
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_stages = pp * len(parts)

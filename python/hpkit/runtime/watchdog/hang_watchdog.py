@@ -46,9 +46,16 @@ from typing import Any, TextIO
 
 from hpkit.job_events import CULPRIT_NODES, HANG_EXIT, VERDICT, hang_attempt, hang_folder, hang_line, job_key
 from hpkit.runtime.env import node_name
-from hpkit.runtime.hang_board import Freshness, NodeBoard, board_dir, board_root, pause, remove_leftovers
-from hpkit.runtime.hang_channel import Judge, Store, Uplink, summarize
-from hpkit.runtime.hang_rules import LATE_S, STALE_S, Verdict, store_verdict, threshold_s
+from hpkit.runtime.watchdog.hang_board import (
+    Freshness,
+    NodeBoard,
+    board_dir,
+    board_root,
+    pause,
+    remove_leftovers,
+)
+from hpkit.runtime.watchdog.hang_channel import Judge, Store, Uplink, summarize
+from hpkit.runtime.watchdog.hang_rules import LATE_S, STALE_S, Verdict, store_verdict, threshold_s
 from hpkit.watch_store import KEY_PREFIX, StoreAddress, address_from_env
 
 BEAT_S = 1.0

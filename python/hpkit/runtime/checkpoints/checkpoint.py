@@ -47,7 +47,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.stateful import Stateful
 
 from hpkit.errors import HpkitError
-from hpkit.runtime.checkpoint_record import (
+from hpkit.runtime.checkpoints.checkpoint_record import (
     RECORD_NAME,
     STEP_DIR,
     ChecksumWriter,

@@ -23,8 +23,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from hpkit.runtime.hang_board import Freshness, pause
-from hpkit.runtime.hang_rules import STALE_S, NodeAggregate, RankView, Verdict, decide_nodes
+from hpkit.runtime.watchdog.hang_board import Freshness, pause
+from hpkit.runtime.watchdog.hang_rules import STALE_S, NodeAggregate, RankView, Verdict, decide_nodes
 
 STANDBYS = 2
 VERDICT_MARK = "V"

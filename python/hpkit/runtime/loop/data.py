@@ -236,7 +236,7 @@ class DataLoader:
 
     def _chat_batch(self, first: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         from hpkit.data.chat import row_labels_positions
-        from hpkit.runtime.loss import IGNORE_INDEX
+        from hpkit.runtime.loop.loss import IGNORE_INDEX
 
         source = self.source
         assert isinstance(source, ChatRows)

@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hpkit.metrics_records import EvalEvent, StepTimesEvent, StragglerEvent
-from hpkit.runtime.evaluate import EvalResult
-from hpkit.runtime.metrics import MetricsLogger, StepStats, peak_memory_gib
-from hpkit.runtime.stragglers import Window
-from hpkit.runtime.trainer import StepResult, Trainer
+from hpkit.runtime.loop.evaluate import EvalResult
+from hpkit.runtime.loop.trainer import StepResult, Trainer
+from hpkit.runtime.observe.metrics import MetricsLogger, StepStats, peak_memory_gib
+from hpkit.runtime.watchdog.stragglers import Window
 
 if TYPE_CHECKING:  # prometheus-client is imported only by jobs that export (run._exporter)
-    from hpkit.runtime.prometheus import PrometheusExporter
+    from hpkit.runtime.observe.prometheus import PrometheusExporter
 
 
 @dataclass

@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpkit.runtime.checkpoint_record import STEP_DIR
-from hpkit.runtime.hang_board import node_local_base
+from hpkit.runtime.checkpoints.checkpoint_record import STEP_DIR
+from hpkit.runtime.watchdog.hang_board import node_local_base
 
 ROOT_ENV = "HPKIT_MEMORY_ROOT"  # another root for the copies (tests; hosts without /dev/shm)
 COMPLETE = "complete"

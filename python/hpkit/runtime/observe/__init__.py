@@ -1,0 +1,1 @@
+"""What a run reports: metrics (console, JSONL, TensorBoard), Prometheus, and the per-step report."""
