@@ -117,8 +117,8 @@ def _host_memory_of_saves(rank: int, world: int, root: str, out: str) -> None:
     import torch
 
     from hpkit.plan.host_memory import host_bytes_per_rank
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
     from hpkit.runtime.config import MemoryCheckpointSpec
-    from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
 
     spec = MemoryCheckpointSpec(every=1, replicas=1)
     saver = MemoryCheckpointer(spec, Path(root), f"n{rank}", log=lambda line: None)
@@ -157,8 +157,8 @@ def test_host_memory_of_the_copies_is_what_the_planner_predicts(tmp_path):
     memory a save's copies take at the peak, within 10 %: the node folder in tmpfs (the rank's own file and its
     partner's, for two steps while the newer completes) plus the process's growth (the staging copy). Two
     ranks, each its own node (the other's partner), so each folder holds one rank's file and one partner's."""
-    from hpkit.runtime.hang_board import node_local_base
-    from hpkit.runtime.memory_layout import ROOT_ENV
+    from hpkit.runtime.checkpoints.memory_layout import ROOT_ENV
+    from hpkit.runtime.watchdog.hang_board import node_local_base
 
     # Node memory as the runtime uses it (/dev/shm where there is one), in a folder of this test's own.
     root = node_local_base(None, ROOT_ENV) / f"hpkit-test-host-memory-{os.getpid()}" / "run"
@@ -185,8 +185,8 @@ def _a_failed_copy(rank: int, world: int, root: str) -> None:
 
     import torch
 
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
     from hpkit.runtime.config import MemoryCheckpointSpec
-    from hpkit.runtime.memory_checkpoint import MemoryCheckpointer
 
     lines: list[str] = []
     saver = MemoryCheckpointer(MemoryCheckpointSpec(every=1), Path(root), f"n{rank}", log=lines.append)

@@ -90,7 +90,7 @@ def test_a_start_records_phases_are_written_and_read_back(tmp_path):
     """The start-up's phases (bench_recovery splits a restart's seconds by them) travel through the file."""
     import io
 
-    import hpkit.runtime.metrics as metrics
+    import hpkit.runtime.observe.metrics as metrics
 
     phases = {"process": 10.0, "imported": 12.5, "group": 13.0, "restored": 14.25}
     path = tmp_path / "m.jsonl"
