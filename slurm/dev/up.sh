@@ -12,6 +12,9 @@
 #                          since job scripts derive their rendezvous port from the job id (default: 1)
 #   SLURMD_TIMEOUT         seconds without a node's answer before slurmctld declares it DOWN
 #                          (default: 30; node-loss tests lower it on their own cluster)
+#   MESSAGE_TIMEOUT        Slurm's MessageTimeout (default: 20). A client command (squeue, scontrol) keeps trying
+#                          a controller that is down for about this long before it fails; a test that stops
+#                          the controller lowers it on its own cluster
 #   MIN_JOB_AGE            seconds the controller keeps an ended job (default: 600; a test of
 #                          forgotten jobs lowers it on its own cluster)
 #   BF_INTERVAL            seconds between the backfill scheduler's passes (default: Slurm's own, 30). A requeued
@@ -50,6 +53,7 @@ port=${HPKIT_DEV_PORT:-6817}
 first_job_id=${FIRST_JOB_ID:-1}
 slurmd_timeout=${SLURMD_TIMEOUT:-30}
 min_job_age=${MIN_JOB_AGE:-600}
+message_timeout=${MESSAGE_TIMEOUT:-20}
 bf_interval=${BF_INTERVAL:-30}
 memory_kill=${MEMORY_KILL:-0}
 slurm=${SLURM:-22.05}
@@ -67,6 +71,7 @@ if ! [[ $port =~ ^[0-9]+$ ]] || ((port < 1024 || port + nodes > 65535)); then
 fi
 [[ $first_job_id =~ ^[1-9][0-9]*$ ]] || die "FIRST_JOB_ID must be a positive integer, not '$first_job_id'"
 [[ $slurmd_timeout =~ ^[1-9][0-9]*$ ]] || die "SLURMD_TIMEOUT must be a positive integer, not '$slurmd_timeout'"
+[[ $message_timeout =~ ^[1-9][0-9]*$ ]] || die "MESSAGE_TIMEOUT must be a positive integer, not '$message_timeout'"
 [[ $min_job_age =~ ^[1-9][0-9]*$ ]] || die "MIN_JOB_AGE must be a positive integer, not '$min_job_age'"
 [[ $bf_interval =~ ^[1-9][0-9]*$ ]] || die "BF_INTERVAL must be a positive integer, not '$bf_interval'"
 [[ $memory_kill =~ ^[01]$ ]] || die "MEMORY_KILL must be 0 or 1, not '$memory_kill'"
@@ -185,7 +190,7 @@ if ! alive "$dir/run/slurmctld.pid"; then
     node_names_new+=("node$i")
     node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=$addr Port=$((port + i)) CPUs=$cpus RealMemory=$memory State=UNKNOWN"$'\n'
   done
-  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@CTLD_ADDR@|$ctld_addr|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" -e "s|@BF_INTERVAL@|$bf_interval|g" "$here/slurm.conf.in" >"$conf.tmp"
+  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@CTLD_ADDR@|$ctld_addr|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" -e "s|@MESSAGE_TIMEOUT@|$message_timeout|g" -e "s|@BF_INTERVAL@|$bf_interval|g" "$here/slurm.conf.in" >"$conf.tmp"
   # The node and accounting lines hold newlines, which sed's replacement cannot carry portably.
   awk -v nodes="$node_lines" -v select_params="$select_params" -v jobacct="$jobacct" -v storage="$storage" '{
     if ($0 == "@NODES@") printf "%s", nodes
