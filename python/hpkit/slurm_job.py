@@ -15,13 +15,14 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from hpkit.errors import HpkitError
+from hpkit.job_identity import SLURM_NAME as _SLURM_NAME
+from hpkit.job_identity import JobIdentity
 from hpkit.slurm import options as slurm_options
 from hpkit.smp_params import v2_problems as smp_v2_problems
 from hpkit.validation import StrictModel, check_no_control_chars
 
 # Values that land in `#SBATCH` lines are parsed by sbatch, not by a shell, so they cannot be
 # quoted: they must be plain tokens.
-_SLURM_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _SLURM_NAME_LIST = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*(,[A-Za-z0-9][A-Za-z0-9._-]*)*$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 # A SageMaker channel becomes SM_CHANNEL_<NAME>: the name must make a valid variable name.
@@ -135,7 +136,7 @@ class SageMakerEnvSpec(StrictModel):
         return value
 
 
-class SlurmJob(StrictModel):
+class SlurmJob(JobIdentity):
     """A Slurm job of any kind: resources, placement, container, launcher and command.
 
     Training jobs (hpkit.spec.JobSpec) add the training blocks; nccl-tests and the all-nodes check are
@@ -145,7 +146,6 @@ class SlurmJob(StrictModel):
     document_shape: ClassVar[str] = "a Slurm job is a mapping of keys (name, nodes, ...)"
     document_source: ClassVar[str] = "job"
 
-    name: str
     nodes: int = Field(default=1, ge=1)
     tasks_per_node: int | None = Field(
         default=None, ge=1, description="ranks per node (default: GPUs, else 1)"
@@ -184,10 +184,6 @@ class SlurmJob(StrictModel):
     srun_options: list[str] = Field(
         default_factory=list, description="more options for the step's srun, each --name[=value]"
     )
-    instance_type: str | None = Field(
-        default=None, description="the EC2/SageMaker type the nodes are (ml.p4d.24xlarge): GPUs and vCPUs"
-    )
-    output_dir: str = "logs"
     workdir: str | None = None
     env: dict[str, str] = Field(default_factory=dict)
     container: ContainerSpec | None = None
@@ -212,22 +208,6 @@ class SlurmJob(StrictModel):
             "(compat: [smp_v2])"
         ),
     )
-
-    @field_validator("name")
-    @classmethod
-    def _name(cls, value: str) -> str:
-        if not _SLURM_NAME.match(value):
-            raise ValueError(
-                "use letters, digits, '.', '_' and '-' (at most 128, starting with a letter or digit)"
-            )
-        return value
-
-    @field_validator("instance_type")
-    @classmethod
-    def _instance_type(cls, value: str | None) -> str | None:
-        if value is not None and not _SLURM_NAME.match(value):
-            raise ValueError("an instance type such as ml.p4d.24xlarge or p5.48xlarge")
-        return value
 
     @field_validator("account", "qos")
     @classmethod
@@ -321,6 +301,7 @@ class SlurmJob(StrictModel):
         command = "sbatch" if info.field_name == "sbatch_options" else "srun"
         return [slurm_options.extra_option(entry, command) for entry in value]
 
+    # output_dir is declared in JobIdentity; only here, where it becomes an #SBATCH path, must it be a plain token.
     @field_validator("output_dir", "workdir")
     @classmethod
     def _directive_path(cls, value: str | None) -> str | None:

@@ -57,6 +57,9 @@ class JobSpec(SlurmJob, RunConfig):
 
     document_shape: ClassVar[str] = "a job spec is a mapping of keys (name, nodes, ...)"
     document_source: ClassVar[str] = "spec"
+    # Said here, not left to the MRO: RunConfig lets a bare training file omit its name; a job spec must name
+    # its Slurm job.
+    default_name: ClassVar[str | None] = None
 
     @model_validator(mode="after")
     def _parallelism_fits(self) -> JobSpec:

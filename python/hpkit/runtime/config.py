@@ -17,6 +17,7 @@ from hpkit.arch.families import SHAPE_NAMES, family_of
 from hpkit.arch.llama.shape import ModelShape, shape_named
 from hpkit.arch.parallel import ep_problem
 from hpkit.arch.pipeline import Schedule, schedule_problem, stages_problem
+from hpkit.job_identity import JobIdentity
 from hpkit.smp_params import DEGREE_ALIASES
 from hpkit.validation import StrictModel, check_no_control_chars
 
@@ -577,14 +578,14 @@ class CollectivesSpec(StrictModel):
     )
 
 
-class RunConfig(StrictModel):
-    """The training blocks of a job spec; also a file of its own (`hpkit train --config`)."""
+class RunConfig(JobIdentity):
+    """The training blocks of a job spec; also a file of its own (`hpkit train --config`), where `name`
+    may be left out."""
 
     document_shape: ClassVar[str] = "a training config is a mapping of keys"
     document_source: ClassVar[str] = "config"
+    default_name: ClassVar[str | None] = "train"
 
-    name: str = "train"
-    output_dir: str = "logs"
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     model: ModelSpec = Field(default_factory=ModelSpec)
     train: TrainSpec = Field(default_factory=TrainSpec)
@@ -594,9 +595,6 @@ class RunConfig(StrictModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
     collectives: CollectivesSpec = Field(default_factory=CollectivesSpec)
-    instance_type: str | None = Field(
-        default=None, description="the EC2/SageMaker type the nodes are (ml.p4d.24xlarge): informs SMDDP"
-    )
 
     @model_validator(mode="after")
     def _experts_fit(self) -> RunConfig:
