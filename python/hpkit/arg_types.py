@@ -1,7 +1,7 @@
 """argparse value types shared by the commands and by the library's own `python -m` entry points.
 
 Torch-free and at the bottom of the import graph, so that a library module with a command line of its
-own (hpkit.bench.pairs) need not import a command module to parse its flags.
+own (hpkit.netbench.pairs) need not import a command module to parse its flags.
 """
 
 from __future__ import annotations

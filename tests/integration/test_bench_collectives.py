@@ -9,8 +9,8 @@ import pytest
 import yaml
 from test_slurm_jobs import output_of, submit
 
-from hpkit.bench.bandwidth import bus_factor
-from hpkit.bench.results import from_csv
+from hpkit.netbench.bandwidth import bus_factor
+from hpkit.netbench.results import from_csv
 from hpkit.slurm import CliBackend, JobState, wait
 
 pytestmark = pytest.mark.cluster

@@ -11,7 +11,7 @@ from _torchrun import run
 
 SCRIPT = """
 import json, torch, torch.distributed as dist
-from hpkit.bench.collectives import DEFAULT_OPS, SweepConfig, measure
+from hpkit.netbench.collectives import DEFAULT_OPS, SweepConfig, measure
 from hpkit.runtime.env import distributed
 
 with distributed() as d:

@@ -6,8 +6,8 @@ from fractions import Fraction
 
 import pytest
 
-from hpkit.bench.bandwidth import algbw_gbps, bus_factor, busbw_gbps
-from hpkit.bench.results import BenchRow, from_csv, to_csv
+from hpkit.netbench.bandwidth import algbw_gbps, bus_factor, busbw_gbps
+from hpkit.netbench.results import BenchRow, from_csv, to_csv
 from hpkit.sizes import human, parse_size, sweep
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hpkit.bench.nccl_job import NcclTestsArgs, render_nccl_tests
 from hpkit.errors import SpecError
+from hpkit.netbench.nccl_job import NcclTestsArgs, render_nccl_tests
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 

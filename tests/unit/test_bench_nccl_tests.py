@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from hpkit.bench.bandwidth import bus_factor
-from hpkit.bench.nccl_tests import NcclTestsParseError, op_from_binary, parse, rows_of
-from hpkit.bench.results import COLUMNS, from_csv
+from hpkit.netbench.bandwidth import bus_factor
+from hpkit.netbench.nccl_tests import NcclTestsParseError, op_from_binary, parse, rows_of
+from hpkit.netbench.results import COLUMNS, from_csv
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nccl-tests"
 REPO = Path(__file__).resolve().parents[2]

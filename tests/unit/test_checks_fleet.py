@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from _imds_server import closed_port
 
-from hpkit.bench.pairs import best_per_node, round_robin
 from hpkit.checks import fleet
 from hpkit.commands import check, check_nodes
+from hpkit.netbench.pairs import best_per_node, round_robin
 from hpkit.slurm.hostlist import compress, natural_key
 
 
@@ -243,7 +243,7 @@ def test_the_job_script_runs_one_check_per_node_and_the_pairs(tmp_path: Path) ->
     assert check_step.startswith("srun --ntasks-per-node=1")
     assert f"--output={tmp_path}/check-%j-%t.json" in check_step
     assert check_step.endswith("--profile compute --json --skip imds")
-    assert any("-m hpkit.bench.pairs --rounds 3" in line for line in lines)
+    assert any("-m hpkit.netbench.pairs --rounds 3" in line for line in lines)
     path = tmp_path / "check-nodes.sbatch"
     path.write_text(script)
     for lint in (["bash", "-n", str(path)], ["shellcheck", str(path)]):

@@ -12,9 +12,9 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from hpkit import cli, plot
-from hpkit.bench import nccl_tests
-from hpkit.bench.results import BenchRow, to_csv
 from hpkit.metrics_file import read_metrics
+from hpkit.netbench import nccl_tests
+from hpkit.netbench.results import BenchRow, to_csv
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "nccl-tests"
 

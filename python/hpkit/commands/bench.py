@@ -52,7 +52,7 @@ def main(argv: list[str], prog: str = "hpkit bench") -> int:
 
 
 def _ops(text: str) -> tuple[str, ...]:
-    from hpkit.bench.bandwidth import OPS
+    from hpkit.netbench.bandwidth import OPS
 
     ops = tuple(o.strip() for o in text.split(",") if o.strip())
     unknown = [o for o in ops if o not in OPS]
@@ -64,7 +64,7 @@ def _ops(text: str) -> tuple[str, ...]:
 
 
 def _collectives_parser(prog: str) -> argparse.ArgumentParser:
-    from hpkit.bench.collectives import DEFAULT_OPS, DTYPES
+    from hpkit.netbench.collectives import DEFAULT_OPS, DTYPES
 
     parser = argparse.ArgumentParser(
         prog=prog,
@@ -106,12 +106,12 @@ def _collectives_args(argv: list[str], prog: str) -> argparse.Namespace:
 
 
 def _collectives(args: argparse.Namespace) -> int:
-    from hpkit.bench.collectives import SweepConfig
+    from hpkit.netbench.collectives import SweepConfig
 
     cfg = SweepConfig(args.ops, args.sizes, args.iters, args.warmup, args.dtype, not args.no_check)
 
-    from hpkit.bench.collectives import measure
-    from hpkit.bench.results import table, write_outputs
+    from hpkit.netbench.collectives import measure
+    from hpkit.netbench.results import table, write_outputs
     from hpkit.runtime.env import distributed
 
     with distributed() as run:
@@ -146,7 +146,7 @@ def _env_pair(text: str) -> tuple[str, str]:
 
 
 def _render_args(argv: list[str], prog: str) -> argparse.Namespace:
-    from hpkit.bench.nccl_job import DEFAULT_TESTS
+    from hpkit.netbench.nccl_job import DEFAULT_TESTS
 
     parser = argparse.ArgumentParser(prog=prog, description="Render an sbatch script that runs nccl-tests.")
     parser.add_argument("--nodes", type=int, default=2)
@@ -174,7 +174,7 @@ def _render_args(argv: list[str], prog: str) -> argparse.Namespace:
 
 
 def _render(args: argparse.Namespace) -> int:
-    from hpkit.bench.nccl_job import NcclTestsArgs, render_nccl_tests
+    from hpkit.netbench.nccl_job import NcclTestsArgs, render_nccl_tests
     from hpkit.slurm_job import SlurmJob
     from hpkit.validation import parse_document
 
@@ -226,8 +226,8 @@ def _parse_args(argv: list[str], prog: str) -> argparse.Namespace:
 
 
 def _parse(args: argparse.Namespace) -> int:
-    from hpkit.bench.nccl_tests import parse, rows_of
-    from hpkit.bench.results import table, write_outputs
+    from hpkit.netbench.nccl_tests import parse, rows_of
+    from hpkit.netbench.results import table, write_outputs
 
     if args.log == "-":
         text = sys.stdin.read()

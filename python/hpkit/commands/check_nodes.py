@@ -1,7 +1,7 @@
 """`hpkit check --all-nodes`: run the compute profile on every node through one Slurm job, then compare.
 
 The job has one task per node. Its first step runs `python -m hpkit check --profile compute --json` on
-each node, each task writing its own file; with --bandwidth a second step runs hpkit.bench.pairs. The
+each node, each task writing its own file; with --bandwidth a second step runs hpkit.netbench.pairs. The
 files land in --output-dir, which must be on the filesystem the nodes share (as a job's output does).
 This side only submits, waits and reads: hpkit.checks.fleet decides what is wrong.
 """
@@ -125,7 +125,7 @@ def render_script(req: Request, nodes: int) -> str:
         pairs = [
             req.python,
             "-m",
-            "hpkit.bench.pairs",
+            "hpkit.netbench.pairs",
             "--rounds",
             str(req.rounds),
             "--size",
@@ -169,7 +169,7 @@ def gather(req: Request, job_id: str, nodes: list[str]) -> tuple[list[fleet.Node
 
 
 def run(req: Request, backend=None) -> Gathered:
-    from hpkit.bench.pairs import best_per_node
+    from hpkit.netbench.pairs import best_per_node
 
     validate(req)
     backend = backend or slurm.get_backend()

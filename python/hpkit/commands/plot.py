@@ -137,8 +137,8 @@ def _training_run(text: str, label: str, plot):
 
 
 def _bench_input(text: str, label: str, op: str | None, plot):
-    from hpkit.bench import nccl_tests
-    from hpkit.bench.results import COLUMNS, from_csv
+    from hpkit.netbench import nccl_tests
+    from hpkit.netbench.results import COLUMNS, from_csv
 
     path = Path(text)
     if not path.is_file():

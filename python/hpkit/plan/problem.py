@@ -186,7 +186,7 @@ def hardware(instance: str | None, precision: str, network: str | None) -> tuple
 
 
 def inter_node_gbs(path: str) -> float:
-    """The median over nodes of each node's best pair busbw (GB/s) in a pairs JSON (hpkit.bench.pairs's
+    """The median over nodes of each node's best pair busbw (GB/s) in a pairs JSON (hpkit.netbench.pairs's
     best_per_node rule; that module imports torch, which a login node's plan does not)."""
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))

@@ -13,9 +13,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hpkit.bench.bandwidth import OPS, algbw_gbps, busbw_gbps
-from hpkit.bench.results import BenchRow
 from hpkit.errors import HpkitError
+from hpkit.netbench.bandwidth import OPS, algbw_gbps, busbw_gbps
+from hpkit.netbench.results import BenchRow
 
 DEFAULT_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 DTYPES = {"float": "float32", "half": "float16", "bfloat16": "bfloat16", "double": "float64"}

@@ -13,8 +13,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from hpkit.bench.results import BenchRow
 from hpkit.errors import HpkitError
+from hpkit.netbench.results import BenchRow
 
 # nccl-tests binary (minus _perf and a build suffix such as _mpi) -> our collective names.
 _BINARY_OPS = {

@@ -1,6 +1,6 @@
 """Pairwise bandwidth: every node measured against a few different partners, all pairs of a round at once.
 
-One task per node (`srun --ntasks-per-node=1 python -m hpkit.bench.pairs`). The tasks join one process
+One task per node (`srun --ntasks-per-node=1 python -m hpkit.netbench.pairs`). The tasks join one process
 group, then each round splits it into pairs (a round-robin tournament: no pair repeats) and every pair
 times all_reduce on its own subgroup while the other pairs do the same, as a training job's traffic would
 load the fabric. A slow node drags down each pair it is in; a good node paired with it once still has
@@ -46,7 +46,7 @@ def round_robin(n: int, rounds: int) -> list[list[Pair]]:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m hpkit.bench.pairs", description="Pairwise all_reduce bandwidth, one task per node."
+        prog="python -m hpkit.netbench.pairs", description="Pairwise all_reduce bandwidth, one task per node."
     )
     parser.add_argument("--rounds", type=positive_int, default=3, help="pairings to run (default 3)")
     parser.add_argument(
@@ -61,7 +61,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     import torch.distributed as dist
 
-    from hpkit.bench.collectives import SweepConfig, measure
+    from hpkit.netbench.collectives import SweepConfig, measure
     from hpkit.runtime.env import distributed
 
     cfg = SweepConfig(("all_reduce",), (args.size,), args.iters, args.warmup, "float", check=True)

@@ -1,1 +1,0 @@
-"""Cluster validation benchmarks: collective bandwidth (torch.distributed, nccl-tests) with nccl-tests' formulas."""
