@@ -91,6 +91,7 @@ def test_plan_trial_runs_the_top_two_and_reranks_them_by_measurement(slurm_clust
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=_interactive_sigint,
     )
     try:
         jobs: list[str] = []
@@ -111,3 +112,12 @@ def test_plan_trial_runs_the_top_two_and_reranks_them_by_measurement(slurm_clust
     assert f"cancelled the trial jobs {jobs[0]}, {jobs[1]}" in err
     for job_id in jobs:
         assert wait(CliBackend(), job_id, poll_s=0.5, timeout_s=60).state == JobState.CANCELLED
+
+
+def _interactive_sigint() -> None:
+    """The command starts with SIGINT as a terminal's shell leaves it: delivered, and not ignored. An ignored or
+    blocked SIGINT is inherited across exec, and Python then installs no KeyboardInterrupt handler; a fresh-clone
+    `make test` once saw this command ride out the Ctrl-C to exit 0 on an xdist worker (alone, the test passes),
+    so the worker's own signal state is not the command's to inherit."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
