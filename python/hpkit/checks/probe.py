@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpkit.slurm.client import Answer
+from hpkit.slurm.client import Answer, program
 
 
 @dataclass(frozen=True)
@@ -72,15 +70,9 @@ def slurm_result(answer: Answer, timeout: float) -> CmdResult:
 
 
 def which(name: str, env: Mapping[str, str], extra_dirs: Iterable[Path] = ()) -> str | None:
-    """The program on the environment's PATH, else in one of extra_dirs (where installers put it)."""
-    found = shutil.which(name, path=env.get("PATH", os.defpath))
-    if found:
-        return found
-    for folder in extra_dirs:
-        candidate = folder / name
-        if candidate.is_file() and os.access(candidate, os.X_OK):
-            return str(candidate)
-    return None
+    """The program on the environment's PATH, else in one of extra_dirs (where installers put it): the Slurm
+    client's lookup, which finds the Slurm commands the same way."""
+    return program(name, env, extra_dirs)
 
 
 _VERSION = re.compile(r"(\d+(?:\.\d+)*)")
