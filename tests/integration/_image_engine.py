@@ -6,7 +6,7 @@ and the CPU image built from this checkout with `hpkit image build --cpu`. The f
 a test module imports the ones it uses (`from _image_engine import base_image, cpu_image, engine`).
 
 The image is built once per test run, not once per module: the build (minutes) also exports the image as an OCI
-bundle into the run's temporary folder (`shared_bundle`), under a lock that the pytest-xdist workers share, so
+bundle into the run's pytest base temp (`shared_bundle`), under a lock that the pytest-xdist workers share, so
 that test_oci_jobs.py, which needs only the bundle, waits for it instead of starting a podman service and
 building the same image a second time.
 """
@@ -33,11 +33,6 @@ from hpkit.commands import image as image_command
 REPO = Path(__file__).resolve().parents[2]
 BASE_TAG = "hpkit-base:bookworm"
 CACHE = Path(os.environ.get("HPKIT_IMAGE_CACHE") or Path.home() / ".cache" / "hpkit")
-# One per test run: `make test` gives each run its own TMPDIR, which every xdist worker inherits. The bundle is
-# built from this checkout, so it must not outlive the run (a cache across runs would test stale code).
-SHARED = Path(tempfile.gettempdir()) / "hpkit-shared-cpu-image"
-SHARED_BUNDLE = SHARED / "hpkit-cpu"
-SHARED_DONE = SHARED / "exported"
 
 
 @dataclass(frozen=True)
@@ -142,11 +137,20 @@ def base_image(engine: Engine) -> str:
     return BASE_TAG
 
 
+def _shared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This test run's folder for the image, which its xdist workers share: pytest's base temp of the run (a worker's
+    is a folder in it), new for every run and pruned with pytest's older runs. The bundle is built from this
+    checkout: it must not outlive the run, or a later run (`pytest` straight, with TMPDIR=/tmp) would test stale code."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-cpu-image"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
 @contextmanager
-def _build_lock() -> Iterator[None]:
+def _build_lock(shared: Path) -> Iterator[None]:
     """Held while one worker builds and exports: another worker's module waits rather than builds too."""
-    SHARED.mkdir(exist_ok=True)
-    with open(SHARED / "lock", "w") as lock:
+    with open(shared / "lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             yield
@@ -155,19 +159,20 @@ def _build_lock() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
-def cpu_image(engine: Engine, base_image: str) -> str:
-    with _build_lock():
+def cpu_image(engine: Engine, base_image: str, tmp_path_factory: pytest.TempPathFactory) -> str:
+    shared = _shared(tmp_path_factory)
+    with _build_lock(shared):
         started = time.monotonic()
         code = image_command.main(
             ["image", "build", "--cpu", "--quiet", "--base-image", base_image, "--context", str(REPO)]
         )
         assert code == 0
         print(f"CPU image built in {time.monotonic() - started:.0f} s")
-        if not SHARED_DONE.exists():
+        if not (shared / "exported").exists():
             started = time.monotonic()
-            code = image_command.main(["image", "export", "--oci", str(SHARED_BUNDLE), "hpkit:cpu"])
+            code = image_command.main(["image", "export", "--oci", str(shared / "hpkit-cpu"), "hpkit:cpu"])
             assert code == 0
-            SHARED_DONE.touch()
+            (shared / "exported").touch()
             print(f"CPU image exported as an OCI bundle in {time.monotonic() - started:.0f} s")
     return "hpkit:cpu"
 
@@ -175,9 +180,10 @@ def cpu_image(engine: Engine, base_image: str) -> str:
 def shared_bundle(request: pytest.FixtureRequest) -> Path:
     """The CPU image as an OCI bundle: the one this run has exported (waiting while a worker builds it), else
     built here (this module's own podman service) and exported by `cpu_image`."""
-    with _build_lock():
-        if SHARED_DONE.exists():
-            return SHARED_BUNDLE
+    shared = _shared(request.getfixturevalue("tmp_path_factory"))
+    with _build_lock(shared):
+        if (shared / "exported").exists():
+            return shared / "hpkit-cpu"
     request.getfixturevalue("cpu_image")
-    assert SHARED_DONE.exists()
-    return SHARED_BUNDLE
+    assert (shared / "exported").exists()
+    return shared / "hpkit-cpu"
