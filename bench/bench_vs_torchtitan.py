@@ -299,7 +299,11 @@ def hpkit_profile_main(cfg_path: str, step: int) -> int:
     import torch
 
     from hpkit.runtime.env import distributed
-    from hpkit.runtime.loop.trainer import Trainer
+
+    try:
+        from hpkit.runtime.loop.trainer import Trainer
+    except ImportError:  # an earlier hpkit (--before) from before runtime/ had rooms
+        from hpkit.runtime.trainer import Trainer  # type: ignore[no-redef]
     from hpkit.runtime.run import quiet_known_warnings
     from hpkit.spec import load_run_config
 
