@@ -67,6 +67,14 @@ def test_a_list_slurm_refuses_is_one_line_naming_it(hostlist):
     assert "\n" not in str(caught.value)
 
 
+@pytest.mark.parametrize(
+    "hostlist", ["n[1-65537]", "a[1-300]b[1-300]", "n[1-40000],m[1-40000]", "n[1-40000,1-40000]"]
+)
+def test_a_list_of_more_hosts_than_a_cluster_has_is_refused_before_it_is_written_out(hostlist):
+    with pytest.raises(HostlistError, match=r"more than 65,536 hosts"):
+        expand(hostlist)
+
+
 def test_first_is_the_first_name_or_none():
     assert first("gpu-[007-010],a1") == "gpu-007"
     assert first("") is None

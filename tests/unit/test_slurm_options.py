@@ -93,6 +93,8 @@ def test_valid_options_become_sbatch_directives(field):
 INVALID = [
     ("exclude", "node1 node2", "exclude: 'node1 node2' must be one token"),
     ("nodelist", "node[1-2", "nodelist: 'node[1-2' is not a Slurm host list"),
+    ("nodelist", "node[3-1]", "nodelist: invalid host list 'node[3-1]': '3-1' is not a range"),
+    ("exclude", "n[1-9999999]", "exclude: invalid host list 'n[1-9999999]': more than 65,536 hosts"),
     ("constraint", "a100 && efa", "constraint: 'a100 && efa' must be one token"),
     ("mem", "64GB", "mem: '64GB' is not a Slurm size"),
     ("mem", "-1", "mem: '-1' is not a Slurm size"),

@@ -11,6 +11,7 @@ widens what is accepted).
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 
@@ -22,6 +23,11 @@ _RANGE = re.compile(r"(\d+)(?:-(\d+))?")
 
 class HostlistError(SlurmError):
     """A host list Slurm would refuse."""
+
+
+# More names than any Slurm cluster has: a list past it is a typo (n[1-10000000]) or hostile, and is refused
+# before it is written out, rather than expanded into millions of names.
+MAX_HOSTS = 65536
 
 
 def expand(hostlist: str) -> list[str]:
@@ -36,6 +42,7 @@ def expand(hostlist: str) -> list[str]:
         if (char == "," or char.isspace()) and depth == 0:
             if item := hostlist[start:i]:
                 names += _expand_one(item, hostlist)
+                _bounded(len(names), hostlist)
             start = i + 1
     if depth:
         raise HostlistError(f"invalid host list {hostlist!r}: unbalanced brackets")
@@ -62,6 +69,7 @@ def _expand_one(item: str, whole: str) -> list[str]:
         brackets.append(_numbers(ranges, whole))
     if not brackets:
         return [item]
+    _bounded(math.prod(len(numbers) for numbers in brackets), whole)
     # Slurm's order (22.05's scontrol): the last bracket varies fastest, then the first, the second, ... (a[1-2]
     # b[1-2]c[1-2]: a1b1c1 a1b1c2 a2b1c1 a2b1c2 a1b2c1 ...); with two brackets, the first outermost.
     heads = [texts[0]]
@@ -78,8 +86,14 @@ def _numbers(ranges: str, whole: str) -> list[str]:
         if match is None or (match.group(2) and int(match.group(2)) < int(match.group(1))):
             raise HostlistError(f"invalid host list {whole!r}: {part!r} is not a range (N or N-M, N <= M)")
         low, high = match.group(1), match.group(2) or match.group(1)
+        _bounded(len(out) + int(high) - int(low) + 1, whole)
         out += [str(number).zfill(len(low)) for number in range(int(low), int(high) + 1)]
     return out
+
+
+def _bounded(count: int, whole: str) -> None:
+    if count > MAX_HOSTS:
+        raise HostlistError(f"invalid host list {whole!r}: more than {MAX_HOSTS:,} hosts")
 
 
 def natural_key(name: str) -> tuple[str, int, str]:

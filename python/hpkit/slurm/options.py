@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import re
 
+from hpkit.slurm.hostlist import HostlistError, expand
+
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]], or no limit.
 SLURM_TIME = re.compile(
     r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$"
@@ -204,6 +206,10 @@ def hostlist(value: str) -> str:
     _token(value)
     if not _HOSTLIST.match(value) or value.count("[") != value.count("]"):
         raise ValueError(f"{value!r} is not a Slurm host list such as node[1-4,7],gpu-12")
+    try:  # ranges too: sbatch refuses n[3-1], and only at submission
+        expand(value)
+    except HostlistError as exc:
+        raise ValueError(f"{exc} (a host list such as node[1-4,7],gpu-12)") from None
     return value
 
 
