@@ -20,6 +20,9 @@
 #   BF_INTERVAL            seconds between the backfill scheduler's passes (default: Slurm's own, 30). A requeued
 #                          job may start cred_expire (20 s) after its requeue, and it is the next backfill pass that
 #                          starts it; node-loss tests lower it on their own cluster
+#   CRED_EXPIRE            AuthInfo's cred_expire (default: 20; Slurm's minimum 5): a requeued job may start this long
+#                          after its requeue (and slurmd refuses the old run's credentials as long); a test that
+#                          requeues a job lowers it on its own cluster
 #   MEMORY_KILL            1: memory is scheduled (CR_CPU_Memory, 1 GiB per CPU, the default per
 #                          CPU asked for) and enforced: jobacct_gather/linux reads each step's memory
 #                          every second and kills a step over its job's --mem (OverMemoryKill), as a
@@ -55,6 +58,7 @@ slurmd_timeout=${SLURMD_TIMEOUT:-30}
 min_job_age=${MIN_JOB_AGE:-600}
 message_timeout=${MESSAGE_TIMEOUT:-20}
 bf_interval=${BF_INTERVAL:-30}
+cred_expire=${CRED_EXPIRE:-20}
 memory_kill=${MEMORY_KILL:-0}
 slurm=${SLURM:-22.05}
 net=${NET:-loopback}
@@ -74,6 +78,7 @@ fi
 [[ $message_timeout =~ ^[1-9][0-9]*$ ]] || die "MESSAGE_TIMEOUT must be a positive integer, not '$message_timeout'"
 [[ $min_job_age =~ ^[1-9][0-9]*$ ]] || die "MIN_JOB_AGE must be a positive integer, not '$min_job_age'"
 [[ $bf_interval =~ ^[1-9][0-9]*$ ]] || die "BF_INTERVAL must be a positive integer, not '$bf_interval'"
+if ! [[ $cred_expire =~ ^[0-9]+$ ]] || ((cred_expire < 5)); then die "CRED_EXPIRE must be an integer of 5 or more (Slurm's minimum), not '$cred_expire'"; fi
 [[ $memory_kill =~ ^[01]$ ]] || die "MEMORY_KILL must be 0 or 1, not '$memory_kill'"
 [[ $slurm == 22.05 || $slurm == 24.11 ]] || die "SLURM must be 22.05 (the host's packages) or 24.11, not '$slurm'"
 [[ $net == loopback || $net == netns ]] || die "NET must be loopback or netns, not '$net'"
@@ -190,7 +195,7 @@ if ! alive "$dir/run/slurmctld.pid"; then
     node_names_new+=("node$i")
     node_lines+="NodeName=node$i NodeHostname=$(hostname) NodeAddr=$addr Port=$((port + i)) CPUs=$cpus RealMemory=$memory State=UNKNOWN"$'\n'
   done
-  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@CTLD_ADDR@|$ctld_addr|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" -e "s|@MESSAGE_TIMEOUT@|$message_timeout|g" -e "s|@BF_INTERVAL@|$bf_interval|g" "$here/slurm.conf.in" >"$conf.tmp"
+  sed -e "s|@DIR@|$dir|g" -e "s|@HOST@|$(hostname)|g" -e "s|@CTLD_PORT@|$port|g" -e "s|@CTLD_ADDR@|$ctld_addr|g" -e "s|@FIRST_JOB_ID@|$first_job_id|g" -e "s|@SLURMD_TIMEOUT@|$slurmd_timeout|g" -e "s|@MIN_JOB_AGE@|$min_job_age|g" -e "s|@MESSAGE_TIMEOUT@|$message_timeout|g" -e "s|@BF_INTERVAL@|$bf_interval|g" -e "s|@CRED_EXPIRE@|$cred_expire|g" "$here/slurm.conf.in" >"$conf.tmp"
   # The node and accounting lines hold newlines, which sed's replacement cannot carry portably.
   awk -v nodes="$node_lines" -v select_params="$select_params" -v jobacct="$jobacct" -v storage="$storage" '{
     if ($0 == "@NODES@") printf "%s", nodes

@@ -6,7 +6,9 @@ checkpoint.dir, the spec file's own path, and the Slurm options (typed fields an
 sbatch_options/srun_options entries, whose values may hold shell syntax as one token). Each rendered script runs with stand-ins for srun and
 torchrun that pass their task through, so the task (a tiny program printing its argv and environment)
 really runs and must print every payload unchanged; any shell evaluating a payload would create the
-canary file. A sample of the scripts goes through shellcheck. Values in `#SBATCH` fields cannot be
+canary file. The script's supervisor (`python3 -m hpkit.supervise`, which hands the step's shell text to
+bash) is the real one, forked for each script from one process that has imported it: its imports were two
+thirds of a run's CPU. A sample of the scripts goes through shellcheck. Values in `#SBATCH` fields cannot be
 quoted, so hostile ones there must be refused with one line naming the field.
 """
 
@@ -19,6 +21,8 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -115,10 +119,89 @@ exec "$@"
 FAKE_SCONTROL = """#!/bin/bash
 case "$2" in hostnames) printf 'node1\\nnode2\\n';; node) echo 'NodeName=node1 NodeAddr=10.0.0.1';; esac
 """
-# The task: prints what it was given as one JSON line (-S -I: no site, no user paths: fast, isolated).
-SHOW_TASK = f"""#!{sys.executable} -SI
-import json, os, sys
-print("HPKIT-TASK " + json.dumps({{"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}}))
+# `python3` in the script: `-m hpkit.supervise ARGS` runs hpkit.supervise's main(ARGS), forked from a server
+# that has imported it, with this process's stdin/stdout/stderr, environment and directory; its exit status is
+# this process's. Anything else the script asks of python3 fails loudly. (It imports only builtin modules: its
+# own start-up is most of what is left of a supervisor's.)
+FAKE_PYTHON3 = f"""#!{sys.executable} -SI
+import _socket, array, os, sys
+if sys.argv[1:3] != ["-m", "hpkit.supervise"]:
+    sys.exit(f"python3 stand-in: only -m hpkit.supervise, not {{sys.argv[1:]}}")
+args = [os.fsencode(a) for a in sys.argv[3:]]
+env = [k + b"=" + v for k, v in os.environb.items()]
+request = b"\\0".join([os.fsencode(os.getcwd()), str(len(args)).encode(), *args, *env])
+server = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+server.connect(SOCKET_PATH)
+fds = array.array("i", [0, 1, 2])
+server.sendmsg([len(request).to_bytes(4, "big")], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, fds)])
+server.sendall(request)
+status = b""
+while chunk := server.recv(64):
+    status += chunk
+sys.exit(int(status) if status else "python3 stand-in: the supervisor server did not answer")
+"""
+SUPERVISE_SERVER = """
+import os, socket, sys
+from hpkit.supervise.__main__ import main
+
+listener = socket.socket(socket.AF_UNIX)
+listener.bind(sys.argv[1])
+listener.listen()
+listener.settimeout(5)
+parent = os.getppid()
+print("ready", flush=True)
+while True:
+    try:
+        conn, _ = listener.accept()
+    except TimeoutError:
+        if os.getppid() != parent:  # pytest is gone without its teardown: so is this server
+            sys.exit(0)
+        continue
+    conn.settimeout(None)
+    head, fds, _, _ = socket.recv_fds(conn, 4, 3)
+    size = int.from_bytes(head, "big")
+    body = b""
+    while len(body) < size:
+        body += conn.recv(size - len(body))
+    cwd, count, *rest = body.split(b"\\0")
+    args, env = rest[: int(count)], rest[int(count) :]
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        conn.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+            os.close(fd)
+        os.chdir(cwd)
+        os.environ.clear()
+        for entry in env:
+            key, value = entry.split(b"=", 1)
+            os.environb[key] = value
+        argv = [os.fsdecode(a) for a in args]
+        sys.argv = ["python3 -m hpkit.supervise", *argv]
+        status = 1
+        try:
+            status = main(argv)
+        except SystemExit as exc:
+            status = exc.code if isinstance(exc.code, int) else 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(status)
+    for fd in fds:
+        os.close(fd)
+    _, wait_status = os.waitpid(pid, 0)
+    conn.sendall(str(os.waitstatus_to_exitcode(wait_status)).encode())
+    conn.close()
+"""
+# The task: prints what it was given between two marker lines: its arguments, then its environment (env -0),
+# each entry ended by a NUL, which no argument or environment value can hold.
+SHOW_TASK = """#!/bin/bash
+printf 'HPKIT-TASK\\n'
+printf '%s\\0' "$@"
+printf 'HPKIT-ENV\\0'
+env -0
+printf 'HPKIT-END\\n'
 """
 
 
@@ -191,9 +274,16 @@ class Tally:
 
 
 @pytest.fixture(scope="module")
-def stand_ins(tmp_path_factory) -> Path:
+def stand_ins(tmp_path_factory) -> Iterator[Path]:
     bin_dir = tmp_path_factory.mktemp("bin")
+    # A short path: a Unix socket's is limited to 107 bytes.
+    socket_path = Path(tempfile.mkdtemp(prefix="hpkit-sv-")) / "s"
+    server = subprocess.Popen(
+        [sys.executable, "-c", SUPERVISE_SERVER, str(socket_path)], stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdout is not None and server.stdout.readline() == "ready\n"
     for name, text in (
+        ("python3", FAKE_PYTHON3.replace("SOCKET_PATH", repr(str(socket_path)))),
         ("srun", FAKE_SRUN),
         ("torchrun", FAKE_TORCHRUN),
         ("hpkit-torchrun", FAKE_TORCHRUN),
@@ -203,7 +293,10 @@ def stand_ins(tmp_path_factory) -> Path:
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     CANARY_DIR.mkdir(parents=True, exist_ok=True)
-    return bin_dir
+    yield bin_dir
+    server.kill()
+    server.wait()
+    shutil.rmtree(socket_path.parent, ignore_errors=True)
 
 
 def shellcheck() -> str:
@@ -244,9 +337,10 @@ def run_rendered(spec: JobSpec, data: dict, run_dir: Path, stand_ins: Path, tall
     proc = subprocess.run(["bash", str(path)], env=env, capture_output=True, timeout=30, cwd=run_dir)
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")
     assert not CANARY.exists(), f"a payload ran: {data}"
-    tasks = [line for line in proc.stdout.decode().splitlines() if line.startswith("HPKIT-TASK ")]
-    assert len(tasks) == 1, proc.stdout.decode(errors="replace")
-    task = json.loads(tasks[0].removeprefix("HPKIT-TASK "))
+    out = proc.stdout.decode()
+    assert out.count("HPKIT-TASK\n") == 1 and out.count("HPKIT-END\n") == 1, out
+    argv, env_lines = out.split("HPKIT-TASK\n")[1].split("HPKIT-END\n")[0].split("HPKIT-ENV\0")
+    task = {"argv": argv.split("\0")[:-1], "env": dict(e.split("=", 1) for e in env_lines.split("\0")[:-1])}
     tally.ran += 1
 
     assert task["argv"] == spec.command[1:]
