@@ -39,7 +39,8 @@ SLURMD_TIMEOUT_S = 30
 # The requeue drills wait for slurmctld to declare the node DOWN, and nothing they check depends on how long
 # that takes: they run with these (`quick_node_death`). slurmctld's ping of a dead slurmd fails only after
 # MessageTimeout (20 s on slurm/dev), so the node is DOWN about max(SlurmdTimeout, MessageTimeout) + 7 s after
-# its death (measured: 17-23 s at 10/5 and 10/10, 37-48 s at 30/20).
+# its death (measured on a scratch cluster: 17-23 s at 10/5, 25-27 s at 10/20, 37-48 s at 30/20 and 30/5; here at
+# 10/10, kill -> requeued 25-28 s against 37-42 s at the module's 30/20).
 QUICK_SLURMD_TIMEOUT_S, QUICK_MESSAGE_TIMEOUT_S = 10, 10
 COLLECTIVE_TIMEOUT_S = 20
 
