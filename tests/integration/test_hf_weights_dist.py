@@ -1,7 +1,8 @@
 """Hugging Face Llama weights in and out across layouts, against transformers (an implementation no one here wrote).
 
-- model.init_from under FSDP 2, TP 2 and PP 2 (torchrun, one launch each): the logits on a fixed batch and the
-  first step's loss equal transformers' on the same tokens, and each rank read only about its share of the bytes.
+- model.init_from under FSDP 2, TP 2 and PP 2 (one torchrun launch runs the three, one after the other): the
+  logits on a fixed batch and the first step's loss equal transformers' on the same tokens, and each rank read
+  only about its share of the bytes.
 - `hpkit train` from init_from for 3 steps (FSDP 2, checkpointing), then a resume on one process, which takes the
   checkpoint and not init_from; `hpkit ckpt export --hf` of either checkpoint (FSDP-sharded, single) loads in
   transformers, whose logits equal hpkit's own from that checkpoint.
@@ -45,19 +46,25 @@ def _reference(hf_dir: Path) -> LlamaForCausalLM:
     return LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
-@pytest.mark.parametrize(
-    ("layout", "parallelism"),
-    [
-        ("fsdp2", {"dp_shard": 2}),
-        ("tp2", {"dp_shard": 1, "tp": 2}),
-        ("pp2", {"dp_shard": 1, "pp": 2, "microbatches": 2}),
-    ],
-)
-def test_first_step_matches_transformers(
-    hf_dir: Path, tmp_path: Path, layout: str, parallelism: dict
-) -> None:
-    out = tmp_path / f"{layout}.pt"
-    run([str(HERE / "hf_layouts.py"), str(hf_dir), str(out), json.dumps(parallelism)], tmp_path, nproc=2)
+LAYOUTS = {
+    "fsdp2": {"dp_shard": 2},
+    "tp2": {"dp_shard": 1, "tp": 2},
+    "pp2": {"dp_shard": 1, "pp": 2, "microbatches": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def layouts_out(hf_dir: Path, tmp_path_factory) -> Path:
+    """Every layout's record from one torchrun launch (each layout builds its own trainer in the launch's
+    process group): the launch, not the layouts, is what costs here."""
+    tmp = tmp_path_factory.mktemp("hf-layouts")
+    run([str(HERE / "hf_layouts.py"), str(hf_dir), str(tmp / "out"), json.dumps(LAYOUTS)], tmp, nproc=2)
+    return tmp / "out"
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_first_step_matches_transformers(hf_dir: Path, layouts_out: Path, layout: str) -> None:
+    out = layouts_out / f"{layout}.pt"
     got = torch.load(out, weights_only=False)
     reference = _reference(hf_dir)
     with torch.no_grad():

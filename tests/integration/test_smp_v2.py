@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ pytestmark = pytest.mark.cluster
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "tests/integration/sagemaker_scripts/smp_v2_train.py"
 STEPS = 4
+# The checkpoint job is given many steps, so that it is still training when it is killed after its step-2 save.
+KILLED_MAX_STEPS = 40
 STEP_LINE = re.compile(r'^(\{"step": .*\})$', re.M)
 
 
@@ -76,18 +79,19 @@ def _steps(text: str) -> list[dict]:
     return [json.loads(m.group(1)) for m in STEP_LINE.finditer(unlabelled(text))]
 
 
-def _plain(tmp_path: Path, *args: str) -> tuple[list[dict], dict]:
-    layout = tmp_path / "plain-layout"
+def _plain(tmp_path: Path, model_type: str, steps: int) -> tuple[list[dict], dict]:
+    layout = tmp_path / f"plain-{model_type}"
     done = subprocess.run(
         [
             sys.executable,
             str(SCRIPT),
             "--plain",
+            "--model_type",
+            model_type,
             "--max_steps",
-            str(STEPS),
+            str(steps),
             "--layout_out",
             str(layout),
-            *args,
         ],
         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python")},
         capture_output=True,
@@ -96,6 +100,19 @@ def _plain(tmp_path: Path, *args: str) -> tuple[list[dict], dict]:
     )
     assert done.returncode == 0, done.stderr[-3000:]
     return _steps(done.stdout), json.loads((layout / "plain.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> dict[str, tuple[list[dict], dict]]:
+    """The one-process reference per model type, run once for every test here: a step's loss and gradient
+    norm depend on the step's batch only, not on how many steps the run was given, so one run of
+    KILLED_MAX_STEPS steps is every test's reference (the checkpoint job may log more than STEPS steps)."""
+    tmp = tmp_path_factory.mktemp("smp-v2-plain")
+    references = {"llama": _plain(tmp, "llama", KILLED_MAX_STEPS), "mixtral": _plain(tmp, "mixtral", STEPS)}
+    for model_type, (steps, _) in references.items():
+        losses = [r["loss"] for r in steps[:STEPS]]
+        assert len(set(losses)) == STEPS, f"{model_type}: the losses must move: {losses}"
+    return references
 
 
 def _layouts(folder: Path) -> dict[int, dict]:
@@ -117,20 +134,61 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_v2_script_matches_one_process(slurm_cluster, tmp_path, layout):
-    parameters, model_type = LAYOUTS[layout]
-    reference, plain = _plain(tmp_path, "--model_type", model_type)
-    losses = [r["loss"] for r in reference]
-    assert len(set(losses)) == STEPS, f"the losses must move: {losses}"
+@dataclass
+class Killed:
+    """The tp2 x hs2 job that saves with the v2 API every 2 steps and is killed once its step-2 checkpoint
+    is committed: it also writes its layout, so that the tp2xhs2 layout check and the checkpoint test share
+    one job (a 4-rank job costs about a minute here)."""
 
-    layout_dir = tmp_path / "layout"
-    args = ["--model_type", model_type, "--layout_out", str(layout_dir)]
-    spec = _imported_spec(tmp_path, slurm_cluster, parameters, f"smpv2-{layout}", args)
-    log = _run_job(tmp_path, slurm_cluster, spec)
-    steps = _steps(log)
-    assert [s["step"] for s in steps] == list(range(STEPS)), log
-    assert [s["loss"] for s in steps] == pytest.approx(losses, abs=1e-5)
+    state: JobState
+    log: str
+    layout_dir: Path
+    committed: Path
+    workdir: Path
+
+
+@pytest.fixture(scope="module")
+def killed_tp2xhs2(slurm_cluster, tmp_path_factory) -> Killed:
+    tmp = tmp_path_factory.mktemp("smpv2-ckpt")
+    parameters, model_type = LAYOUTS["tp2xhs2"]
+    ckpt, layout_dir = tmp / "ckpt", tmp / "layout"
+    args = [
+        *("--model_type", model_type, "--layout_out", str(layout_dir)),
+        *("--checkpoint_dir", str(ckpt), "--checkpoint_freq", "2", "--max_steps", str(KILLED_MAX_STEPS)),
+    ]
+    spec = _imported_spec(tmp, slurm_cluster, parameters, "smpv2-ckpt", args)
+    job_id = submit(spec, tmp, slurm_cluster)
+    committed = ckpt / "llama-2steps"
+    deadline = time.monotonic() + 300
+    while not committed.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert committed.exists(), "no checkpoint was committed"
+    subprocess.run(["scancel", "--signal=KILL", "--full", job_id], check=True)
+    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=120)
+    return Killed(info.state, output_of(info), layout_dir, committed, tmp)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_v2_script_matches_one_process(slurm_cluster, tmp_path, plain, request, layout):
+    parameters, model_type = LAYOUTS[layout]
+    reference, plain_layout = plain[model_type]
+    if layout == "tp2xhs2":
+        # The checkpoint test's job, up to its kill: every step it logged (at least the two before the
+        # step-2 save) is checked against the reference below.
+        killed = request.getfixturevalue("killed_tp2xhs2")
+        log, layout_dir = killed.log, killed.layout_dir
+        steps = _steps(log)
+        assert len(steps) >= 2, log
+    else:
+        layout_dir = tmp_path / "layout"
+        args = ["--model_type", model_type, "--layout_out", str(layout_dir)]
+        spec = _imported_spec(tmp_path, slurm_cluster, parameters, f"smpv2-{layout}", args)
+        log = _run_job(tmp_path, slurm_cluster, spec)
+        steps = _steps(log)
+        assert len(steps) == STEPS, log
+    reference = reference[: len(steps)]
+    assert [s["step"] for s in steps] == list(range(len(steps))), log
+    assert [s["loss"] for s in steps] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
     assert [s["grad_norm"] for s in steps] == pytest.approx([r["grad_norm"] for r in reference], abs=1e-5)
     assert "Traceback" not in log
 
@@ -161,7 +219,7 @@ def test_v2_script_matches_one_process(slurm_cluster, tmp_path, layout):
         assert sorted({r["rep_rank"] for r in ranks.values()}) == list(range(replicas))
     if ep > 1:
         # ep rank e holds experts 2e and 2e+1 (FSDP then splits them over the ranks that share them).
-        whole = plain["experts"]["model.layers.0.mlp.experts"]["sums"]
+        whole = plain_layout["experts"]["model.layers.0.mlp.experts"]["sums"]
         held: dict[int, list[float]] = {}
         for rank in sorted(ranks):
             r = ranks[rank]
@@ -172,26 +230,17 @@ def test_v2_script_matches_one_process(slurm_cluster, tmp_path, layout):
             assert sums == pytest.approx(expected, rel=1e-5), f"ep rank {ep_rank} holds {sums} of {whole}"
 
 
-def test_v2_checkpoint_killed_and_resumed(slurm_cluster, tmp_path):
+def test_v2_checkpoint_killed_and_resumed(slurm_cluster, killed_tp2xhs2, plain):
     """Saved with the v2 API every 2 steps, killed once the step-2 checkpoint is committed, resumed from it:
     the resumed steps' losses equal an uninterrupted run's."""
-    parameters = {"tensor_parallel_degree": 2, "hybrid_shard_degree": 2}
-    reference, _ = _plain(tmp_path)
-    ckpt = tmp_path / "ckpt"
-    args = ["--checkpoint_dir", str(ckpt), "--checkpoint_freq", "2", "--max_steps", "40"]
-    spec = _imported_spec(tmp_path, slurm_cluster, parameters, "smpv2-ckpt", args)
-    job_id = submit(spec, tmp_path, slurm_cluster)
-    committed = ckpt / "llama-2steps"
-    deadline = time.monotonic() + 300
-    while not committed.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert committed.exists(), "no checkpoint was committed"
-    subprocess.run(["scancel", "--signal=KILL", "--full", job_id], check=True)
-    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=120)
-    assert info.state != JobState.COMPLETED
-    first = _steps(output_of(info))
-    # The step-2 checkpoint was committed, so at least two steps were logged; fewer than all 40: it was stopped.
-    assert 2 <= len(first) < 40, f"the job was not stopped, or logged no steps: {len(first)} step lines"
+    parameters, _ = LAYOUTS["tp2xhs2"]
+    reference, _ = plain["llama"]
+    killed, tmp_path = killed_tp2xhs2, killed_tp2xhs2.workdir
+    assert killed.state != JobState.COMPLETED
+    first = _steps(killed.log)
+    # The step-2 checkpoint was committed, so at least two steps were logged; fewer than all: it was stopped.
+    assert 2 <= len(first) < KILLED_MAX_STEPS, f"the job was not stopped, or logged no steps: {len(first)}"
+    committed = killed.committed
     assert (committed / "hpkit-commit.json").exists()
 
     resume = _imported_spec(
@@ -199,24 +248,20 @@ def test_v2_checkpoint_killed_and_resumed(slurm_cluster, tmp_path):
     )
     steps = _steps(_run_job(tmp_path, slurm_cluster, resume))
     assert [s["step"] for s in steps] == [2, 3]
-    assert [s["loss"] for s in steps] == pytest.approx([r["loss"] for r in reference[2:]], abs=1e-5)
+    assert [s["loss"] for s in steps] == pytest.approx([r["loss"] for r in reference[2:STEPS]], abs=1e-5)
 
-    # A flipped byte in the checkpoint is refused in one line, not loaded.
+    # A flipped byte in the checkpoint is refused in one line, not loaded: rank 0 checks the commit record
+    # before any rank reads a shard, so two local ranks show it as well as a 4-rank job would.
     shard = sorted(committed.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0xFF
     shard.write_bytes(bytes(data))
-    bad = _imported_spec(
-        tmp_path, slurm_cluster, parameters, "smpv2-bad-ckpt", ["--resume_from_checkpoint", str(committed)]
-    )
-    job_id = submit(bad, tmp_path, slurm_cluster)
-    info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=120)
-    log = unlabelled(output_of(info))
-    assert info.state == JobState.FAILED, log
-    lines = [line for line in log.splitlines() if line.startswith("tsm.checkpoint: cannot load")]
-    assert len(lines) == 1 and shard.name in lines[0], log
+    done = _torchrun(tmp_path, "--tensor_parallel_degree", "2", "--resume_from_checkpoint", str(committed))
+    assert done.returncode != 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("tsm.checkpoint: cannot load")]
+    assert len(lines) == 1 and shard.name in lines[0], done.stderr[-3000:]
     # torchrun's agent prints its own traceback when a rank fails; none comes from the script or hpkit.
-    assert f'{SCRIPT.name}", line' not in log and "hpkit/compat" not in log, log
+    assert f'{SCRIPT.name}", line' not in done.stderr and "hpkit/compat" not in done.stderr, done.stderr
 
 
 def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
@@ -271,12 +316,12 @@ def _observed(stdout: str) -> dict:
     return json.loads(line)["observed"]
 
 
-def test_v2_activation_checkpointing_offloading_and_delayed_init(tmp_path):
+def test_v2_activation_checkpointing_offloading_and_delayed_init(tmp_path, plain):
     """torch's apply_activation_checkpointing on SMP's TransformerLayer and sm_activation_offloading change no
     loss, so the run also shows them at work: every decoder layer is in a checkpoint wrapper, and saved-tensor
     hooks are active during each forward outside the checkpointed layers. A model built on the meta device is
     materialised by DelayedParamIniter inside FSDP and trains; that run (neither asked for) shows neither."""
-    reference, _ = _plain(tmp_path)
+    reference, _ = plain["llama"]
     config = tmp_path / "offload.json"
     config.write_text(json.dumps({"hybrid_shard_degree": 1, "sm_activation_offloading": True}))
     done = _torchrun(
