@@ -33,6 +33,11 @@ def repo() -> Path:
     return REPO
 
 
+# A requeued job starts at the backfill scheduler's next pass: at Slurm's 30 s between passes, every requeue drill on
+# the session clusters (preemption, hang budgets, sweeps) idled up to 30 s for it (a preempt test 125 -> 89 s at 1 s).
+SESSION_BF_INTERVAL_S = 1
+
+
 @pytest.fixture(scope="session")
 def slurm_cluster_22_05(tmp_path_factory) -> dict[str, str]:
     """Start a 2-node x 2-CPU cluster of the host's Slurm (22.05) for this test session; returns the
@@ -41,7 +46,9 @@ def slurm_cluster_22_05(tmp_path_factory) -> dict[str, str]:
         pytest.fail("slurmctld not found: `make test` installs slurm-wlm; run it, or `make system-deps`")
     # Not a developer's `make cluster-up` cluster, nor another xdist worker's: its own directory,
     # ports and job ids.
-    env = devcluster.client_env(tmp_path_factory.mktemp("slurm-cluster"), *slot("session"))
+    env = devcluster.client_env(
+        tmp_path_factory.mktemp("slurm-cluster"), *slot("session"), bf_interval=SESSION_BF_INTERVAL_S
+    )
     try:
         devcluster.up(env)
     except devcluster.DevClusterError as exc:
@@ -62,7 +69,12 @@ def slurm_cluster_22_05(tmp_path_factory) -> dict[str, str]:
 def slurm_cluster_24_11(tmp_path_factory) -> dict[str, str]:
     """The same cluster under Slurm 24.11 (HyperPod's), run from the trixie root that slurm/dev/slurm-root.sh
     builds once per machine (`make test` builds it first); its clients are the wrappers in <dir>/bin."""
-    env = devcluster.client_env(tmp_path_factory.mktemp("slurm-24.11"), *slot("slurm-24.11"), slurm="24.11")
+    env = devcluster.client_env(
+        tmp_path_factory.mktemp("slurm-24.11"),
+        *slot("slurm-24.11"),
+        slurm="24.11",
+        bf_interval=SESSION_BF_INTERVAL_S,
+    )
     # As HyperPod's recent clusters: topology/tree and a topology.conf that hpkit renders (test_slurm_topology).
     env["TOPOLOGY"] = "tree"
     try:
