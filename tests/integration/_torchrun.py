@@ -6,7 +6,9 @@ import os
 import shlex
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from hpkit.rendezvous import free_local_ports
 
@@ -29,8 +31,15 @@ def torch_env(tmp: Path) -> dict[str, str]:
     return env
 
 
-def run(args: list[str], tmp: Path, nproc: int | None, timeout: float = 400) -> subprocess.CompletedProcess:
-    """Run `python ARGS` (nproc None) or `torchrun --nproc-per-node N ARGS`; fail with its output."""
+def run(
+    args: list[str],
+    tmp: Path,
+    nproc: int | None,
+    timeout: float = 400,
+    extra_env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
+    """Run `python ARGS` (nproc None) or `torchrun --nproc-per-node N ARGS`, with `extra_env` added to its
+    environment; fail with its output."""
     if nproc is None:
         cmd = [sys.executable, *args]
     else:
@@ -44,13 +53,23 @@ def run(args: list[str], tmp: Path, nproc: int | None, timeout: float = 400) -> 
             "--standalone",
             *args,
         ]
-    done = subprocess.run(cmd, env=torch_env(tmp), capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    env = torch_env(tmp) | (extra_env or {})
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if done.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} exited with {done.returncode}\n--- stdout\n{done.stdout[-6000:]}\n"
             f"--- stderr\n{done.stderr[-10000:]}"
         )
     return done
+
+
+def run_together(launches: dict[Any, tuple], timeout: float = 400) -> dict[Any, subprocess.CompletedProcess]:
+    """`run` for each named (args, tmp, nproc[, extra_env]) at once: independent launches of one fixture
+    overlap their interpreter and torch start-up, rendezvous and shutdown instead of waiting on each other.
+    Each needs its own tmp; a failure is raised once every launch has ended."""
+    with ThreadPoolExecutor(len(launches)) as pool:
+        futures = {k: pool.submit(run, *launch[:3], timeout, *launch[3:]) for k, launch in launches.items()}
+        return {k: f.result() for k, f in futures.items()}
 
 
 def run_two_agents(

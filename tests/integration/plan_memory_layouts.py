@@ -111,25 +111,24 @@ def spec_for(model: dict[str, Any], parallelism: dict[str, Any], train: dict[str
 
 def measure(trainer: Any) -> dict[str, int]:
     """The peak of every tensor the steps hold (weights, gradients, optimizer state included), by category."""
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    frozen = any(not p.requires_grad for part in trainer.model_parts for p in part.parameters())
-    # Module hooks break pipelines, and hook every parameter's gradient (a frozen LoRA base has none).
-    tracker = MemTracker() if trainer.schedule is None and not frozen else _without_module_hooks()
+    tracker = _without_module_hooks()
     tracker.track_external(*trainer.model_parts, *trainer.optimizers)
     with tracker:
         for _ in range(STEPS):
             trainer.train_step()
-            tracker.reset_mod_stats()  # per-module stats refuse a second call; the peak stays
     peak = tracker.get_tracker_snapshot("peak")
     (by_kind,) = peak.values()  # one device: the CPU
     return {str(k): int(v) for k, v in by_kind.items()}
 
 
 def _without_module_hooks() -> Any:
-    """MemTracker without its per-module hooks: a pipeline stage's backward runs autograd.grad, which those
-    hooks break (torch 2.13), and they register a gradient hook on every parameter, frozen ones too. It still sees every allocation; only the forward/backward split of its
-    categories is lost (everything made in the step counts as activations)."""
+    """MemTracker without its per-module hooks, in every layout. It still sees every allocation (its dispatch
+    mode), so the peak Total is the same: on all 21 layouts' ranks, with and without the hooks, to the byte
+    (checked when this replaced the hooked tracker, issue 46). The hooks only relabel categories (the
+    forward/backward split, unsharded FSDP weights as parameters: without them everything made in the step
+    counts as activations), and they cost: the hooked layouts' steps ran 2-3x slower. They also break
+    pipelines (a stage's backward runs autograd.grad, torch 2.13) and hook every parameter's gradient
+    (a frozen LoRA base has none)."""
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.utils._python_dispatch import TorchDispatchMode
 

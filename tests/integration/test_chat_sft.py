@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _torchrun import REPO, run
+from _torchrun import REPO, run_together
 from transformers import AutoTokenizer, LlamaForCausalLM
 from transformers import LlamaConfig as HfLlamaConfig
 
@@ -98,15 +98,16 @@ def results(tmp_path_factory) -> dict:
     data = tmp / "data"
     args = ["prepare", str(src), "--tokenizer", str(tok_dir), "--out", str(data), "--format", "chat"]
     assert data_cmd.main([*args, "--seq-len", str(SEQ)]) == 0
-    got = {}
+    launches = {}
     for name, nproc, parallelism, local_batch in [
         ("single", None, {}, 4),
         ("dp2_tp2", 4, {"dp_shard": 2, "tp": 2}, 2),
     ]:
         out = tmp / f"{name}.pt"
         args = [str(HERE / "chat_sft_layouts.py"), str(hf_dir), str(data), str(out), json.dumps(parallelism)]
-        run([*args, str(local_batch), str(SEQ)], tmp / name, nproc)
-        got[name] = torch.load(out, weights_only=False)
+        launches[name] = ([*args, str(local_batch), str(SEQ)], tmp / name, nproc)
+    run_together(launches)  # each writes its own NAME.pt (and output_dir is a fresh mkdtemp)
+    got = {name: torch.load(tmp / f"{name}.pt", weights_only=False) for name in launches}
     return {"got": got, "hf_dir": hf_dir, "tok_dir": tok_dir, "conversations": conversations}
 
 

@@ -32,13 +32,20 @@ CASES = [name for world in (2, 4) for name in LAYOUTS[world]]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("moe")
+    script = str(HERE / "moe_layouts.py")
+    _torchrun.run_together(
+        {
+            world: (
+                [script, str(tmp / f"world{world}.json")],
+                tmp / f"tmp{world}",
+                None if world == 1 else world,
+            )
+            for world in (1, 2, 4)
+        }
+    )
     merged: dict[str, dict] = {}
     for world in (1, 2, 4):
-        out = tmp / f"world{world}.json"
-        _torchrun.run(
-            [str(HERE / "moe_layouts.py"), str(out)], tmp / f"tmp{world}", None if world == 1 else world
-        )
-        merged.update(json.loads(out.read_text()))
+        merged.update(json.loads((tmp / f"world{world}.json").read_text()))
     return merged
 
 
@@ -106,7 +113,8 @@ def _spec(tmp: Path, tag: str, parallelism: dict, tasks: int, local_batch: int) 
         "name": f"moe-{tag}",
         "nodes": 1,
         "tasks_per_node": tasks,
-        "output_dir": str(tmp / "out"),
+        # One folder per run: runs side by side must not share the hang watchdog's boards (keyed by it).
+        "output_dir": str(tmp / "out" / tag),
         "parallelism": parallelism,
         "model": BASE["model"],
         "train": {**BASE["train"], "steps": 6, "local_batch_size": local_batch},
@@ -118,7 +126,7 @@ def _spec(tmp: Path, tag: str, parallelism: dict, tasks: int, local_batch: int) 
 
 
 def _metrics(tmp: Path, tag: str) -> dict[int, dict]:
-    (path,) = (tmp / "out").glob(f"moe-{tag}-*.metrics.jsonl")
+    (path,) = (tmp / "out" / tag).glob(f"moe-{tag}-*.metrics.jsonl")
     records = [json.loads(line) for line in path.read_text().splitlines()]
     return {r["step"]: r for r in records if "event" not in r}
 
@@ -128,7 +136,7 @@ def resumed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe-resume")
     a = _spec(tmp, "a", {"dp_shard": 2, "ep": 2}, tasks=4, local_batch=2)
     _torchrun.run(["-m", "hpkit", "train", "--config", str(a)], tmp / "tmp", 4)
-    outs = {}
+    launches = {}
     for tag, parallelism, tasks, local in (
         ("b", {"dp_shard": 4, "ep": 1}, 4, 2),
         ("c", {"dp_shard": 1}, 1, 8),
@@ -137,7 +145,9 @@ def resumed(tmp_path_factory):
         shutil.copytree(tmp / "ckpt-a" / "step-00000003", tmp / f"ckpt-{tag}" / "step-00000003")
         spec = _spec(tmp, tag, parallelism, tasks=tasks, local_batch=local)
         args = ["-m", "hpkit", "train", "--config", str(spec)]
-        outs[tag] = _torchrun.run(args, tmp / "tmp", None if tasks == 1 else tasks).stdout
+        launches[tag] = (args, tmp / f"tmp-{tag}", None if tasks == 1 else tasks)
+    # B and C each read their own copy of A's checkpoint: they run side by side.
+    outs = {tag: done.stdout for tag, done in _torchrun.run_together(launches).items()}
     return tmp, outs
 
 

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _torchrun
@@ -47,7 +48,7 @@ MODEL = {
 def _spec(tmp: Path, tag: str, data: Path, dp: int, local: int) -> Path:
     spec = {
         "name": f"prepared-{tag}",
-        "output_dir": str(tmp / "out"),
+        "output_dir": str(tmp / "out" / tag),
         "parallelism": {"dp_shard": dp},
         "model": MODEL,
         "train": {
@@ -78,7 +79,7 @@ def _digests(directory: Path) -> dict[int, str]:
 
 
 def _losses(tmp: Path, tag: str) -> dict[int, float]:
-    lines = (tmp / "out" / f"{tag}.metrics.jsonl").read_text().splitlines()
+    lines = (tmp / "out" / tag / f"{tag}.metrics.jsonl").read_text().splitlines()
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
@@ -117,39 +118,44 @@ def runs(tmp_path_factory):
     for path in digests.values():
         path.mkdir()
 
-    def train(tag: str, spec: Path, nproc: int, digest_tag: str | None = None) -> str:
-        os.environ["HPKIT_DATA_DIGESTS"] = str(digests[digest_tag or tag])
-        try:
-            return _torchrun.run(["-m", "hpkit", "train", "--config", str(spec)], tmp / "tmp", nproc).stdout
-        finally:
-            del os.environ["HPKIT_DATA_DIGESTS"]
+    def train(tag: str, spec: Path, nproc: int) -> str:
+        args = ["-m", "hpkit", "train", "--config", str(spec)]
+        digest = {"HPKIT_DATA_DIGESTS": str(digests[tag])}
+        return _torchrun.run(args, tmp / f"tmp-{tag}", nproc, extra_env=digest).stdout
 
-    out = {"u": train("u", _spec(tmp, "u", data, 2, LOCAL), 2)}
+    def killed(spec_k: Path) -> list[int | None]:
+        """K: killed with -9 the moment its step-4 checkpoint is committed (renamed into place)."""
+        (tmp / "ckpt-k").mkdir()
+        with DirWatch() as watch:
+            watch.add(tmp / "ckpt-k")
+            procs = _launch_2_ranks(spec_k, tmp, digests["k"])
+            deadline = time.monotonic() + 300
+            try:
+                while time.monotonic() < deadline and all(p.poll() is None for p in procs):
+                    if any(name == "step-00000004" for _, name, _ in watch.events(1.0)):
+                        os.killpg(procs[0].pid, signal.SIGKILL)
+                        break
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        os.killpg(procs[0].pid, signal.SIGKILL)
+                    p.wait(timeout=60)
+        return [p.returncode for p in procs]
 
-    # K: killed with -9 the moment its step-4 checkpoint is committed (renamed into place), then resumed (R).
+    # U and K, then K resumed (R) and U's step-4 checkpoint resumed on one rank (D): two runs at a time, each
+    # with its own output folder (the hang watchdog's boards are keyed by it) and digests.
     spec_k = _spec(tmp, "k", data, 2, LOCAL)
-    (tmp / "ckpt-k").mkdir()
-    with DirWatch() as watch:
-        watch.add(tmp / "ckpt-k")
-        procs = _launch_2_ranks(spec_k, tmp, digests["k"])
-        deadline = time.monotonic() + 300
-        try:
-            while time.monotonic() < deadline and all(p.poll() is None for p in procs):
-                if any(name == "step-00000004" for _, name, _ in watch.events(1.0)):
-                    os.killpg(procs[0].pid, signal.SIGKILL)
-                    break
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(procs[0].pid, signal.SIGKILL)
-                p.wait(timeout=60)
-    out["k_codes"] = [p.returncode for p in procs]
-    out["r"] = train("r", spec_k, 2)
-
-    # D: U's step-4 checkpoint resumed on one rank, with the same global batch (8 = 1 x 8).
+    with ThreadPoolExecutor(2) as pool:
+        u = pool.submit(train, "u", _spec(tmp, "u", data, 2, LOCAL), 2)
+        k_codes = pool.submit(killed, spec_k)
+        out = {"u": u.result(), "k_codes": k_codes.result()}
+    # D: with the same global batch (8 = 1 x 8).
     (tmp / "ckpt-d").mkdir()
     shutil.copytree(tmp / "ckpt-u" / "step-00000004", tmp / "ckpt-d" / "step-00000004")
-    out["d"] = train("d", _spec(tmp, "d", data, 1, GLOBAL), 1)
+    with ThreadPoolExecutor(2) as pool:
+        r = pool.submit(train, "r", spec_k, 2)
+        d = pool.submit(train, "d", _spec(tmp, "d", data, 1, GLOBAL), 1)
+        out["r"], out["d"] = r.result(), d.result()
     return tmp, out, {tag: _digests(path) for tag, path in digests.items()}
 
 

@@ -35,11 +35,19 @@ CASES = [(world, name) for world in (4, 2) for name in LAYOUTS[world]]
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict[str, dict]:
     tmp = tmp_path_factory.mktemp("layouts")
+    _torchrun.run_together(
+        {
+            world: (
+                [str(SCRIPT), str(tmp / f"world{world}.json")],
+                tmp / f"tmp{world}",
+                None if world == 1 else world,
+            )
+            for world in (1, 4, 2)
+        }
+    )
     merged: dict[str, dict] = {}
     for world in (1, 4, 2):
-        out = tmp / f"world{world}.json"
-        _torchrun.run([str(SCRIPT), str(out)], tmp / f"tmp{world}", None if world == 1 else world)
-        merged.update(json.loads(out.read_text()))
+        merged.update(json.loads((tmp / f"world{world}.json").read_text()))
     return merged
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _torchrun
@@ -36,7 +37,8 @@ def _spec(
         "name": f"resume-{tag}",
         "nodes": 1,
         "tasks_per_node": tasks or (4 if parallelism.get("tp") else 2),
-        "output_dir": str(tmp / "out"),
+        # One folder per run: runs side by side must not share the hang watchdog's boards (keyed by it).
+        "output_dir": str(tmp / "out" / tag),
         "parallelism": parallelism,
         "model": MODEL,
         "train": {
@@ -54,7 +56,7 @@ def _spec(
 
 
 def _metrics(tmp: Path, tag: str) -> dict[int, dict]:
-    files = list((tmp / "out").glob(f"resume-{tag}-*.metrics.jsonl"))
+    files = list((tmp / "out" / tag).glob(f"resume-{tag}-*.metrics.jsonl"))
     assert len(files) == 1, files
     records = [json.loads(line) for line in files[0].read_text().splitlines()]
     return {r["step"]: r for r in records if "event" not in r}  # step records, not start/checkpoint/end
@@ -74,24 +76,32 @@ def runs(tmp_path_factory):
     (tmp / "ckpt-b" / "latest").write_text(saved.name + "\n")
     (tmp / "ckpt-c" / "step-00000008.tmp").mkdir()
     b = _spec(tmp, "b", {"dp_shard": 2, "tp": 2})
-    out_b = _torchrun.run(["-m", "hpkit", "train", "--config", str(b)], tmp / "tmp", 4).stdout
     c = _spec(tmp, "c", {"dp_shard": 2})
-    out_c = _torchrun.run(["-m", "hpkit", "train", "--config", str(c)], tmp / "tmp", 2).stdout
     # D: A's two checkpoints, the newest with 64 bytes flipped inside one shard.
     shutil.copytree(tmp / "ckpt-a", tmp / "ckpt-d")
     _flip(tmp / "ckpt-d" / "step-00000009" / "__3_0.distcp")
     d = _spec(tmp, "d", {"dp_shard": 2, "tp": 2})
-    out_d = _torchrun.run(["-m", "hpkit", "train", "--config", str(d)], tmp / "tmp", 4).stdout
     # E: A's checkpoints intact, but "node 2" (the second torchrun agent, ranks 2 and 3) sees an empty
     # __3_0.distcp in step 9 through its own mount namespace, as a node with a stale or broken mount of
     # the shared filesystem would. Ranks 0 and 1 see the good file.
     shutil.copytree(tmp / "ckpt-a", tmp / "ckpt-e")
     e = _spec(tmp, "e", {"dp_shard": 2, "tp": 2})
     hidden = tmp / "ckpt-e" / "step-00000009" / "__3_0.distcp"
-    out_e = _torchrun.run_two_agents(
-        ["-m", "hpkit", "train", "--config", str(e)], tmp / "tmp", 2, second_node_hides=hidden
-    ).stdout
-    return tmp, {"a": out_a, "b": out_b, "c": out_c, "d": out_d, "e": out_e}
+    # B to E each read their own copy of A's checkpoints and write their own metrics: they run side by side.
+    train = ["-m", "hpkit", "train", "--config"]
+    with ThreadPoolExecutor(2) as pool:
+        two_nodes = pool.submit(
+            _torchrun.run_two_agents, [*train, str(e)], tmp / "tmp-e", 2, second_node_hides=hidden
+        )
+        outs = _torchrun.run_together(
+            {
+                "b": ([*train, str(b)], tmp / "tmp-b", 4),
+                "c": ([*train, str(c)], tmp / "tmp-c", 2),
+                "d": ([*train, str(d)], tmp / "tmp-d", 4),
+            }
+        )
+        out_e = two_nodes.result().stdout
+    return tmp, {"a": out_a, **{tag: done.stdout for tag, done in outs.items()}, "e": out_e}
 
 
 def _flip(path: Path, count: int = 64) -> None:

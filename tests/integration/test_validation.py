@@ -3,8 +3,9 @@ loss computed without the evaluator; an uneven split over data-parallel ranks ne
 batch; eval.only reproduces the value the training run recorded at that step; a chat set counts only its
 assistant tokens, with its packed conversations kept apart.
 
-Two launches (validation_layouts.py): 4 processes run every layout in turn through `hpkit train`'s own run,
-then one process computes the expected values from the held-out files themselves.
+Two launches side by side (validation_layouts.py): 4 processes run every layout in turn through `hpkit train`'s
+own run; one process validates what needs none of their checkpoints, then, once they have ended, computes the
+expected values from the held-out files themselves.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import _torchrun
@@ -71,8 +73,17 @@ def prepare_chat(root: Path) -> None:
 def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("validation")
     prepare_chat(root)
-    four = _torchrun.run([str(SCRIPT), "world4", str(root)], root / "tmp4", 4, timeout=500)
-    one = _torchrun.run([str(SCRIPT), "world1", str(root)], root / "tmp1", None)
+    vl.write_data(root)  # both launches read it: written once, before either starts
+    # The one-process launch does what needs no world4 checkpoint while world4 runs, then waits for its word.
+    with ThreadPoolExecutor(1) as pool:
+        single = pool.submit(_torchrun.run, [str(SCRIPT), "world1", str(root)], root / "tmp1", None, 800)
+        try:
+            four = _torchrun.run([str(SCRIPT), "world4", str(root)], root / "tmp4", 4, timeout=500)
+        except BaseException:
+            (root / vl.WORLD4_DONE).write_text("failed\n")
+            raise
+        (root / vl.WORLD4_DONE).write_text("ok\n")
+        one = single.result()
     records = {
         run.tag: [json.loads(line) for line in (root / run.tag / "metrics.jsonl").read_text().splitlines()]
         for run in [*vl.WORLD4, vl.SINGLE, vl.SINGLE_CHAT, vl.SINGLE_INIT, *vl.SINGLE_LORA]

@@ -12,10 +12,11 @@ tests/integration/test_validation.py.
   5. the same with a chat held-out set (DIR/chat, from `hpkit data prepare --format chat`, which the test
      writes): labels masked outside assistant turns, packed conversations with their own positions; trained
      under pp 2 x fsdp 2, validated under fsdp 2 x tp 2 (a vocabulary-parallel loss over masked labels).
-`world1 DIR`, as one process: eval.only of the first and the chat run's checkpoints, and the expected values
+`world1 DIR`, as one process beside the world4 launch: eval.only of the first and the chat run's checkpoints
+once DIR/world4.done says that launch ended well (the test writes it), and the expected values
 computed without the evaluator: every window (row) of the held-out set, read from the file(s), through the
 one-process model, the cross-entropy of all their counted tokens in one call.
-It also validates, with eval.only and no checkpoint, the weights of a tiny random Llama that transformers
+Before that wait it validates, with eval.only and no checkpoint, the weights of a tiny random Llama that transformers
 saves to DIR/hf (model.init_from), expecting transformers' own loss on the same tokens; and trains LoRA
 adapters on that base, validating in training and then with eval.only of the adapters-only checkpoint.
 Each run writes its metrics JSONL under DIR/<tag>/; world1 also writes DIR/expected.json.
@@ -254,6 +255,20 @@ def train(cfg: Any, job: Any) -> int:
         faulthandler.cancel_dump_traceback_later()
 
 
+WORLD4_DONE = "world4.done"  # DIR/world4.done: the test writes "ok" or "failed" once the world4 launch ended
+
+
+def wait_for_world4(root: Path) -> None:
+    """Until the world4 launch has ended (its checkpoints are what SINGLE and SINGLE_CHAT validate)."""
+    import time
+
+    done = root / WORLD4_DONE
+    while not done.exists():
+        time.sleep(0.1)
+    if done.read_text().strip() != "ok":
+        raise SystemExit("the world4 launch failed: its checkpoints are missing")
+
+
 def main(mode: str, root: Path) -> int:
     from hpkit.runtime.env import distributed
     from hpkit.runtime.run import quiet_known_warnings
@@ -266,15 +281,17 @@ def main(mode: str, root: Path) -> int:
                 assert train(config(root, run, world), job) == 0, run.tag
         else:
             values = {}
-            for run in (SINGLE, SINGLE_CHAT):
-                cfg = config(root, run, world)
-                assert train(cfg, job) == 0, run.tag
-                values[run.tag] = expected(root, cfg, job.device, run)
+            # What needs no world4 checkpoint first, while the world4 launch runs beside this one.
             reference = make_hf(root)
             assert train(config(root, SINGLE_INIT, world), job) == 0
             values[SINGLE_INIT.tag] = transformers_loss(reference, root)
             for run in SINGLE_LORA:
                 assert train(config(root, run, world), job) == 0, run.tag
+            wait_for_world4(root)
+            for run in (SINGLE, SINGLE_CHAT):
+                cfg = config(root, run, world)
+                assert train(cfg, job) == 0, run.tag
+                values[run.tag] = expected(root, cfg, job.device, run)
             (root / "expected.json").write_text(json.dumps(values))
     return 0
 
