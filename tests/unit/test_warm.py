@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from hpkit.warm import protocol
+from hpkit.warm.zygote import remove_leftovers
 
 PY = sys.executable
 # A rank that reports who it is and what it was given, then does what its first argument says.
@@ -239,3 +241,14 @@ def test_socket_path_is_per_job_and_node() -> None:
     b = protocol.socket_path({"SLURM_JOB_ID": "1", "SLURMD_NODENAME": "n2", protocol.ROOT_ENV: "/r"})
     assert a != b and a is not None and a.parent == Path(f"/r/hpkit-warm-{os.getuid()}")
     assert protocol.socket_path({"SLURM_JOB_ID": "1"}) is None
+
+
+def test_a_dead_zygotes_socket_is_removed_by_the_next(tmp_path: Path) -> None:
+    folder = tmp_path / f"hpkit-warm-{os.getuid()}"
+    folder.mkdir(mode=0o700)
+    dead = folder / "1-node-z.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.bind(str(dead))
+    sock.close()  # bound, never listening: a zygote that was SIGKILLed
+    remove_leftovers(folder)
+    assert not dead.exists()

@@ -112,6 +112,7 @@ class Zygote:
             raise SystemExit(
                 f"hpkit: warm: {self.path.parent} is not this user's alone (mode 0700): not serving"
             )
+        remove_leftovers(self.path.parent)
         self.path.unlink(missing_ok=True)  # a socket left by an earlier run of this job (requeued)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         listener.bind(os.fspath(self.path))
@@ -281,6 +282,21 @@ class Zygote:
             traceback.print_exc()
             os._exit(1)
         os._exit(run_as_main(target))
+
+
+def remove_leftovers(folder: Path) -> None:
+    """Remove the sockets of zygotes that have gone without removing theirs (a job's end kills them): nothing
+    answers on them any more."""
+    for path in folder.glob("*.sock"):
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            probe.connect(os.fspath(path))
+        except ConnectionRefusedError:
+            path.unlink(missing_ok=True)
+        except OSError:
+            pass
+        finally:
+            probe.close()
 
 
 def run_as_main(target: list[str]) -> int:
