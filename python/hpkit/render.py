@@ -245,8 +245,8 @@ def runs_hpkit_train(spec: SlurmJob) -> bool:
 
 
 def warm_client_words(spec: JobSpec) -> list[str]:
-    """What starts each rank under resilience.warm_start: hpkit.warm.client, which has the node's zygote fork it
-    (and runs it cold where none answers), before the rank's command; nothing otherwise."""
+    """What starts each rank, and each node's torchrun agent, under resilience.warm_start: hpkit.warm.client, which
+    has the node's zygote fork it (and runs it cold where none answers), before the command; nothing otherwise."""
     if not spec.resilience.warm_start:
         return []
     return [user_command(spec)[0], "-m", "hpkit.warm.client", "--"]
@@ -258,7 +258,8 @@ def zygote_command(spec: JobSpec) -> str:
     rank's command imports first: torch, and for hpkit train hpkit's runtime."""
     if not spec.resilience.warm_start:
         return ""
-    preload = ["torch", "hpkit.run_script"]
+    # torchrun's agent is forked too (hpkit.torchrun_agent, launch_words): its imports first.
+    preload = ["torch", "torch.distributed.run", "hpkit.torchrun_agent", "hpkit.run_script"]
     if runs_hpkit_train(spec):
         preload += ["hpkit.cli", "hpkit.commands.train", "hpkit.runtime.run"]
     return " ".join(
@@ -403,8 +404,9 @@ def task_wrapper(steps: list[str]) -> list[str]:
     return ["bash", "-c", shell_quote("; ".join([*steps, 'exec "$@"'])), "hpkit-task"] if steps else []
 
 
-def launch_words(spec: SlurmJob) -> list[str]:
-    """The program each srun task runs, before the user's command (already shell-quoted words)."""
+def launch_words(spec: SlurmJob, warm: list[str] | None = None) -> list[str]:
+    """The program each srun task runs, before the user's command (already shell-quoted words). `warm`: the warm
+    client's words (warm_client_words), which start torchrun's agent too, as `python -m hpkit.torchrun_agent`."""
     steps = []
     if image_path := oci_path_step(spec.container):
         steps.append(image_path)
@@ -420,7 +422,11 @@ def launch_words(spec: SlurmJob) -> list[str]:
     if spec.launcher == "torchrun":
         return [
             *wrapper,
-            torchrun_program(spec),
+            *(
+                [*(shell_quote(w) for w in warm), shell_quote(warm[0]), "-m", "hpkit.torchrun_agent"]
+                if warm
+                else [torchrun_program(spec)]
+            ),
             # The agents pass USR1 on to the ranks instead of dying of it.
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             f"--nnodes={spec.nodes}",
@@ -614,7 +620,12 @@ def build_context(
         sweep_overrides=[shell_quote(o) for o in array.overrides] if array else [],
         sweep_manifest=shell_quote(array.manifest) if array else None,
         step=shell_quote(
-            " ".join([*launch_words(spec), _quote_words([*warm_client_words(spec), *user_command(spec)])])
+            " ".join(
+                [
+                    *launch_words(spec, warm_client_words(spec)),
+                    _quote_words([*warm_client_words(spec), *user_command(spec)]),
+                ]
+            )
         ),
     )
 

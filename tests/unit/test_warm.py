@@ -252,3 +252,22 @@ def test_a_dead_zygotes_socket_is_removed_by_the_next(tmp_path: Path) -> None:
     sock.close()  # bound, never listening: a zygote that was SIGKILLed
     remove_leftovers(folder)
     assert not dead.exists()
+
+
+def test_launcher_gone_ends_client_and_rank(zygote, script, tmp_path: Path) -> None:
+    """A client whose launcher dies (torchrun's agent, itself forked warm, SIGKILLed with its step) dies, and its
+    rank with it: the launcher here is a shell that starts the client and says its pid."""
+    _, root = zygote
+    launcher = subprocess.Popen(
+        ["sh", "-c", f'{PY} -m hpkit.warm.client -- {PY} {script} wait & echo "$!"; wait'],
+        env=job_env(root, WHO="me"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    client_pid = int(launcher.stdout.readline())
+    pid, parent = rank_line(launcher)
+    assert parent == zygote[0].pid
+    launcher.kill()
+    launcher.wait(timeout=60)
+    wait_gone(client_pid)
+    wait_gone(pid)

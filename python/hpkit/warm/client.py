@@ -25,6 +25,7 @@ from types import FrameType
 
 from hpkit.warm.protocol import private_folder, receive, send, socket_path
 
+PR_SET_PDEATHSIG = 1
 # The signals passed on to the rank: every one a process can catch and whose default is to end it (or that a
 # program may handle: USR1 asks hpkit train to checkpoint and stop), not those that stop or continue it.
 RELAYED = tuple(
@@ -47,9 +48,13 @@ def main(argv: list[str]) -> None:
         argv = argv[1:]
     if not argv:
         sys.exit("usage: python -m hpkit.warm.client -- COMMAND [ARGS...]")
+    parent = os.getppid()
     sock = connect(socket_path(os.environ))
     if sock is None:
         cold(argv, None)
+    # Its launcher may itself be a zygote's fork (torchrun's agent, warm), outside the step's processes that Slurm
+    # ends: when it goes, this process goes, and so its rank.
+    die_with(parent)
     # Signals that reach this process before the rank exists are kept and passed on once it does: its start
     # must not be able to lose one (the zygote reads them after the request, so after the fork).
     # What this process's parent left ignored stays ignored in the rank, as across an exec.
@@ -81,6 +86,7 @@ def main(argv: list[str]) -> None:
             if s not in ignored:
                 signal.signal(s, signal.SIG_DFL)
         sock.close()
+        _death_signal(0)  # a cold rank is the launcher's child as without this client
         cold(argv, (reply or {}).get("cold", "the zygote closed the connection"))
     while True:
         try:
@@ -118,6 +124,19 @@ def connect(path: Path | None) -> socket.socket | None:
         sock.close()
         return None
     return sock
+
+
+def die_with(parent: int) -> None:
+    """SIGKILL this process when `parent` ends (PR_SET_PDEATHSIG); at once if it already has."""
+    _death_signal(signal.SIGKILL)
+    if os.getppid() != parent:
+        _die(signal.SIGKILL)
+
+
+def _death_signal(signum: int) -> None:
+    import ctypes  # only on the warm path
+
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signum, 0, 0, 0)
 
 
 def cold(argv: list[str], why: str | None) -> None:
