@@ -521,14 +521,14 @@ def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir
     log, got, stopped_at, (_, other), timeline = lose_node_held_after_memory_step(
         three_nodes, tmp_path, "memory", wipe_partner=False, warm=True
     )
-    # resilience.warm_start: the restarted step's ranks were forked by the zygotes of the survivor and of the spare
-    # that took rank 0's place (the losses below are theirs), none started cold.
+    # resilience.warm_start: the restarted step's ranks and torchrun agents were forked by the zygotes of the
+    # survivor and of the spare that took rank 0's place (the losses below are theirs), none started cold.
     spare = re.findall(r"spare (\S+) takes its place", log)
     assert len(spare) == 1, log
-    for node, rank in ((spare[0], 0), (other, 1)):
-        assert re.search(
-            rf"hpkit: warm start on {node}: rank {rank} \(attempt 1\) forked as process \d+", log
-        ), log
+    for node, what in ((spare[0], "rank 0"), (other, "rank 1"), (spare[0], "hpkit.torchrun_agent")):
+        assert re.search(rf"hpkit: warm start on {node}: {what} \(attempt 1\) forked as process \d+", log), (
+            log
+        )
     assert "warm start refused" not in log, log
     # Every part of the recovery is timed (bench_recovery splits it by these), in the order the parts run (the
     # start record's time is rounded to the millisecond).

@@ -207,9 +207,12 @@ class Zygote:
         rank.pid = pid
         self.started += 1
         env = request.get("env") or {}
+        target = python_target([str(a) for a in request["argv"]], sys.executable) or ["?"]
+        # A rank by its number; anything else (torchrun's agent) by its module or script.
+        what = f"rank {env['RANK']}" if "RANK" in env else target[1] if target[0] == "-m" else target[0]
         self.say(
-            f"hpkit: warm start on {self.node}: rank {env.get('RANK', '?')} (attempt "
-            f"{env.get('HPKIT_STEP_ATTEMPT', '?')}) forked as process {pid}"
+            f"hpkit: warm start on {self.node}: {what} (attempt {env.get('HPKIT_STEP_ATTEMPT', '?')}) forked as "
+            f"process {pid}"
         )
         try:
             send(rank.conn, {"pid": pid})
