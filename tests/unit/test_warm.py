@@ -48,7 +48,7 @@ def job_env(root: Path, **more: str) -> dict[str, str]:
 def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     root = tmp_path_factory.mktemp("warm")
     proc = subprocess.Popen(
-        [PY, "-m", "hpkit.warm.zygote", "--preload", "json"],
+        [PY, "-m", "hpkit.warm.zygote", "--preload", "json,hpkit.run_script"],
         env=job_env(root),
         stdout=subprocess.PIPE,
         text=True,
@@ -271,3 +271,13 @@ def test_launcher_gone_ends_client_and_rank(zygote, script, tmp_path: Path) -> N
     launcher.wait(timeout=60)
     wait_gone(client_pid)
     wait_gone(pid)
+
+
+def test_a_preloaded_module_runs_as_main_without_runpys_warning(zygote, script) -> None:
+    # The zygote imported hpkit.run_script; `python -m hpkit.run_script` still runs it as __main__, quietly.
+    _, root = zygote
+    rank = client(root, [PY, "-m", "hpkit.run_script", str(script), "4"])
+    out, err = rank.communicate(timeout=120)
+    assert rank.returncode == 4
+    assert out.split()[2] == str(zygote[0].pid)
+    assert "RuntimeWarning" not in err, err

@@ -313,6 +313,9 @@ def run_as_main(target: list[str]) -> int:
         if target[0] == "-m":
             sys.argv = list(target[1:])  # runpy puts the module's file in argv[0]
             sys.path[0] = os.getcwd()
+            # Run as `python -m` runs it: as __main__, apart from its importable copy, which the preload may have
+            # made (runpy would warn that it is already in sys.modules). What it imports stays imported.
+            sys.modules.pop(target[1], None)
             runpy._run_module_as_main(target[1], alter_argv=True)  # type: ignore[attr-defined]
         else:
             script = target[0]
