@@ -14,6 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from hpkit.errors import SpecError
+from hpkit.render import render
+from hpkit.spec import JobSpec
+from hpkit.validation import parse_document
 from hpkit.warm import protocol
 from hpkit.warm.zygote import remove_leftovers
 
@@ -281,3 +285,42 @@ def test_a_preloaded_module_runs_as_main_without_runpys_warning(zygote, script) 
     assert rank.returncode == 4
     assert out.split()[2] == str(zygote[0].pid)
     assert "RuntimeWarning" not in err, err
+
+
+WARM_SPEC = {
+    "name": "w",
+    "nodes": 2,
+    "launcher": "torchrun",
+    "command": ["/opt/venv/bin/python", "-m", "hpkit", "train"],
+    "resilience": {"spare_nodes": 1, "max_restarts": 2, "warm_start": True},
+}
+
+
+def test_warm_start_renders_the_client_before_agent_and_rank_and_the_zygote_in_the_plan() -> None:
+    script = render(parse_document(JobSpec, WARM_SPEC))
+    client_words = "/opt/venv/bin/python -m hpkit.warm.client -- /opt/venv/bin/python"
+    assert f"--step '{client_words} -m hpkit.torchrun_agent --signals-to-handle=" in script
+    assert f"--no-python -- {client_words} -m hpkit.run_script -m hpkit train'" in script
+    assert '"warm": "/opt/venv/bin/python -m hpkit.warm.zygote' in script
+    assert "--preload=torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli," in script
+    cold = render(parse_document(JobSpec, {**WARM_SPEC, "resilience": {"max_restarts": 2}}))
+    assert "hpkit.warm" not in cold and '"warm"' not in cold
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"launcher": "srun"}, "resilience.warm_start: ranks are forked warm under launcher: torchrun"),
+        ({"container": {"image": "img.sqsh"}}, "resilience.warm_start: ranks are forked warm under launcher"),
+        ({"command": ["hpkit", "train"]}, "resilience.warm_start: the command must be a Python program"),
+        (
+            {"command": ["python3", "-c", "pass"]},
+            "resilience.warm_start: the command must be a Python program",
+        ),
+    ],
+)
+def test_warm_start_where_it_cannot_apply_is_one_line(change: dict, words: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
+    assert words in str(info.value)
+    assert len(str(info.value).splitlines()) == 1

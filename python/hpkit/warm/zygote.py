@@ -199,9 +199,15 @@ class Zygote:
         sys.stdout.flush()
         sys.stderr.flush()
         zygote = os.getpid()
+        # The rank waits for this pipe before it runs anything of the command: once the client has its pid. A
+        # zygote that dies in between leaves the client without an answer, and it starts the command cold: the
+        # command must not have begun here too.
+        go_read, go_write = os.pipe()
         pid = os.fork()
         if pid == 0:
-            self._child(zygote, rank, request, fds)
+            os.close(go_write)
+            self._child(zygote, rank, request, fds, go_read)
+        os.close(go_read)
         for fd in fds:
             os.close(fd)
         rank.pid = pid
@@ -216,9 +222,12 @@ class Zygote:
         )
         try:
             send(rank.conn, {"pid": pid})
+            os.write(go_write, b"go")
         except OSError:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
+        finally:
+            os.close(go_write)
 
     def _reap(self) -> None:
         while True:
@@ -257,7 +266,7 @@ class Zygote:
 
     # -- the forked rank ------------------------------------------------------------------------------------
 
-    def _child(self, zygote: int, rank: _Rank, request: dict[str, Any], fds: list[int]) -> NoReturn:
+    def _child(self, zygote: int, rank: _Rank, request: dict[str, Any], fds: list[int], go: int) -> NoReturn:
         try:
             _die_with(zygote)
             signal.set_wakeup_fd(-1)
@@ -281,6 +290,9 @@ class Zygote:
                 numpy.random.seed()
             target = python_target([str(a) for a in request["argv"]], sys.executable)
             assert target is not None
+            if os.read(go, 2) != b"go":  # the client never heard of this process: it runs the command cold
+                os._exit(128 + signal.SIGKILL)
+            os.close(go)
         except BaseException:
             traceback.print_exc()
             os._exit(1)
