@@ -524,13 +524,17 @@ def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir
         three_nodes, tmp_path, "memory", wipe_partner=False, warm=True
     )
     # resilience.warm_start: the restarted step's ranks and torchrun agents were forked by the zygotes of the
-    # survivor and of the spare that took rank 0's place (the losses below are theirs), none started cold.
+    # survivor and of the spare that took the lost node's place (the losses below are theirs), none started cold.
     spare = re.findall(r"spare (\S+) takes its place", log)
     assert len(spare) == 1, log
-    for node, what in ((spare[0], "rank 0"), (other, "rank 1"), (spare[0], "hpkit.torchrun_agent")):
-        assert re.search(rf"hpkit: warm start on {node}: {what} \(attempt 1\) forked as process \d+", log), (
-            log
-        )
+    # Which node gets rank 0 is torchrun's rendezvous's choice: each node has one agent and one rank, all forked.
+    forked = re.findall(
+        r"hpkit: warm start on (\S+): (rank \d+|hpkit.torchrun_agent) \(attempt 1\) forked", log
+    )
+    nodes = sorted([spare[0], other])
+    assert sorted(n for n, what in forked if what == "hpkit.torchrun_agent") == nodes, log
+    assert sorted(n for n, what in forked if what.startswith("rank")) == nodes, log
+    assert sorted(what for _, what in forked if what.startswith("rank")) == ["rank 0", "rank 1"], log
     assert "warm start refused" not in log, log
     # Every part of the recovery is timed (bench_recovery splits it by these), in the order the parts run (the
     # start record's time is rounded to the millisecond).
