@@ -9,12 +9,15 @@ Then in-memory checkpoints (`checkpoint.memory`) against persistent ones, side b
 step 15 (persistent checkpoint: step 10) and each fault of --faults: rank 0's node lost ("node") or rank 0's process
 alone SIGKILLed ("rank"). Each part of the recovery in seconds (PARTS: detect, stop, probe and swap, srun and the
 agents, import, rendezvous and group, model, in-memory tier, restore and its source, first step, steps redone),
-from the supervisor's events and the resumed run's start record (`phases`). --model runs them at another shape.
+from the supervisor's events and the resumed run's start record (`phases`). --model runs them at another shape;
+--sides adds "warm": in-memory checkpoints with resilience.warm_start (the restarted ranks forked by each node's
+zygote, so "python + hpkit + torch import" is the cold sides' part it removes).
 
 Targets (they were assertions in tests/integration/test_node_loss.py and test_resilience.py; the tests keep
 the events): spare <= 30 s and below SlurmdTimeout; spare / requeue <= 0.5; killed rank -> end < 45 s.
 
     python3 bench/bench_recovery.py [--rounds 1] [--only spare,killed,held] [--faults node,rank] [--model 125M]
+        [--sides memory,persistent,warm]
 """
 
 from __future__ import annotations
@@ -99,6 +102,7 @@ PARTS = {
 }
 SCENARIOS = ("spare", "killed", "held")
 FAULTS = ("node", "rank")
+SIDES = ("memory", "persistent", "warm")
 
 
 def parts(timeline: dict[str, float]) -> dict[str, float]:
@@ -127,6 +131,12 @@ def main() -> int:
     )
     parser.add_argument("--faults", default=",".join(FAULTS), help="the held scenarios' faults: node, rank")
     parser.add_argument(
+        "--sides",
+        default="memory,persistent",
+        help="the held scenarios' sides, run in turn: memory (checkpoint.memory), persistent (checkpoint.dir "
+        "only), warm (checkpoint.memory and resilience.warm_start: ranks forked by each node's zygote)",
+    )
+    parser.add_argument(
         "--model",
         default=None,
         help="the held scenarios' model, a shape name (125M: the issue's target size; default: the drills' tiny one)",
@@ -136,6 +146,9 @@ def main() -> int:
     )
     args = parser.parse_args()
     only, faults = set(args.only.split(",")), [f for f in args.faults.split(",") if f]
+    side_names = [s for s in args.sides.split(",") if s]
+    if unknown := set(side_names) - set(SIDES):
+        parser.error(f"--sides: {', '.join(sorted(unknown))} unknown; choose from {', '.join(SIDES)}")
     spare, requeue, killed = [], [], []
     held: dict[tuple[str, str], list[dict[str, Any]]] = {}
     keep = tempfile.mkdtemp(prefix="hpkit-bench-recovery-") if args.keep else None
@@ -167,16 +180,16 @@ def main() -> int:
                     # Rank 0's node lost (or its process killed) with the run held after MEMORY_STEP: restored
                     # from checkpoint.dir (step 10: steps redone) vs from memory (the partner's copy), in turn.
                     for fault in faults if "held" in only else []:
-                        for memory in (True, False) if n % 2 == 0 else (False, True):
-                            side = "memory" if memory else "persistent"
+                        for side in side_names if n % 2 == 0 else side_names[::-1]:
                             *_, timeline = lose_node_held_after_memory_step(
                                 env,
                                 work / f"held-{fault}-{side}-{n}",
                                 f"held{fault}{side}",
                                 wipe_partner=False,
-                                memory=memory,
+                                memory=side != "persistent",
                                 fault=fault,
                                 model={"name": args.model, "seq_len": 64} if args.model else None,
+                                warm=side == "warm",
                             )
                             held.setdefault((fault, side), []).append(timeline)
             finally:
@@ -226,6 +239,10 @@ def main() -> int:
             print(
                 f"RATIO recovery_{fault} memory/persistent (fault -> first new step) = {m / p:.2f} (target <= 0.5)"
             )
+        for cold in ("persistent", "memory"):
+            if {"warm", cold} <= set(sides):
+                c, w = (statistics.median(t["new_step"] for t in sides[s]) for s in (cold, "warm"))
+                print(f"RATIO recovery_{fault} warm/{cold} (fault -> first new step) = {w / c:.2f}")
     return 0
 
 

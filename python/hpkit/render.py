@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import importlib.resources
 import json
-import re
 import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -22,7 +21,14 @@ from hpkit.catalog import lookup
 from hpkit.job_events import hangs_dir
 from hpkit.oci import IMAGE_PATH_VAR
 from hpkit.rendezvous import port_shell_expression
-from hpkit.slurm_job import HYPERPOD_LOG_DIR, VAR_LOG_MOUNT, ContainerSpec, SlurmJob
+from hpkit.slurm_job import (
+    HYPERPOD_LOG_DIR,
+    VAR_LOG_MOUNT,
+    ContainerSpec,
+    SlurmJob,
+    is_python,
+    python_program_start,
+)
 from hpkit.spec import JobSpec
 from hpkit.supervise.plan import Plan
 
@@ -226,6 +232,7 @@ def supervise_plan(spec: JobSpec) -> str:
         and spec.resilience.hang.enabled
         and runs_hpkit_train(spec),
         ranks_ready=runs_hpkit_train(spec),
+        warm=zygote_command(spec),
     ).to_json()
 
 
@@ -237,7 +244,28 @@ def runs_hpkit_train(spec: SlurmJob) -> bool:
     )
 
 
-_PYTHON = re.compile(r"^python[0-9.]*$")
+def warm_client_words(spec: JobSpec) -> list[str]:
+    """What starts each rank, and each node's torchrun agent, under resilience.warm_start: hpkit.warm.client, which
+    has the node's zygote fork it (and runs it cold where none answers), before the command; nothing otherwise."""
+    if not spec.resilience.warm_start:
+        return []
+    return [user_command(spec)[0], "-m", "hpkit.warm.client", "--"]
+
+
+def zygote_command(spec: JobSpec) -> str:
+    """The command of the supervisor's background step that keeps a zygote (hpkit.warm.zygote) on every node of
+    the allocation, spares included, as shell text; "" without resilience.warm_start. It preloads what the
+    rank's command imports first: torch, and for hpkit train hpkit's runtime."""
+    if not spec.resilience.warm_start:
+        return ""
+    # torchrun's agent is forked too (hpkit.torchrun_agent, launch_words): its imports first.
+    preload = ["torch", "torch.distributed.run", "hpkit.torchrun_agent", "hpkit.run_script"]
+    if runs_hpkit_train(spec):
+        preload += ["hpkit.cli", "hpkit.commands.train", "hpkit.runtime.run"]
+    return " ".join(
+        shell_quote(word)
+        for word in (user_command(spec)[0], "-m", "hpkit.warm.zygote", f"--preload={','.join(preload)}")
+    )
 
 
 def compat_python(spec: SlurmJob) -> str:
@@ -248,7 +276,7 @@ def compat_python(spec: SlurmJob) -> str:
     `smdistributed`), else `python3` from the task's PATH.
     """
     program = spec.command[0]
-    return program if _PYTHON.match(PurePosixPath(program).name) else "python3"
+    return program if is_python(program) else "python3"
 
 
 SMP_V2_PRELOAD = "hpkit.compat.smp_v2:install"
@@ -277,10 +305,6 @@ def compat_step(spec: SlurmJob) -> str | None:
     return step
 
 
-# Interpreter options that take the next word as their value (python -W ignore, -X dev).
-_PYTHON_OPTIONS_WITH_VALUE = frozenset({"-W", "-X", "-Q"})
-
-
 def user_command(spec: SlurmJob) -> list[str]:
     """The spec's command as each rank runs it: a Python program goes through `hpkit.run_script`.
 
@@ -290,17 +314,11 @@ def user_command(spec: SlurmJob) -> list[str]:
     needs hpkit in the image anyway). `python -c ...` and non-Python programs run as written.
     """
     command = list(spec.command)
-    if not _PYTHON.match(PurePosixPath(command[0]).name):
-        return command
     if spec.container is not None and not spec.compat:
         return command
-    i = 1
-    while i < len(command) and command[i].startswith("-") and command[i] != "-m":
-        if command[i] in ("-c", "-"):
-            return command
-        i += 2 if command[i] in _PYTHON_OPTIONS_WITH_VALUE else 1
-    if i >= len(command):
-        return command  # an interactive interpreter: nothing to wrap
+    i = python_program_start(command)
+    if i is None:
+        return command  # not a Python program (or python -c, an interactive interpreter): nothing to wrap
     return [*command[:i], "-m", "hpkit.run_script", *command[i:]]
 
 
@@ -386,8 +404,9 @@ def task_wrapper(steps: list[str]) -> list[str]:
     return ["bash", "-c", shell_quote("; ".join([*steps, 'exec "$@"'])), "hpkit-task"] if steps else []
 
 
-def launch_words(spec: SlurmJob) -> list[str]:
-    """The program each srun task runs, before the user's command (already shell-quoted words)."""
+def launch_words(spec: SlurmJob, warm: list[str] | None = None) -> list[str]:
+    """The program each srun task runs, before the user's command (already shell-quoted words). `warm`: the warm
+    client's words (warm_client_words), which start torchrun's agent too, as `python -m hpkit.torchrun_agent`."""
     steps = []
     if image_path := oci_path_step(spec.container):
         steps.append(image_path)
@@ -403,7 +422,11 @@ def launch_words(spec: SlurmJob) -> list[str]:
     if spec.launcher == "torchrun":
         return [
             *wrapper,
-            torchrun_program(spec),
+            *(
+                [*(shell_quote(w) for w in warm), shell_quote(warm[0]), "-m", "hpkit.torchrun_agent"]
+                if warm
+                else [torchrun_program(spec)]
+            ),
             # The agents pass USR1 on to the ranks instead of dying of it.
             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             f"--nnodes={spec.nodes}",
@@ -596,7 +619,14 @@ def build_context(
         supervise_plan=shell_quote(supervise_plan(spec)),
         sweep_overrides=[shell_quote(o) for o in array.overrides] if array else [],
         sweep_manifest=shell_quote(array.manifest) if array else None,
-        step=shell_quote(" ".join([*launch_words(spec), _quote_words(user_command(spec))])),
+        step=shell_quote(
+            " ".join(
+                [
+                    *launch_words(spec, warm_client_words(spec)),
+                    _quote_words([*warm_client_words(spec), *user_command(spec)]),
+                ]
+            )
+        ),
     )
 
 

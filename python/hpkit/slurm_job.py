@@ -31,6 +31,30 @@ _CHANNEL_NAME = re.compile(r"^[A-Za-z0-9_]+$")
 _DIRECTIVE_PATH = re.compile(r"^[^\s\"'#\\]+$")
 
 VAR_LOG_MOUNT = "/var/log:/var/log"
+
+_PYTHON = re.compile(r"^python[0-9.]*$")
+# Interpreter options that take the next word as their value (python -W ignore, -X dev).
+_PYTHON_OPTIONS_WITH_VALUE = frozenset({"-W", "-X", "-Q"})
+
+
+def is_python(program: str) -> bool:
+    """Whether a command's first word is a Python interpreter (python, python3, python3.11, by any path)."""
+    return bool(_PYTHON.match(program.rsplit("/", 1)[-1]))
+
+
+def python_program_start(command: list[str] | tuple[str, ...]) -> int | None:
+    """Where the program of `python [OPTIONS] SCRIPT|-m MODULE ARGS` starts (the index of SCRIPT or of -m); None
+    for a command that is not one (another program, `python -c ...`, `python -`, an interactive interpreter)."""
+    if not command or not is_python(command[0]):
+        return None
+    i = 1
+    while i < len(command) and command[i].startswith("-") and command[i] != "-m":
+        if command[i] in ("-c", "-"):
+            return None
+        i += 2 if command[i] in _PYTHON_OPTIONS_WITH_VALUE else 1
+    return i if i < len(command) else None
+
+
 COMPAT_LAYERS = ("smp", "smp_v2", "smddp")
 HYPERPOD_LOG_DIR = "/var/log/aws/clusters"
 

@@ -28,6 +28,7 @@ from hpkit.slurm_job import (
     ContainerSpec,
     SageMakerEnvSpec,
     SlurmJob,
+    python_program_start,
 )
 from hpkit.validation import parse_document, read_document
 
@@ -78,6 +79,22 @@ class JobSpec(SlurmJob, RunConfig):
             raise ValueError(
                 f"checkpoint.memory.replicas: {memory.replicas} copies on other nodes need at least "
                 f"{memory.replicas + 1} nodes (nodes: {self.nodes}); add nodes or remove checkpoint.memory"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _warm_start_applies(self) -> JobSpec:
+        if not self.resilience.warm_start:
+            return self
+        if self.launcher != "torchrun" or self.container is not None:
+            raise ValueError(
+                "resilience.warm_start: ranks are forked warm under launcher: torchrun without a container; "
+                "use that launcher, or drop warm_start"
+            )
+        if python_program_start(self.command) is None:
+            raise ValueError(
+                "resilience.warm_start: the command must be a Python program (python SCRIPT or python -m MODULE, "
+                "e.g. python -m hpkit train); change the command, or drop warm_start"
             )
         return self
 

@@ -483,13 +483,14 @@ def lose_node_held_after_memory_step(
     memory: bool = True,
     fault: str = "node",
     model: dict | None = None,
+    warm: bool = False,
 ):
     """Run `name` with in-memory checkpoints until it is held after MEMORY_STEP and kill rank 0's node, having
     moved checkpoint.dir away (a restore from it would find nothing) or, with `wipe_partner`, taken the partner
     node's memory (both copies of rank 0's state gone); without `memory` the same drill with persistent
     checkpoints only (bench/bench_recovery.py runs both side by side, and with `fault` "rank" kills rank 0's
-    process alone, SIGKILL, its node left up, and with `model` trains that model for two steps past MEMORY_STEP).
-    Returns the job's log, losses, last step before the kill, the two step nodes and the recovery's timeline
+    process alone, SIGKILL, its node left up, and with `model` trains that model for two steps past MEMORY_STEP;
+    `warm` turns resilience.warm_start on). Returns the job's log, losses, last step before the kill, the two step nodes and the recovery's timeline
     (`recovery_timeline`)."""
     backend = CliBackend()
     tmp_path.mkdir(exist_ok=True)
@@ -498,11 +499,14 @@ def lose_node_held_after_memory_step(
     if model is not None:
         spec["model"] = model
         spec["train"]["steps"] = MEMORY_STEP + 2
-        # A larger model's steps and copies take tens of seconds each on a loaded 2-vCPU host.
+        # A larger model's steps and copies take tens of seconds each on a loaded 2-vCPU host (at load 25, a 125M
+        # step and its copy passed the hang watchdog's 60 s: the run restarted for a hang, not for the fault).
         spec["resilience"]["collective_timeout_s"] = 180
+        spec["resilience"]["hang"] = {"min_s": 300}
         patience = 5.0
     if not memory:
         del spec["checkpoint"]["memory"]
+    spec["resilience"]["warm_start"] = warm
     job = submit(spec, tmp_path, {**env, **extra})
     ckpt, metrics = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.jsonl"
     placed = wait_for(
@@ -608,10 +612,24 @@ def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir
 ):
     """checkpoint.memory: rank 0's node is lost after step 15 with checkpoint.dir moved away: the spare's rank
     takes its state from the partner node's memory, the run resumes at step 15 (the persistent checkpoint is
-    step 10, and gone), redoes no step, and every loss equals the uninterrupted run's."""
-    log, got, stopped_at, _, timeline = lose_node_held_after_memory_step(
-        three_nodes, tmp_path, "memory", wipe_partner=False
+    step 10, and gone), redoes no step, and every loss equals the uninterrupted run's. With warm starts on, the
+    restarted ranks are forked by the zygotes of the survivor and the spare."""
+    log, got, stopped_at, (_, other), timeline = lose_node_held_after_memory_step(
+        three_nodes, tmp_path, "memory", wipe_partner=False, warm=True
     )
+    # resilience.warm_start: the restarted step's ranks and torchrun agents were forked by the zygotes of the
+    # survivor and of the spare that took the lost node's place (the losses below are theirs), none started cold.
+    spare = re.findall(r"spare (\S+) takes its place", log)
+    assert len(spare) == 1, log
+    # Which node gets rank 0 is torchrun's rendezvous's choice: each node has one agent and one rank, all forked.
+    forked = re.findall(
+        r"hpkit: warm start on (\S+): (rank \d+|hpkit.torchrun_agent) \(attempt 1\) forked", log
+    )
+    nodes = sorted([spare[0], other])
+    assert sorted(n for n, what in forked if what == "hpkit.torchrun_agent") == nodes, log
+    assert sorted(n for n, what in forked if what.startswith("rank")) == nodes, log
+    assert sorted(what for _, what in forked if what.startswith("rank")) == ["rank 0", "rank 1"], log
+    assert "warm start refused" not in log, log
     # Every part of the recovery is timed (bench_recovery splits it by these), in the order the parts run (the
     # start record's time is rounded to the millisecond).
     at = [timeline[mark] for mark in RECOVERY_MARKS]

@@ -162,3 +162,11 @@ def test_the_client_is_standard_library_only():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.strip() == "[]", done.stdout
+
+
+def test_job_steps_but_the_named_one(tmp_path, monkeypatch):
+    # squeue -s -o "%i %j": the zygotes' step (resilience.warm_start) outlives the steps the supervisor cancels.
+    _script(tmp_path, "squeue", 'printf "7.0 hpkit-warm\\n7.3 bash\\n7.batch batch\\n"')
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    assert client.job_steps("7") == ["7.0", "7.3", "7.batch"]
+    assert client.job_steps("7", except_named="hpkit-warm") == ["7.3", "7.batch"]

@@ -621,3 +621,27 @@ def test_a_pending_usr1_is_held_until_every_rank_has_installed_its_handler(tmp_p
     cluster = FakeCluster([StepScript(exit=1, polls=5)])
     out = supervise(tmp_path, cluster, usr1_flag=flag, requeue_on_failure=False, ranks_ready=True)
     assert cluster.started[0][2].signals == [] and of(out, ev.REQUEUE)[0]["reason"] == "usr1"
+
+
+def test_warm_start_keeps_a_zygote_step_on_every_node_for_the_run(tmp_path):
+    """resilience.warm_start: one background step per node of the allocation, spares included (slurmctld ends a
+    step with a task on a failed node, all of it: the survivors' zygotes must not go with it), started before the
+    first training step and ended (SIGTERM) when the run ends."""
+    zygotes = [StepScript(polls=10**6) for _ in range(3)]
+    cluster = FakeCluster([*zygotes, StepScript(exit=0)], nodes=["node1", "node2", "node3"])
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1, warm="python -m hpkit.warm.zygote")
+    assert out.exit == 0
+    warm = cluster.started[:3]
+    for node, (argv, env, step) in zip(["node1", "node2", "node3"], warm, strict=True):
+        assert argv[2] == 'exec srun "$@" python -m hpkit.warm.zygote'
+        assert {"--overlap", "--job-name=hpkit-warm", "--nodes=1", f"--nodelist={node}"} <= set(argv), argv
+        assert "HPKIT_STEP_ATTEMPT" not in env
+        assert step.signals == [signal.SIGTERM]
+    (train_argv, _, _), *_ = cluster.started[3:]
+    assert "--nodelist=node1,node2" in train_argv
+
+
+def test_no_warm_start_no_zygote_step(tmp_path):
+    cluster = FakeCluster([StepScript(exit=0)])
+    out = supervise(tmp_path, cluster)
+    assert out.exit == 0 and len(cluster.started) == 1

@@ -536,6 +536,14 @@ class ResilienceSpec(StrictModel):
             'state=fail reason="Action:Replace")'
         ),
     )
+    warm_start: bool = Field(
+        default=False,
+        description=(
+            "fork each rank from a per-node process of the job that has already imported torch and hpkit "
+            "(hpkit.warm), spares included: a restarted step or a swapped-in spare skips the interpreter's start "
+            "and its imports; needs launcher torchrun, no container and a Python command"
+        ),
+    )
     requeue_on_failure: bool | None = Field(
         default=None,
         description=(

@@ -243,10 +243,14 @@ def fail_node(node: str, reason: str, timeout_s: float = 60) -> Answer:
     return call(["scontrol", "update", f"node={node}", "state=fail", f"reason={reason}"], timeout_s=timeout_s)
 
 
-def job_steps(job_id: str, timeout_s: float = 60) -> list[str]:
-    """The job's steps as squeue names them (JOB.STEP, JOB.batch, JOB.extern); [] when squeue does not answer."""
-    done = call(["squeue", "-h", "-s", "-j", job_id, "-o", "%i"], timeout_s=timeout_s)
-    return done.out.split() if done.rc is not None else []
+def job_steps(job_id: str, timeout_s: float = 60, except_named: str = "") -> list[str]:
+    """The job's steps as squeue names them (JOB.STEP, JOB.batch, JOB.extern), but those whose step name is
+    `except_named`; [] when squeue does not answer."""
+    done = call(["squeue", "-h", "-s", "-j", job_id, "-o", "%i %j"], timeout_s=timeout_s)
+    if done.rc is None:
+        return []
+    steps = [line.split(None, 1) for line in done.out.splitlines() if line.strip()]
+    return [words[0] for words in steps if not except_named or words[1:] != [except_named]]
 
 
 def kill_step(step: str, timeout_s: float = 60) -> Answer:

@@ -25,6 +25,8 @@ from hpkit.slurm import client, hostlist
 _TASK_ERROR = re.compile(r"^srun: error: ([^:\s]+): tasks? ([\d,\-]+): (.+)$")
 PROBE_TIMEOUT_S = 5  # a healthy node starts a task well within a second
 NODES_ANSWER_TIMEOUT_S = 60
+# The name of the background step that keeps a zygote on each node (hpkit.warm, resilience.warm_start).
+WARM_STEP_NAME = "hpkit-warm"
 SLURM_TIMEOUT_S = 60  # a controller that is itself recovering a node may answer slowly: the supervisor waits
 
 
@@ -235,7 +237,8 @@ class SlurmCli:
 
     def cancel_steps(self, job_id: str) -> None:
         def cancel() -> None:
-            for step in client.job_steps(job_id, SLURM_TIMEOUT_S):
+            # The zygotes' step (resilience.warm_start) lasts the allocation: the next step's ranks fork from it.
+            for step in client.job_steps(job_id, SLURM_TIMEOUT_S, except_named=WARM_STEP_NAME):
                 if not step.endswith((".batch", ".extern")):
                     client.kill_step(step, SLURM_TIMEOUT_S)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from hpkit import job_events as ev
 from hpkit.supervise.budget import Budget
-from hpkit.supervise.cluster import Cluster, Step, TaskExit
+from hpkit.supervise.cluster import WARM_STEP_NAME, Cluster, Step, TaskExit
 from hpkit.supervise.hangs import culprit_nodes, verdict_path
 from hpkit.supervise.plan import Plan, Run
 from hpkit.supervise.ready import READY_ENV, all_ready
@@ -34,6 +34,8 @@ POLL_S = 0.5
 # A step that has started to fail (a failed task, a hang verdict) and still runs this long after is stopped
 # and its nodes probed: srun would otherwise wait for slurmctld to declare a dead node down (SlurmdTimeout).
 STEP_GRACE_S = 3.0
+# How long the zygotes' step has to end after SIGTERM when the job's run ends, before it is killed.
+WARM_STOP_S = 5.0
 
 
 @dataclass
@@ -133,13 +135,51 @@ class Supervisor:
         ended = self.start_run()
         if ended is not None:
             return ended
-        while True:
-            self._check_flag()
-            status = self.run_step()
-            decision = self.after_step(status)
-            if isinstance(decision, _End):
-                return decision.exit
-            self.attempt += 1
+        warm = self.start_warm()
+        try:
+            while True:
+                self._check_flag()
+                status = self.run_step()
+                decision = self.after_step(status)
+                if isinstance(decision, _End):
+                    return decision.exit
+                self.attempt += 1
+        finally:
+            for step in warm:
+                step.signal(signal.SIGTERM)
+            for step in warm:
+                step.join(WARM_STOP_S)
+                if step.poll() is None:
+                    step.kill()
+
+    def start_warm(self) -> list[Step]:
+        """resilience.warm_start: a zygote (hpkit.warm.zygote) on every node of the allocation, spares included,
+        for the run's length, from which each step's ranks fork (a rank whose node has none starts cold).
+
+        One step per node: slurmctld ends a step that has a task on a failed node, all of its tasks, and the
+        survivors' zygotes (their ranks with them) must outlive a lost node."""
+        if not self.plan.warm:
+            return []
+        nodes = [*self.step_nodes, *self.spares]
+        self.say(f"warm starts (resilience.warm_start): a zygote on {' '.join(nodes)}")
+        return [
+            self.cluster.start_step(
+                [
+                    "bash",
+                    "-c",
+                    f'exec srun "$@" {self.plan.warm}',
+                    WARM_STEP_NAME,
+                    *self.srun_args,
+                    "--overlap",  # beside the training steps
+                    f"--job-name={WARM_STEP_NAME}",
+                    "--nodes=1",
+                    "--ntasks=1",
+                    f"--nodelist={node}",
+                ],
+                self.env,
+            )
+            for node in nodes
+        ]
 
     def start_run(self) -> int | None:
         """Place the steps, settle the budget for this run, record it; an exit status if the run must not go on."""

@@ -32,6 +32,9 @@ class Plan:
     # The step's ranks announce when their signal handlers are in place (hpkit train: hpkit.supervise.ready): a
     # USR1 is held until then.
     ranks_ready: bool = False
+    # resilience.warm_start: the zygote's command (hpkit.warm.zygote, shell text), run as a background step on
+    # every node of the allocation for its whole length; "" for none.
+    warm: str = ""
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -39,7 +42,10 @@ class Plan:
         return cls(**{name: data[name] for name in cls.__dataclass_fields__ if name in data})
 
     def to_json(self) -> str:
-        return json.dumps({name: getattr(self, name) for name in self.__dataclass_fields__}, sort_keys=True)
+        data = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        if not self.warm:  # absent unless set: the scripts of jobs without warm starts read as before
+            del data["warm"]
+        return json.dumps(data, sort_keys=True)
 
 
 @dataclass(frozen=True)

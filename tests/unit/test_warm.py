@@ -1,0 +1,326 @@
+"""Warm starts (hpkit.warm): a real zygote process and real clients, the way torchrun's agent starts them."""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hpkit.errors import SpecError
+from hpkit.render import render
+from hpkit.spec import JobSpec
+from hpkit.validation import parse_document
+from hpkit.warm import protocol
+from hpkit.warm.zygote import remove_leftovers
+
+PY = sys.executable
+# A rank that reports who it is and what it was given, then does what its first argument says.
+RANK = r"""
+import os, signal, sys
+what = sys.argv[1]
+print("rank", os.getpid(), os.getppid(), os.getcwd(), os.environ.get("WHO"), sys.argv[1:], flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if what == "read":
+    print("read", sys.stdin.readline().strip(), flush=True)
+elif what == "usr1":
+    signal.signal(signal.SIGUSR1, lambda *_: sys.exit(3))
+    print("ready", flush=True)
+    signal.pause()
+elif what == "wait":
+    print("ready", flush=True)
+    signal.pause()
+elif what == "raise":
+    raise ValueError("boom")
+sys.exit(int(what) if what.isdigit() else 0)
+"""
+
+
+def job_env(root: Path, **more: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKIT_", "SLURM"))}
+    return {**env, protocol.ROOT_ENV: str(root), "SLURM_JOB_ID": "77", "SLURMD_NODENAME": "node-a", **more}
+
+
+@pytest.fixture(scope="module")
+def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    root = tmp_path_factory.mktemp("warm")
+    proc = subprocess.Popen(
+        [PY, "-m", "hpkit.warm.zygote", "--preload", "json,hpkit.run_script"],
+        env=job_env(root),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    ready = proc.stdout.readline()  # its ready line: the socket is bound before it is written
+    assert "ready" in ready, ready
+    # The rest of its lines (one per rank started) are read off, so its pipe never fills.
+    threading.Thread(target=proc.stdout.read, daemon=True).start()
+    yield proc, root
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+
+
+@pytest.fixture
+def script(tmp_path: Path) -> Path:
+    path = tmp_path / "rank.py"
+    path.write_text(RANK)
+    return path
+
+
+def client(root: Path, argv: list[str], **kw) -> subprocess.Popen[str]:
+    env = job_env(root, WHO="me", **kw.pop("env", {}))
+    return subprocess.Popen(
+        [PY, "-m", "hpkit.warm.client", "--", *argv],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def rank_line(proc: subprocess.Popen[str]) -> tuple[int, int]:
+    assert proc.stdout is not None
+    words = proc.stdout.readline().split()
+    assert words[:1] == ["rank"], words
+    return int(words[1]), int(words[2])
+
+
+def wait_gone(pid: int) -> None:
+    """Returns once `pid` (not our child) has ended; fails the test if it is still there after a minute."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        assert select.select([fd], [], [], 60)[0], f"process {pid} still runs"
+    finally:
+        os.close(fd)
+
+
+def test_rank_is_forked_with_the_clients_argv_env_cwd_and_stdio(zygote, script, tmp_path: Path) -> None:
+    proc, root = zygote
+    rank = client(root, [PY, str(script), "read", "x y"], cwd=tmp_path)
+    out, err = rank.communicate("hello\n", timeout=120)
+    lines = out.splitlines()
+    words = lines[0].split()
+    assert int(words[2]) == proc.pid  # forked by the zygote, not exec'ed by the client
+    assert words[3:5] == [str(tmp_path), "me"]
+    assert lines[0].endswith("['read', 'x y']")
+    assert lines[1] == "read hello"
+    assert "to stderr" in err and "refused" not in err
+    assert rank.returncode == 0
+
+
+def test_exit_status_and_uncaught_exception_are_the_ranks(zygote, script) -> None:
+    _, root = zygote
+    rank = client(root, [PY, str(script), "7"])
+    rank.communicate(timeout=120)
+    assert rank.returncode == 7
+    rank = client(root, [PY, str(script), "raise"])
+    _, err = rank.communicate(timeout=120)
+    assert rank.returncode == 1
+    assert "ValueError: boom" in err
+
+
+def test_module_runs_as_python_m(zygote, tmp_path: Path) -> None:
+    _, root = zygote
+    (tmp_path / "mymod.py").write_text(
+        "import os, sys\nprint(__name__, os.getppid(), sys.argv[0].endswith('mymod.py'), sys.argv[1:])\n"
+    )
+    rank = client(root, [PY, "-m", "mymod", "a"], cwd=tmp_path)
+    out, err = rank.communicate(timeout=120)
+    assert out.split() == ["__main__", str(zygote[0].pid), "True", "['a']"], err
+
+
+def test_signal_reaches_the_rank_and_its_handler_decides(zygote, script) -> None:
+    _, root = zygote
+    rank = client(root, [PY, str(script), "usr1"])
+    rank_line(rank)
+    assert rank.stdout.readline().strip() == "ready"
+    rank.send_signal(signal.SIGUSR1)
+    rank.communicate(timeout=120)
+    assert rank.returncode == 3
+
+
+def test_client_dies_of_the_signal_that_killed_the_rank(zygote, script) -> None:
+    _, root = zygote
+    rank = client(root, [PY, str(script), "wait"])
+    rank_line(rank)
+    assert rank.stdout.readline().strip() == "ready"
+    rank.send_signal(signal.SIGTERM)  # the rank's default action: it dies of it, and the client alike
+    rank.communicate(timeout=120)
+    assert rank.returncode == -signal.SIGTERM
+
+
+def test_client_killed_kills_its_rank(zygote, script) -> None:
+    _, root = zygote
+    rank = client(root, [PY, str(script), "wait"])
+    pid, parent = rank_line(rank)
+    assert parent == zygote[0].pid
+    rank.kill()
+    rank.wait(timeout=60)
+    wait_gone(pid)
+
+
+def test_no_zygote_runs_the_command_cold(script, tmp_path: Path) -> None:
+    rank = client(tmp_path / "nothing-here", [PY, str(script), "5"])
+    pid, _ = rank_line(rank)
+    _, err = rank.communicate(timeout=120)
+    assert pid == rank.pid  # exec'ed in the client's place
+    assert rank.returncode == 5
+    assert "refused" not in err
+
+
+def test_start_up_variable_that_differs_starts_cold_with_one_line(zygote, script) -> None:
+    _, root = zygote
+    rank = client(root, [PY, str(script), "0"], env={"PYTHONPATH": "/elsewhere"})
+    pid, _ = rank_line(rank)
+    _, err = rank.communicate(timeout=120)
+    assert pid == rank.pid
+    assert "warm start refused (PYTHONPATH differ(s) from the zygote's): starting cold" in err
+
+
+def test_another_interpreter_starts_cold(zygote) -> None:
+    _, root = zygote
+    rank = client(root, ["sh", "-c", "echo rank $$ 0"])
+    pid, _ = rank_line(rank)
+    _, err = rank.communicate(timeout=120)
+    assert pid == rank.pid
+    assert "is not" in err
+
+
+def test_zygote_gone_ends_client_and_rank(tmp_path: Path, script) -> None:
+    zyg = subprocess.Popen(
+        [PY, "-m", "hpkit.warm.zygote"], env=job_env(tmp_path), stdout=subprocess.PIPE, text=True
+    )
+    assert "ready" in zyg.stdout.readline()
+    threading.Thread(target=zyg.stdout.read, daemon=True).start()
+    rank = client(tmp_path, [PY, str(script), "wait"])
+    pid, parent = rank_line(rank)
+    assert parent == zyg.pid
+    zyg.kill()
+    zyg.wait(timeout=60)
+    _, err = rank.communicate(timeout=120)
+    assert rank.returncode == -signal.SIGKILL, err
+    wait_gone(pid)
+
+
+def test_zygote_with_a_thread_refuses_to_fork(tmp_path: Path) -> None:
+    # In a process of its own: pytest's may run threads of its own.
+    check = f"""
+import os, sys, threading
+from pathlib import Path
+from hpkit.warm.zygote import Zygote
+zygote = Zygote(Path({str(tmp_path)!r}) / "z.sock", say=print)
+request = {{"argv": [sys.executable, "x.py"], "env": dict(os.environ)}}
+print(zygote.refusal(request))
+stop = threading.Event()
+threading.Thread(target=stop.wait).start()
+print(zygote.refusal(request))
+stop.set()
+"""
+    done = subprocess.run([PY, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["None", "the zygote runs 2 Python threads"], done.stderr
+
+
+def test_python_target() -> None:
+    assert protocol.python_target([PY, "-m", "hpkit", "train"], PY) == ["-m", "hpkit", "train"]
+    assert protocol.python_target([PY, "s.py", "-x"], PY) == ["s.py", "-x"]
+    assert protocol.python_target([PY, "-u", "s.py"], PY) is None
+    assert protocol.python_target([PY, "-m"], PY) is None
+    assert protocol.python_target(["/usr/bin/env", "s.py"], PY) is None
+
+
+def test_socket_path_is_per_job_and_node() -> None:
+    a = protocol.socket_path({"SLURM_JOB_ID": "1", "SLURMD_NODENAME": "n1", protocol.ROOT_ENV: "/r"})
+    b = protocol.socket_path({"SLURM_JOB_ID": "1", "SLURMD_NODENAME": "n2", protocol.ROOT_ENV: "/r"})
+    assert a != b and a is not None and a.parent == Path(f"/r/hpkit-warm-{os.getuid()}")
+    assert protocol.socket_path({"SLURM_JOB_ID": "1"}) is None
+
+
+def test_a_dead_zygotes_socket_is_removed_by_the_next(tmp_path: Path) -> None:
+    folder = tmp_path / f"hpkit-warm-{os.getuid()}"
+    folder.mkdir(mode=0o700)
+    dead = folder / "1-node-z.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sock.bind(str(dead))
+    sock.close()  # bound, never listening: a zygote that was SIGKILLed
+    remove_leftovers(folder)
+    assert not dead.exists()
+
+
+def test_launcher_gone_ends_client_and_rank(zygote, script, tmp_path: Path) -> None:
+    """A client whose launcher dies (torchrun's agent, itself forked warm, SIGKILLed with its step) dies, and its
+    rank with it: the launcher here is a shell that starts the client and says its pid."""
+    _, root = zygote
+    launcher = subprocess.Popen(
+        ["sh", "-c", f'{PY} -m hpkit.warm.client -- {PY} {script} wait & echo "$!"; wait'],
+        env=job_env(root, WHO="me"),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    client_pid = int(launcher.stdout.readline())
+    pid, parent = rank_line(launcher)
+    assert parent == zygote[0].pid
+    launcher.kill()
+    launcher.wait(timeout=60)
+    wait_gone(client_pid)
+    wait_gone(pid)
+
+
+def test_a_preloaded_module_runs_as_main_without_runpys_warning(zygote, script) -> None:
+    # The zygote imported hpkit.run_script; `python -m hpkit.run_script` still runs it as __main__, quietly.
+    _, root = zygote
+    rank = client(root, [PY, "-m", "hpkit.run_script", str(script), "4"])
+    out, err = rank.communicate(timeout=120)
+    assert rank.returncode == 4
+    assert out.split()[2] == str(zygote[0].pid)
+    assert "RuntimeWarning" not in err, err
+
+
+WARM_SPEC = {
+    "name": "w",
+    "nodes": 2,
+    "launcher": "torchrun",
+    "command": ["/opt/venv/bin/python", "-m", "hpkit", "train"],
+    "resilience": {"spare_nodes": 1, "max_restarts": 2, "warm_start": True},
+}
+
+
+def test_warm_start_renders_the_client_before_agent_and_rank_and_the_zygote_in_the_plan() -> None:
+    script = render(parse_document(JobSpec, WARM_SPEC))
+    client_words = "/opt/venv/bin/python -m hpkit.warm.client -- /opt/venv/bin/python"
+    assert f"--step '{client_words} -m hpkit.torchrun_agent --signals-to-handle=" in script
+    assert f"--no-python -- {client_words} -m hpkit.run_script -m hpkit train'" in script
+    assert '"warm": "/opt/venv/bin/python -m hpkit.warm.zygote' in script
+    assert "--preload=torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli," in script
+    cold = render(parse_document(JobSpec, {**WARM_SPEC, "resilience": {"max_restarts": 2}}))
+    assert "hpkit.warm" not in cold and '"warm"' not in cold
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        ({"launcher": "srun"}, "resilience.warm_start: ranks are forked warm under launcher: torchrun"),
+        ({"container": {"image": "img.sqsh"}}, "resilience.warm_start: ranks are forked warm under launcher"),
+        ({"command": ["hpkit", "train"]}, "resilience.warm_start: the command must be a Python program"),
+        (
+            {"command": ["python3", "-c", "pass"]},
+            "resilience.warm_start: the command must be a Python program",
+        ),
+    ],
+)
+def test_warm_start_where_it_cannot_apply_is_one_line(change: dict, words: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
+    assert words in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
