@@ -47,6 +47,8 @@ from test_node_loss import (  # noqa: E402  (the scenarios are the integration t
 from test_resilience import losses, submit, training_spec, wait_for  # noqa: E402
 
 from hpkit import devcluster  # noqa: E402
+from hpkit.runtime.checkpoints.memory_layout import ROOT_ENV  # noqa: E402
+from hpkit.runtime.watchdog.hang_board import node_local_base  # noqa: E402
 from hpkit.slurm import CliBackend, JobState  # noqa: E402
 
 STEPS = 60
@@ -181,16 +183,22 @@ def main() -> int:
                     # from checkpoint.dir (step 10: steps redone) vs from memory (the partner's copy), in turn.
                     for fault in faults if "held" in only else []:
                         for side in side_names if n % 2 == 0 else side_names[::-1]:
-                            *_, timeline = lose_node_held_after_memory_step(
-                                env,
-                                work / f"held-{fault}-{side}-{n}",
-                                f"held{fault}{side}",
-                                wipe_partner=False,
-                                memory=side != "persistent",
-                                fault=fault,
-                                model={"name": args.model, "seq_len": 64} if args.model else None,
-                                warm=side == "warm",
-                            )
+                            # The nodes' memory on tmpfs, as on a real node: on this disk (the tests' default)
+                            # every copy and restore went through ext4's page cache and writeback.
+                            with tempfile.TemporaryDirectory(
+                                prefix="hpkit-bench-mem-", dir=node_local_base(None, ROOT_ENV)
+                            ) as mem:
+                                *_, timeline = lose_node_held_after_memory_step(
+                                    env,
+                                    work / f"held-{fault}-{side}-{n}",
+                                    f"held{fault}{side}",
+                                    wipe_partner=False,
+                                    memory=side != "persistent",
+                                    fault=fault,
+                                    model={"name": args.model, "seq_len": 64} if args.model else None,
+                                    warm=side == "warm",
+                                    node_memory=Path(mem),
+                                )
                             held.setdefault((fault, side), []).append(timeline)
             finally:
                 if saved is None:

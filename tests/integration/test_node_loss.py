@@ -460,13 +460,13 @@ MEMORY_STEP = 15
 MEMORY_STEPS = MEMORY_STEP + 5
 
 
-def memory_spec(name: str, tmp_path: Path) -> tuple[dict, dict[str, str]]:
+def memory_spec(name: str, tmp_path: Path, node_memory: Path) -> tuple[dict, dict[str, str]]:
     spec = training_spec(name, tmp_path, MEMORY_STEPS, interval=INTERVAL)
     spec["checkpoint"]["memory"] = {"every": 1}
     spec["resilience"].update(max_restarts=2, spare_nodes=1, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
     # Rank 1 sleeps before step MEMORY_STEP + 1 on the first attempt only: every rank has finished
     # MEMORY_STEP and its in-memory copy, and no later step starts until the node is lost.
-    extra = {"HPKIT_FAULT": f"hang:rank=1,step={MEMORY_STEP + 1}", "HPKIT_MEMORY_ROOT": str(tmp_path / "shm")}
+    extra = {"HPKIT_FAULT": f"hang:rank=1,step={MEMORY_STEP + 1}", "HPKIT_MEMORY_ROOT": str(node_memory)}
     return spec, extra
 
 
@@ -484,17 +484,20 @@ def lose_node_held_after_memory_step(
     fault: str = "node",
     model: dict | None = None,
     warm: bool = False,
+    node_memory: Path | None = None,
 ):
     """Run `name` with in-memory checkpoints until it is held after MEMORY_STEP and kill rank 0's node, having
     moved checkpoint.dir away (a restore from it would find nothing) or, with `wipe_partner`, taken the partner
     node's memory (both copies of rank 0's state gone); without `memory` the same drill with persistent
     checkpoints only (bench/bench_recovery.py runs both side by side, and with `fault` "rank" kills rank 0's
     process alone, SIGKILL, its node left up, and with `model` trains that model for two steps past MEMORY_STEP;
-    `warm` turns resilience.warm_start on). Returns the job's log, losses, last step before the kill, the two step nodes and the recovery's timeline
+    `warm` turns resilience.warm_start on; `node_memory`: the nodes' memory root, default `tmp_path/shm` on the
+    test's disk, bench_recovery's a tmpfs folder as on a real node). Returns the job's log, losses, last step before the kill, the two step nodes and the recovery's timeline
     (`recovery_timeline`)."""
     backend = CliBackend()
     tmp_path.mkdir(exist_ok=True)
-    spec, extra = memory_spec(name, tmp_path)
+    node_memory = tmp_path / "shm" if node_memory is None else node_memory
+    spec, extra = memory_spec(name, tmp_path, node_memory)
     patience = 1.0
     if model is not None:
         spec["model"] = model
@@ -514,7 +517,7 @@ def lose_node_held_after_memory_step(
     )
     (rank0_node, other_node), _ = placed[0]["step_nodes"], placed[0]["spares"]
     held = (
-        (lambda: memory_step_complete(tmp_path / "shm", MEMORY_STEP, [rank0_node, other_node]))
+        (lambda: memory_step_complete(node_memory, MEMORY_STEP, [rank0_node, other_node]))
         if memory
         else (lambda: MEMORY_STEP in losses(metrics))
     )
@@ -524,7 +527,7 @@ def lose_node_held_after_memory_step(
     if memory and not wipe_partner:  # the restore must come from memory: checkpoint.dir holds nothing to read
         ckpt.rename(ckpt.with_name(ckpt.name + ".away"))
     elif wipe_partner:
-        for folder in (tmp_path / "shm").glob(f"hpkit-mem-*/*/{other_node}"):
+        for folder in node_memory.glob(f"hpkit-mem-*/*/{other_node}"):
             shutil.rmtree(folder)
     victims = kill_node(env, job, rank0_node) if fault == "node" else kill_rank(job, rank0_node)
     killed_wall = time.time()
