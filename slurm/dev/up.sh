@@ -91,6 +91,13 @@ fi
 [[ $topo_group =~ ^[1-9][0-9]*$ ]] || die "TOPOLOGY_GROUP must be a positive integer, not '$topo_group'"
 [[ $topo != block || $slurm != 22.05 ]] || die "TOPOLOGY=block needs Slurm 23.11 or later: use SLURM=24.11, or TOPOLOGY=tree"
 [[ $(id -u) == 0 ]] || die "run as root: slurmd must be able to start jobs as any user"
+# Each job step's slurmstepd listens on a Unix socket <spool>/<node>/<node>_<job>.<step>, at most 107 characters:
+# past that it cannot, and every job goes back to PENDING and is requeued for ever. A cluster that runs no job is
+# fine (a test of up/down), so this warns rather than refuses.
+longest_socket="$dir/spool/node$nodes/node${nodes}_67043328.4294967291"  # MaxJobId's default; the batch step
+if ((${#longest_socket} > 107)); then
+  echo "cluster-up: warning: the cluster's folder $dir is too deep for Slurm's step sockets (${#longest_socket} characters of 107 in $longest_socket): its jobs may never start; use a folder $((${#longest_socket} - 107)) characters shorter (HPKIT_DEV_CLUSTER_DIR, or a shorter TMPDIR for the tests)" >&2
+fi
 
 alive() { [[ -s $1 ]] && kill -0 "$(cat "$1")" 2>/dev/null; }
 
