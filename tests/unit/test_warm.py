@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -43,14 +46,39 @@ sys.exit(int(what) if what.isdigit() else 0)
 """
 
 
+@contextlib.contextmanager
+def short_folder() -> Iterator[Path]:
+    """A folder with a short path: a Unix socket's path holds at most 107 characters, and pytest's folders under
+    xdist and make test's TMPDIR (/tmp/hpkit-test/pytest-of-root/pytest-0/popen-gw2/test_zygote_gone_ends_c0/...)
+    left too few for the socket's own name: the bind failed, and the zygote's client ran its rank cold. In node
+    memory, as the zygote's own default; never under TMPDIR, whose depth is the caller's."""
+    base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else "/tmp"
+    folder = Path(tempfile.mkdtemp(prefix="hpkit-warm-test-", dir=base))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def tmp_path() -> Iterator[Path]:
+    """pytest's tmp_path, short (short_folder)."""
+    with short_folder() as folder:
+        yield folder
+
+
 def job_env(root: Path, **more: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HPKIT_", "SLURM"))}
     return {**env, protocol.ROOT_ENV: str(root), "SLURM_JOB_ID": "77", "SLURMD_NODENAME": "node-a", **more}
 
 
 @pytest.fixture(scope="module")
-def zygote(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[subprocess.Popen[str], Path]]:
-    root = tmp_path_factory.mktemp("warm")
+def zygote() -> Iterator[tuple[subprocess.Popen[str], Path]]:
+    with short_folder() as root:
+        yield from _zygote(root)
+
+
+def _zygote(root: Path) -> Iterator[tuple[subprocess.Popen[str], Path]]:
     proc = subprocess.Popen(
         [PY, "-m", "hpkit.warm.zygote", "--preload", "json,hpkit.run_script"],
         env=job_env(root),
