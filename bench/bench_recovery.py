@@ -7,7 +7,8 @@ clock runs from the kill to the first step the resumed run logs. Then a rank kil
 without restarts: the seconds until the job has ended (the survivors must not wait out a collective timeout).
 Then in-memory checkpoints (`checkpoint.memory`) against persistent ones, side by side, with the run held after
 step 15 (persistent checkpoint: step 10) and each fault of --faults: rank 0's node lost ("node") or rank 0's process
-alone SIGKILLed ("rank"). Each part of the recovery in seconds (PARTS: detect, stop, probe and swap, srun and the
+alone SIGKILLed ("rank"), or rank 0's node with its partner's memory ("partners": both copies lost, the memory sides
+fall back to checkpoint.dir). Each part of the recovery in seconds (PARTS: detect, stop, probe and swap, srun and the
 agents, import, rendezvous and group, model, in-memory tier, restore and its source, first step, steps redone),
 from the supervisor's events and the resumed run's start record (`phases`). --model runs them at another shape;
 --sides adds "warm": in-memory checkpoints with resilience.warm_start (the restarted ranks forked by each node's
@@ -16,7 +17,7 @@ zygote, so "python + hpkit + torch import" is the cold sides' part it removes).
 Targets (they were assertions in tests/integration/test_node_loss.py and test_resilience.py; the tests keep
 the events): spare <= 30 s and below SlurmdTimeout; spare / requeue <= 0.5; killed rank -> end < 45 s.
 
-    python3 bench/bench_recovery.py [--rounds 1] [--only spare,killed,held] [--faults node,rank] [--model 125M]
+    python3 bench/bench_recovery.py [--rounds 1] [--only spare,killed,held] [--faults node,rank,partners] [--model 125M]
         [--sides memory,persistent,warm]
 """
 
@@ -103,7 +104,10 @@ PARTS = {
     "new_step": "steps redone",
 }
 SCENARIOS = ("spare", "killed", "held")
-FAULTS = ("node", "rank")
+FAULTS = ("node", "rank")  # the default --faults
+# "partners": rank 0's node lost with its partner's memory wiped, so both copies of rank 0's state are gone: the
+# memory sides fall back to checkpoint.dir (the issue's fallback fault), measured against the plain persistent side.
+ALL_FAULTS = (*FAULTS, "partners")
 SIDES = ("memory", "persistent", "warm")
 
 
@@ -131,7 +135,11 @@ def main() -> int:
         help="comma-separated subset of spare (spare vs requeue), killed (a rank killed, no restarts), held "
         "(memory vs persistent, each fault of --faults)",
     )
-    parser.add_argument("--faults", default=",".join(FAULTS), help="the held scenarios' faults: node, rank")
+    parser.add_argument(
+        "--faults",
+        default=",".join(FAULTS),
+        help="the held scenarios' faults: node, rank, partners (a node and its partner's memory: the fallback)",
+    )
     parser.add_argument(
         "--sides",
         default="memory,persistent",
@@ -151,6 +159,8 @@ def main() -> int:
     side_names = [s for s in args.sides.split(",") if s]
     if unknown := set(side_names) - set(SIDES):
         parser.error(f"--sides: {', '.join(sorted(unknown))} unknown; choose from {', '.join(SIDES)}")
+    if unknown := set(faults) - set(ALL_FAULTS):
+        parser.error(f"--faults: {', '.join(sorted(unknown))} unknown; choose from {', '.join(ALL_FAULTS)}")
     spare, requeue, killed = [], [], []
     held: dict[tuple[str, str], list[dict[str, Any]]] = {}
     keep = tempfile.mkdtemp(prefix="hpkit-bench-recovery-") if args.keep else None
@@ -192,9 +202,9 @@ def main() -> int:
                                     env,
                                     work / f"held-{fault}-{side}-{n}",
                                     f"held{fault}{side}",
-                                    wipe_partner=False,
+                                    wipe_partner=fault == "partners",
                                     memory=side != "persistent",
-                                    fault=fault,
+                                    fault="node" if fault == "partners" else fault,
                                     model={"name": args.model, "seq_len": 64} if args.model else None,
                                     warm=side == "warm",
                                     node_memory=Path(mem),
