@@ -35,7 +35,7 @@ CRED_EXPIRE_S = 8
 # MinJobAge < 60): the reading taken at a job's end has this long at least. At 2 s, readings (hpkit why and status,
 # seconds each at a load of 15 to 30 on 2 cores) missed the controller in 3 of 9 runs.
 MIN_JOB_AGE_S = 10
-PURGE_WAIT_S = 240  # slurmctld purges ended jobs about once a minute; room for a loaded machine
+PURGE_WAIT_S = 240  # slurmctld purges ended jobs every max(10, MinJobAge) s here (MinJobAge < 60); room for a loaded machine
 
 
 def _run(args: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess:

@@ -1,8 +1,8 @@
 """`hpkit status JOB` and `hpkit plot JOB` after the controller has forgotten the job (MinJobAge passed):
 the note `hpkit submit` left leads to the training files.
 
-A private cluster with MinJobAge=2: slurmctld purges ended jobs on its own schedule (about once a
-minute), and the test waits for that event (`scontrol show job` no longer knows the id), not a fixed time.
+A private cluster with MinJobAge=2: slurmctld purges ended jobs on its own schedule (below a MinJobAge of 60,
+every max(10, MinJobAge) s, as measured here), and the test waits for that event (`scontrol show job` no longer knows the id), not a fixed time.
 """
 
 from __future__ import annotations
