@@ -254,8 +254,10 @@ def main() -> int:
         print("  restored from: " + "; ".join(f"{side} {ts[0]['source']}" for side, ts in sides.items()))
         if {"memory", "persistent"} <= set(sides):
             p, m = (statistics.median(t["new_step"] for t in sides[s]) for s in ("persistent", "memory"))
+            # Both copies lost: the memory side falls back to checkpoint.dir, and the most it can do is cost no more.
+            target = "target <= 1.0: the fallback" if fault == "partners" else "target <= 0.5"
             print(
-                f"RATIO recovery_{fault} memory/persistent (fault -> first new step) = {m / p:.2f} (target <= 0.5)"
+                f"RATIO recovery_{fault} memory/persistent (fault -> first new step) = {m / p:.2f} ({target})"
             )
         for cold in ("persistent", "memory"):
             if {"warm", cold} <= set(sides):
