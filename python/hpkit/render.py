@@ -583,6 +583,7 @@ def build_context(
         spec_word: str | None = array_path_word(array.spec_pattern)
     else:
         spec_word = shell_quote(spec_path) if spec_path else None
+    warm = warm_client_words(spec)
     return RenderContext(
         version=__version__,
         script_name=shell_quote(script_name),
@@ -622,8 +623,8 @@ def build_context(
         step=shell_quote(
             " ".join(
                 [
-                    *launch_words(spec, warm_client_words(spec)),
-                    _quote_words([*warm_client_words(spec), *user_command(spec)]),
+                    *launch_words(spec, warm),
+                    _quote_words([*warm, *user_command(spec)]),
                 ]
             )
         ),
