@@ -257,14 +257,7 @@ def test_a_lost_worker_requeues_the_job_it_resumes_and_a_loss_past_the_budget_en
     assert kill_node(env, job, lost[0]), f"no processes of job {job} on {lost[0]}"
     killed_at = time.monotonic()
     try:
-        wait_for(lambda: backend.info(job).state != JobState.RUNNING, 120, "the job to leave RUNNING")
-        requeued_s = time.monotonic() - killed_at
-        stopped_at = max(losses(metrics))
-        fields = job_fields(job, env)
-        assert fields["JobState"] in ("PENDING", "COMPLETING") and fields["Restarts"] == "1", fields
-        assert requeued_s < COLLECTIVE_TIMEOUT_S + detection_margin_s(env), (
-            f"requeued {requeued_s:.0f} s after"
-        )
+        requeued_s, stopped_at = wait_for_requeue(job, env, metrics, killed_at)
         # The event: the requeued run has logged step 20 (and sleeps in its save).
         wait_for(
             lambda: SECOND_LOSS_STEP in steps_of_run(metrics, 2),
@@ -310,6 +303,19 @@ def test_a_lost_worker_requeues_the_job_it_resumes_and_a_loss_past_the_budget_en
         assert loss == pytest.approx(reference_losses[step], rel=1e-6, abs=1e-7), f"step {step}"
 
 
+def wait_for_requeue(job: str, env: dict[str, str], metrics: Path, killed_at: float) -> tuple[float, int]:
+    """After a node of `job` was killed at `killed_at` (time.monotonic()): wait until Slurm has requeued the job,
+    within the collective timeout and the cluster's detection margin; the seconds that took and the last step
+    the first run logged."""
+    wait_for(lambda: CliBackend().info(job).state != JobState.RUNNING, 120, "the job to leave RUNNING")
+    requeued_s = time.monotonic() - killed_at
+    stopped_at = max(losses(metrics))  # before the requeued run can log a step
+    fields = job_fields(job, env)
+    assert fields["JobState"] in ("PENDING", "COMPLETING") and fields["Restarts"] == "1", fields
+    assert requeued_s < COLLECTIVE_TIMEOUT_S + detection_margin_s(env), f"requeued {requeued_s:.0f} s after"
+    return requeued_s, stopped_at
+
+
 def requeue_after_node_loss(
     env: dict[str, str], reference_losses: dict[int, float], tmp_path: Path, lost: str
 ) -> float:
@@ -333,14 +339,7 @@ def requeue_after_node_loss(
     assert victims, f"no processes of job {job} on {lost_node}"
 
     try:
-        wait_for(lambda: backend.info(job).state != JobState.RUNNING, 120, "the job to leave RUNNING")
-        requeued_s = time.monotonic() - killed_at
-        stopped_at = max(losses(metrics))
-        fields = job_fields(job, env)
-        assert fields["JobState"] in ("PENDING", "COMPLETING") and fields["Restarts"] == "1", fields
-        assert requeued_s < COLLECTIVE_TIMEOUT_S + detection_margin_s(env), (
-            f"requeued {requeued_s:.0f} s after"
-        )
+        requeued_s, stopped_at = wait_for_requeue(job, env, metrics, killed_at)
         wait_for(lambda: "resumed from" in job_log(backend.info(job)), 300, "the resume", poll=0.5)
     finally:
         # The host comes back (a replaced one would) for whatever runs next.
