@@ -169,6 +169,42 @@ def test_module_runs_as_python_m(zygote, tmp_path: Path) -> None:
     assert out.split() == ["__main__", str(zygote[0].pid), "True", "['a']"], err
 
 
+def test_socket_named_outright_serves_outside_slurm_and_rank_gets_its_own_tmpdir(tmp_path: Path) -> None:
+    """HPKIT_WARM_SOCKET: a zygote and its clients outside any Slurm job. The zygote's preload asked tempfile for
+    its folder (torch's import does): the rank's TMPDIR still decides the rank's, as in a cold start."""
+    (tmp_path / "asks_tmp.py").write_text("import tempfile\nASKED = tempfile.gettempdir()\n")
+    zygote_tmp, rank_tmp = tmp_path / "z", tmp_path / "r"
+    zygote_tmp.mkdir()
+    rank_tmp.mkdir()
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HPKIT_", "SLURM"))}
+    env = {**base, "PYTHONPATH": str(tmp_path), protocol.SOCKET_ENV: str(tmp_path / "own" / "z.sock")}
+    proc = subprocess.Popen(
+        [PY, "-m", "hpkit.warm.zygote", "--preload", "asks_tmp"],
+        env={**env, "TMPDIR": str(zygote_tmp)},
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert "ready" in proc.stdout.readline()
+        (tmp_path / "report.py").write_text(
+            "import os, tempfile, asks_tmp\nprint(os.getppid(), asks_tmp.ASKED, tempfile.gettempdir())\n"
+        )
+        rank = subprocess.run(
+            [PY, "-m", "hpkit.warm.client", "--", PY, "-m", "report"],
+            env={**env, "TMPDIR": str(rank_tmp)},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert rank.returncode == 0, rank.stderr
+        assert rank.stdout.split() == [str(proc.pid), str(zygote_tmp), str(rank_tmp)], rank.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def test_signal_reaches_the_rank_and_its_handler_decides(zygote, script) -> None:
     _, root = zygote
     rank = client(root, [PY, str(script), "usr1"])

@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT_ENV = "HPKIT_WARM_ROOT"  # another folder for the sockets (tests; hosts without /dev/shm)
+# The socket itself, named outright: a zygote outside a Slurm job (a launcher of its own, the test suite's warm
+# launches). Its folder must still be the user's alone.
+SOCKET_ENV = "HPKIT_WARM_SOCKET"
 # A zygote's whole request (argv, environment) fits one datagram of this size; a larger one starts cold.
 MAX_MESSAGE = 1 << 20
 # What the interpreter reads when it starts or when a library loads (not later): a rank whose values differ from
@@ -26,9 +29,12 @@ STARTUP_VARS = (
 
 
 def socket_path(env: Mapping[str, str]) -> Path | None:
-    """The zygote's socket for this job on this node, in node-local memory; None outside a Slurm job.
+    """The zygote's socket for this job on this node, in node-local memory; None outside a Slurm job, unless
+    SOCKET_ENV names it.
 
     Keyed by job and node: the nodes of a local cluster share one /dev/shm."""
+    if env.get(SOCKET_ENV):
+        return Path(env[SOCKET_ENV])
     job, node = env.get("SLURM_JOB_ID"), env.get("SLURMD_NODENAME")
     if not job or not node:
         return None

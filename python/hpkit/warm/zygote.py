@@ -39,6 +39,7 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from hpkit.warm.protocol import (
+    SOCKET_ENV,
     env_difference,
     private_folder,
     python_target,
@@ -106,7 +108,8 @@ class Zygote:
 
     # -- the loop -------------------------------------------------------------------------------------------
 
-    def serve(self) -> None:
+    def serve(self, ready: str = "") -> None:
+        """Serve until a stop signal; `ready` is said once the socket listens (a client may connect from then)."""
         private_folder(self.path.parent, create=True)
         if not private_folder(self.path.parent, create=False):
             raise SystemExit(
@@ -118,6 +121,8 @@ class Zygote:
         listener.bind(os.fspath(self.path))
         os.chmod(self.path, 0o600)
         listener.listen(64)
+        if ready:
+            self.say(ready)
         wake_r, wake_w = os.pipe()
         os.set_blocking(wake_r, False)
         os.set_blocking(wake_w, False)
@@ -282,6 +287,8 @@ class Zygote:
             os.umask(int(request.get("umask", 0o022)))
             os.environ.clear()
             os.environ.update({str(k): str(v) for k, v in (request.get("env") or {}).items()})
+            # tempfile keeps the folder it found first (torch's import asks): the rank's TMPDIR decides again.
+            tempfile.tempdir = None
             os.chdir(request.get("cwd") or "/")
             _descriptors(request.get("fds") or [], fds)
             _streams(os.environ)
@@ -451,11 +458,11 @@ def main(argv: list[str] | None = None) -> int:
     path = socket_path(os.environ)
     if path is None:
         print(
-            "hpkit: warm: not in a Slurm job step (SLURM_JOB_ID, SLURMD_NODENAME): not serving",
+            f"hpkit: warm: not in a Slurm job step (SLURM_JOB_ID, SLURMD_NODENAME) and no {SOCKET_ENV}: not serving",
             file=sys.stderr,
         )
         return 2
-    node = os.environ.get("SLURMD_NODENAME", "")
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
 
     def say(text: str) -> None:
         print(text, flush=True)
@@ -463,11 +470,10 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     preload([m for m in args.preload.split(",") if m], say)
     zygote = Zygote(path, say, node)
-    say(
+    zygote.serve(
         f"hpkit: warm: {node} ready in {time.monotonic() - began:.1f} s ({args.preload or 'nothing'} imported; "
         f"{zygote.threads} thread(s))"
     )
-    zygote.serve()
     return 0
 
 
