@@ -1,18 +1,43 @@
-"""Starting real multi-process torch runs from tests: torchrun with a private TMPDIR and one thread each."""
+"""Starting real multi-process torch runs from tests: torchrun with a private TMPDIR and one thread each.
+
+Launches start warm: every torchrun agent and every rank is forked by one zygote per test process (hpkit.warm,
+the product's own warm start, served here outside Slurm on a socket named by HPKIT_WARM_SOCKET) that imported torch
+and hpkit's runtime once. The suite is CPU-bound on its 2-core machine, and a cold rank spends about 3 CPU-s on its
+interpreter and imports before it does anything a test checks; a forked one, none. Each process still gets the
+command's own argv, environment, folder, TMPDIR and stdio, and the client it runs behind exits as it does. A
+launch the zygote cannot start warm (a start-up variable such as OMP_NUM_THREADS differs: extra_env) runs cold, as
+does everything with HPKIT_TEST_COLD=1. Tests that read a rank's /proc cmdline, or that need a rank in another
+namespace (run_two_agents), start cold.
+"""
 
 from __future__ import annotations
 
+import atexit
+import ctypes
 import os
+import select
 import shlex
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from hpkit.rendezvous import free_local_ports
+from hpkit.warm.protocol import SOCKET_ENV
 
 REPO = Path(__file__).resolve().parents[2]
+COLD_ENV = "HPKIT_TEST_COLD"
+# What a rank of these tests imports before its first line of work: the agent's modules and hpkit train's.
+PRELOAD = (
+    "torch,torch.distributed.run,hpkit.run_script,hpkit.cli,hpkit.commands.train,hpkit.runtime.run,"
+    "hpkit.runtime.loop.trainer"
+)
+ZYGOTE_READY_S = 180
 
 
 def torch_env(tmp: Path) -> dict[str, str]:
@@ -31,6 +56,98 @@ def torch_env(tmp: Path) -> dict[str, str]:
     return env
 
 
+class _Zygote:
+    """This test process's zygote, started at the first warm launch and ended with the process."""
+
+    lock = threading.Lock()
+    proc: subprocess.Popen[str] | None = None
+    folder: Path | None = None
+
+    @classmethod
+    def socket(cls) -> Path | None:
+        """The zygote's socket, starting it first if need be; None: launches start cold (HPKIT_TEST_COLD, or
+        the zygote did not come up, which is said once on stderr)."""
+        if os.environ.get(COLD_ENV) == "1":
+            return None
+        with cls.lock:
+            if cls.proc is not None and cls.proc.poll() is None:
+                assert cls.folder is not None
+                return cls.folder / "z.sock"
+            if cls.proc is not None:  # it died: say so once, and start cold from now on
+                return None
+            return cls._start()
+
+    @classmethod
+    def _start(cls) -> Path | None:
+        # In node memory and short: a Unix socket's path holds at most 107 characters, and TMPDIR is deep here.
+        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else "/tmp"
+        cls.folder = Path(tempfile.mkdtemp(prefix="hpkit-tz-", dir=base))
+        path = cls.folder / "z.sock"
+        env = torch_env(cls.folder / "tmp") | {SOCKET_ENV: str(path)}
+        cls.proc = subprocess.Popen(
+            [sys.executable, "-m", "hpkit.warm.zygote", f"--preload={PRELOAD}"],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=REPO,
+            preexec_fn=_die_with_parent,
+        )
+        atexit.register(cls.stop)
+        assert cls.proc.stdout is not None
+        ready = ""
+        if select.select([cls.proc.stdout], [], [], ZYGOTE_READY_S)[0]:
+            ready = cls.proc.stdout.readline()
+        if "ready" not in ready:
+            print(
+                f"_torchrun: the zygote did not come up ({ready.strip()!r}): launches start cold",
+                file=sys.stderr,
+            )
+            cls.proc.kill()
+            return None
+        # Its later lines (a line per process forked) are read off, so its pipe never fills.
+        threading.Thread(target=cls.proc.stdout.read, daemon=True).start()
+        return path
+
+    @classmethod
+    def stop(cls) -> None:
+        if cls.proc is not None and cls.proc.poll() is None:
+            cls.proc.send_signal(signal.SIGTERM)
+            try:
+                cls.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                cls.proc.kill()
+        if cls.folder is not None:
+            shutil.rmtree(cls.folder, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """The zygote dies with the test process that started it, even when that one is SIGKILLed."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def warm(cmd: list[str], env: dict[str, str]) -> list[str]:
+    """`cmd` (a `sys.executable ...` command) started by this process's zygote: the warm client's words before it,
+    and its socket in `env`; `cmd` unchanged where launches start cold."""
+    path = _Zygote.socket()
+    if path is None:
+        return cmd
+    env[SOCKET_ENV] = str(path)
+    return [sys.executable, "-m", "hpkit.warm.client", "--", *cmd]
+
+
+def torchrun_command(args: list[str], nproc: int, env: dict[str, str], *options: str) -> list[str]:
+    """`torchrun --nproc-per-node NPROC OPTIONS ARGS` with its agent and each rank forked warm where `env` can
+    be (see warm; `env` gets the socket); ARGS as torchrun takes them: a script or `-m MODULE`, then its args."""
+    agent = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *options]
+    path = _Zygote.socket()
+    if path is None:
+        return [*agent, *args]
+    # torchrun runs `python -u ARGS` (interpreter options start cold); --no-python runs the words given instead.
+    rank = warm([sys.executable, *args], env)
+    return warm([*agent, "--no-python", "--", *rank], env)
+
+
 def run(
     args: list[str],
     tmp: Path,
@@ -40,20 +157,12 @@ def run(
 ) -> subprocess.CompletedProcess:
     """Run `python ARGS` (nproc None) or `torchrun --nproc-per-node N ARGS`, with `extra_env` added to its
     environment; fail with its output."""
-    if nproc is None:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            # A free port per launch, so concurrent test runs on this host do not collide.
-            "--standalone",
-            *args,
-        ]
     env = torch_env(tmp) | (extra_env or {})
+    if nproc is None:
+        cmd = warm([sys.executable, *args], env)
+    else:
+        # --standalone: a free port per launch, so concurrent test runs on this host do not collide.
+        cmd = torchrun_command(args, nproc, env, "--standalone")
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=REPO)
     if done.returncode != 0:
         raise AssertionError(

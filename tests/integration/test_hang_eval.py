@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import yaml
-from _torchrun import REPO, torch_env
+from _torchrun import REPO, torch_env, torchrun_command
 
 MIN_S = 5.0
 TIMEOUT_S = 120  # the collective timeout: the old behaviour's only end
@@ -38,14 +37,15 @@ def _config(tmp: Path) -> Path:
 
 
 def test_a_rank_stuck_in_a_validation_is_named_before_the_collective_timeout(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["-m", "hpkit", "train", "--config", str(_config(tmp_path))]
     fault_log = tmp_path / "faults.jsonl"
     env = {
         **torch_env(tmp_path / "tmp"),
         "HPKIT_FAULT": "hang_eval:rank=1,step=8",
         "HPKIT_FAULT_LOG": str(fault_log),
     }
+    cmd = torchrun_command(
+        ["-m", "hpkit", "train", "--config", str(_config(tmp_path))], 2, env, "--standalone"
+    )
     started = time.monotonic()
     proc = subprocess.run(
         cmd,

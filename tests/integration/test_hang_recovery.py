@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _torchrun import REPO, torch_env
+from _torchrun import REPO, torch_env, torchrun_command
 
 sys.path.insert(0, str(REPO / "bench"))
 from _hang_trials import beats as read_beats  # the heartbeat reader the hang drills use
@@ -38,11 +38,13 @@ def _config(tmp: Path) -> Path:
 
 
 def test_a_stopped_rank_is_named_with_every_ranks_stacks(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["-m", "hpkit", "train", "--config", str(_config(tmp_path))]
+    env = torch_env(tmp_path / "tmp")
+    cmd = torchrun_command(
+        ["-m", "hpkit", "train", "--config", str(_config(tmp_path))], 2, env, "--standalone"
+    )
     proc = subprocess.Popen(
         cmd,
-        env=torch_env(tmp_path / "tmp"),
+        env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

@@ -5,14 +5,13 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 import yaml
-from _torchrun import REPO, torch_env
+from _torchrun import REPO, torch_env, torchrun_command
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpkit.rendezvous import free_local_ports
@@ -53,10 +52,10 @@ def test_each_rank_serves_its_metrics_on_port_plus_local_rank_during_the_run(tmp
             }
         )
     )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    env = torch_env(tmp_path / "tmp")
     proc = subprocess.Popen(
-        [*cmd, "-m", "hpkit", "train", "--config", str(config)],
-        env=torch_env(tmp_path / "tmp"),
+        torchrun_command(["-m", "hpkit", "train", "--config", str(config)], 2, env, "--standalone"),
+        env=env,
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

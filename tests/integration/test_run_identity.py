@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import _torchrun
@@ -37,10 +36,11 @@ def _plain_torchrun(config: Path, tmp: Path) -> subprocess.CompletedProcess:
     # torchrun's default static rendezvous needs a port of its own (--standalone would pick one, but
     # also set a random run id, which is not the case under test).
     port = free_local_ports()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port)]
-    cmd += ["-m", "hpkit", "train", "--config", str(config)]
     env = _torchrun.torch_env(tmp)
     env.pop("TORCHELASTIC_RUN_ID", None)
+    cmd = _torchrun.torchrun_command(
+        ["-m", "hpkit", "train", "--config", str(config)], 2, env, "--master-port", str(port)
+    )
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400, cwd=_torchrun.REPO)
     assert done.returncode == 0, f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
     return done

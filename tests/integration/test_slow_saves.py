@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import yaml
-from _torchrun import REPO, torch_env
+from _torchrun import REPO, torch_env, torchrun_command
 
 pytestmark = pytest.mark.dist
 
@@ -42,9 +41,8 @@ def test_slow_saves_final_included_are_not_called_a_hang(tmp_path):
         "HPKIT_FAULT": f"slow_save:seconds={SLOW_S:g}",
         "HPKIT_FAULT_LOG": str(fault_log),
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     done = subprocess.run(
-        [*cmd, "-m", "hpkit", "train", "--config", str(config)],
+        torchrun_command(["-m", "hpkit", "train", "--config", str(config)], 2, env, "--standalone"),
         env=env,
         cwd=REPO,
         capture_output=True,

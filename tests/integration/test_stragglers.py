@@ -192,7 +192,10 @@ def control(slurm_cluster, tmp_path_factory) -> Control:
             break
         time.sleep(0.1)
     assert len(texts) == 4, f"rank files seen: {sorted(texts)}; in {prom}: {list(prom.glob('*'))}"
-    assert not [p for p in prom.iterdir() if not p.name.endswith(".prom")]  # no temporary file left visible
+    # A rank rewrites its file every step through a temporary `<file>.<pid>.<thread>` and a rename: one may exist
+    # at any moment of the run (a check here failed a CI run under load). What a reader sees is what matters:
+    # node_exporter reads `*.prom` only, and those are whole files (parsed above). None is left once the run ends
+    # (test_without_the_quota_...).
     for rank, text in texts.items():
         labels = {s.labels["rank"]: s.labels for f in text_string_to_metric_families(text) for s in f.samples}
         assert list(labels) == [str(rank)]
