@@ -17,6 +17,7 @@ from hpkit import devcluster  # noqa: E402  (from this checkout, put on the path
 # tests/gpu is the CUDA half of the suite: `make test-gpu` (HPKIT_GPU_TESTS=1) on a GPU machine. CI has no GPU.
 collect_ignore = [] if os.environ.get("HPKIT_GPU_TESTS") == "1" else ["gpu"]
 
+import _cpu_report  # noqa: E402  (tests/_cpu_report.py: HPKIT_TEST_CPU_REPORT)
 from _clusters import slot  # noqa: E402  (tests/_clusters.py: every cluster's ports and job ids)
 
 
@@ -104,6 +105,7 @@ def slurm_cluster(request) -> dict[str, str]:
 
 
 def pytest_configure(config):
+    _cpu_report.register(config)
     config.addinivalue_line(
         "markers",
         "slurm_24_11: runs on the local cluster under Slurm 22.05 and again under 24.11 (HyperPod's)",
