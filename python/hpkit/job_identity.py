@@ -1,9 +1,9 @@
 """What names a job and where it writes: the fields a Slurm job and a run configuration share.
 
-`JobSpec` (hpkit.spec) is both a `SlurmJob` and a `RunConfig`; before this base each parent declared `name`,
-`output_dir` and `instance_type` itself, with different defaults, validators and descriptions, and Python's
-MRO chose one copy silently. Each shared field is declared here once; tests/unit/test_spec_fields.py fails
-when a parent declares it again.
+`SlurmJob` and `RunConfig` are each a document of their own (nccl-tests and the all-nodes check; `hpkit train
+--config`), and `JobSpec` (hpkit.spec) holds one of each, giving both these keys from its one flat YAML. Each
+shared field is declared here once, so the two parts cannot disagree on its default, validator or description;
+tests/unit/test_spec_fields.py fails when a part declares it again.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ from hpkit.slurm_job import (
     is_python,
     python_program_start,
 )
-from hpkit.spec import JobSpec
+from hpkit.spec import JobSpec, ResilienceSpec
 from hpkit.supervise.plan import Plan
 
 
@@ -186,22 +186,22 @@ def task_exports(spec: SlurmJob) -> list[str]:
     return exports
 
 
-def resilience_directives(spec: JobSpec) -> list[Directive]:
+def resilience_directives(job: SlurmJob, resilience: ResilienceSpec) -> list[Directive]:
     """For scripts that trap the warning signal and requeue themselves (the train template)."""
     return [
         # A requeued job writes to the same file: append, or the first run's log is lost.
         Directive("open-mode", "append"),
         # B: signals the batch shell, which forwards to the step and then decides about requeueing.
         # A spec's own `signal` replaces it (the requeue path then runs only for B:USR1).
-        Directive("signal", spec.signal or f"B:USR1@{spec.resilience.signal_grace_s}"),
+        Directive("signal", job.signal or f"B:USR1@{resilience.signal_grace_s}"),
         # A requeueable batch job whose node fails (the batch host included) is requeued by slurmctld
         # itself, and the script's next run resumes. Without it Slurm ends such a job as NODE_FAIL; the
         # script can still requeue itself after USR1 (it turns the flag on just for that).
-        Directive("requeue" if spec.resilience.requeues_on_failure() else "no-requeue"),
+        Directive("requeue" if resilience.requeues_on_failure() else "no-requeue"),
     ] + (
         # A lost node must not end the allocation: the next step runs on the others and a spare.
         [Directive("no-kill", why="spare nodes: the job keeps its allocation when one of its nodes dies")]
-        if spec.resilience.spare_nodes
+        if resilience.spare_nodes
         else []
     )
 
@@ -213,26 +213,25 @@ LOST_NODE_STATES = r"^(down|fail)|[*]$"
 
 def supervise_plan(spec: JobSpec) -> str:
     """The restart policy the job's supervisor (`python -m hpkit.supervise`) follows, as JSON."""
+    job, resilience = spec.job, spec.run.resilience
     return Plan(
-        max_restarts=spec.resilience.max_restarts,
-        requeue_on_failure=spec.resilience.requeues_on_failure(),
-        spare_nodes=spec.resilience.spare_nodes,
-        nodes=spec.nodes,
-        step_tasks=spec.nodes * tasks_per_node(spec),
-        tasks_per_node=tasks_per_node(spec),
-        replace_bad_nodes=spec.resilience.replace_bad_nodes,
-        launcher=spec.launcher,
-        output_dir=str(PurePosixPath(spec.output_dir)),
+        max_restarts=resilience.max_restarts,
+        requeue_on_failure=resilience.requeues_on_failure(),
+        spare_nodes=resilience.spare_nodes,
+        nodes=job.nodes,
+        step_tasks=job.nodes * tasks_per_node(job),
+        tasks_per_node=tasks_per_node(job),
+        replace_bad_nodes=resilience.replace_bad_nodes,
+        launcher=job.launcher,
+        output_dir=str(PurePosixPath(job.output_dir)),
         # Where hpkit train's watchdog writes (hpkit.runtime.run_identity.run_paths), from the job's directory.
-        hangs_dir=str(hangs_dir(PurePosixPath(spec.output_dir))),
+        hangs_dir=str(hangs_dir(PurePosixPath(job.output_dir))),
         lost_node_states=LOST_NODE_STATES,
         # The batch host serves the watchdog's store under srun and mpi (hpkit-torchrun serves it under torchrun):
         # only for hpkit train with its watchdog on, since serving it imports torch (memory in the batch step).
-        watch_store=spec.launcher in ("srun", "mpi")
-        and spec.resilience.hang.enabled
-        and runs_hpkit_train(spec),
-        ranks_ready=runs_hpkit_train(spec),
-        warm=zygote_command(spec),
+        watch_store=job.launcher in ("srun", "mpi") and resilience.hang.enabled and runs_hpkit_train(job),
+        ranks_ready=runs_hpkit_train(job),
+        warm=zygote_command(job, resilience),
     ).to_json()
 
 
@@ -244,27 +243,27 @@ def runs_hpkit_train(spec: SlurmJob) -> bool:
     )
 
 
-def warm_client_words(spec: JobSpec) -> list[str]:
+def warm_client_words(job: SlurmJob, resilience: ResilienceSpec) -> list[str]:
     """What starts each rank, and each node's torchrun agent, under resilience.warm_start: hpkit.warm.client, which
     has the node's zygote fork it (and runs it cold where none answers), before the command; nothing otherwise."""
-    if not spec.resilience.warm_start:
+    if not resilience.warm_start:
         return []
-    return [user_command(spec)[0], "-m", "hpkit.warm.client", "--"]
+    return [user_command(job)[0], "-m", "hpkit.warm.client", "--"]
 
 
-def zygote_command(spec: JobSpec) -> str:
+def zygote_command(job: SlurmJob, resilience: ResilienceSpec) -> str:
     """The command of the supervisor's background step that keeps a zygote (hpkit.warm.zygote) on every node of
     the allocation, spares included, as shell text; "" without resilience.warm_start. It preloads what the
     rank's command imports first: torch, and for hpkit train hpkit's runtime."""
-    if not spec.resilience.warm_start:
+    if not resilience.warm_start:
         return ""
     # torchrun's agent is forked too (hpkit.torchrun_agent, launch_words): its imports first.
     preload = ["torch", "torch.distributed.run", "hpkit.torchrun_agent", "hpkit.run_script"]
-    if runs_hpkit_train(spec):
+    if runs_hpkit_train(job):
         preload += ["hpkit.cli", "hpkit.commands.train", "hpkit.runtime.run"]
     return " ".join(
         shell_quote(word)
-        for word in (user_command(spec)[0], "-m", "hpkit.warm.zygote", f"--preload={','.join(preload)}")
+        for word in (user_command(job)[0], "-m", "hpkit.warm.zygote", f"--preload={','.join(preload)}")
     )
 
 
@@ -578,12 +577,13 @@ def build_context(
     spec_path: str | None = None,
     array: ArrayPlan | None = None,
 ) -> RenderContext:
-    container = spec.container
+    job, resilience = spec.job, spec.run.resilience
+    container = job.container
     if array is not None:
         spec_word: str | None = array_path_word(array.spec_pattern)
     else:
         spec_word = shell_quote(spec_path) if spec_path else None
-    warm = warm_client_words(spec)
+    warm = warm_client_words(job, resilience)
     return RenderContext(
         version=__version__,
         script_name=shell_quote(script_name),
@@ -591,15 +591,15 @@ def build_context(
         directives=[
             d.line()
             for d in (
-                *sbatch_directives(spec, spec.resilience.spare_nodes, array),
-                *resilience_directives(spec),
+                *sbatch_directives(job, resilience.spare_nodes, array),
+                *resilience_directives(job, resilience),
             )
         ],
-        env=[(key, shell_quote(value)) for key, value in sorted(spec.env.items())] + line_label_env(spec),
-        launcher=spec.launcher,
-        srun_options=srun_options(spec),
-        sagemaker=spec.sagemaker_env is not None,
-        sagemaker_env=sagemaker_exports(spec),
+        env=[(key, shell_quote(value)) for key, value in sorted(job.env.items())] + line_label_env(job),
+        launcher=job.launcher,
+        srun_options=srun_options(job),
+        sagemaker=job.sagemaker_env is not None,
+        sagemaker_env=sagemaker_exports(job),
         container_image=shell_quote(container.image) if container else None,
         container_mounts=shell_quote(",".join(container_mounts(container))) if container else None,
         container_workdir=shell_quote(container.workdir) if container and container.workdir else None,
@@ -607,24 +607,24 @@ def build_context(
         if container and container.mount_var_log
         else None,
         container_runtime=container.runtime if container else None,
-        oci_bundle=" ".join(oci_bundle_words(spec)) or None,
-        oci_bundle_dir=_job_path(str(PurePosixPath(spec.output_dir) / "oci-bundles")),
-        threads=threads_expression(spec),
+        oci_bundle=" ".join(oci_bundle_words(job)) or None,
+        oci_bundle_dir=_job_path(str(PurePosixPath(job.output_dir) / "oci-bundles")),
+        threads=threads_expression(job),
         master_port=port_shell_expression(),
         signal_grace_s=spec.signal_grace_s,
-        max_restarts=spec.resilience.max_restarts,
-        world_size=spec.world_size,
-        ranks_per_node=spec.ranks_per_node,
-        nodes=spec.nodes,
-        spare_nodes=spec.resilience.spare_nodes,
+        max_restarts=resilience.max_restarts,
+        world_size=job.world_size,
+        ranks_per_node=job.ranks_per_node,
+        nodes=job.nodes,
+        spare_nodes=resilience.spare_nodes,
         supervise_plan=shell_quote(supervise_plan(spec)),
         sweep_overrides=[shell_quote(o) for o in array.overrides] if array else [],
         sweep_manifest=shell_quote(array.manifest) if array else None,
         step=shell_quote(
             " ".join(
                 [
-                    *launch_words(spec, warm),
-                    _quote_words([*warm, *user_command(spec)]),
+                    *launch_words(job, warm),
+                    _quote_words([*warm, *user_command(job)]),
                 ]
             )
         ),

@@ -163,8 +163,9 @@ class SageMakerEnvSpec(StrictModel):
 class SlurmJob(JobIdentity):
     """A Slurm job of any kind: resources, placement, container, launcher and command.
 
-    Training jobs (hpkit.spec.JobSpec) add the training blocks; nccl-tests and the all-nodes check are
-    SlurmJobs themselves, so every job kind is validated by these fields and rendered by render.py.
+    A training job (hpkit.spec.JobSpec) holds one (its `job`) beside the training blocks; nccl-tests and the
+    all-nodes check are SlurmJobs themselves, so every job kind is validated by these fields and rendered by
+    render.py.
     """
 
     document_shape: ClassVar[str] = "a Slurm job is a mapping of keys (name, nodes, ...)"

@@ -1,16 +1,18 @@
 """The training job spec: what a user writes in YAML for `hpkit submit`, validated before anything reaches Slurm.
 
-A JobSpec is a SlurmJob (hpkit.slurm_job: every field that reaches the sbatch script) plus the training
-blocks of RunConfig (hpkit.runtime.config: what `hpkit train` reads), and the checks that need both.
+A JobSpec holds two parts: `job`, a SlurmJob (hpkit.slurm_job: every field that reaches the sbatch script), and
+`run`, a RunConfig (hpkit.runtime.config: the training blocks `hpkit train` reads); and it owns the checks that
+need both. The YAML stays flat: both parts' keys at its top level.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from pydantic import model_validator
 
+from hpkit.job_identity import JobIdentity
 from hpkit.runtime.config import (
     CheckpointSpec,
     CollectivesSpec,
@@ -30,7 +32,7 @@ from hpkit.slurm_job import (
     SlurmJob,
     python_program_start,
 )
-from hpkit.validation import parse_document, read_document
+from hpkit.validation import StrictModel, parse_document, read_document
 
 # The training blocks live with the runtime's configuration; they are part of every job spec.
 __all__ = [
@@ -48,50 +50,90 @@ __all__ = [
     "SageMakerEnvSpec",
     "SlurmJob",
     "TrainSpec",
+    "load_parts",
     "load_run_config",
 ]
 
 
-class JobSpec(SlurmJob, RunConfig):
-    """One training job: a SlurmJob (resources, placement, container, launcher, command) plus the training
-    blocks of RunConfig. The YAML stays flat: both sets of keys at the top level."""
+class JobSpec(StrictModel):
+    """One training job: the Slurm job it runs as (`job`: resources, placement, container, launcher, command) and
+    the training blocks `hpkit train` reads (`run`).
+
+    The YAML stays flat: a document's keys go to the part that declares them. The identity keys (name,
+    output_dir, instance_type: hpkit.job_identity.JobIdentity, which both parts are) are written once and go
+    to both, so the two parts always name the same job; a problem with one is said once, under its own key.
+    """
 
     document_shape: ClassVar[str] = "a job spec is a mapping of keys (name, nodes, ...)"
     document_source: ClassVar[str] = "spec"
-    # Said here, not left to the MRO: RunConfig lets a bare training file omit its name; a job spec must name
-    # its Slurm job.
-    default_name: ClassVar[str | None] = None
+    flat_parts: ClassVar[tuple[str, ...]] = ("run", "job")
+
+    # run first: a document's problems are listed as they were when JobSpec inherited both (identity, training
+    # blocks, then Slurm's keys), and document() keeps the snapshot's key order.
+    run: RunConfig
+    job: SlurmJob
+
+    @model_validator(mode="before")
+    @classmethod
+    def _split(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        if (
+            set(data) == {"job", "run"}
+            and isinstance(data["job"], SlurmJob)
+            and isinstance(data["run"], RunConfig)
+        ):
+            return data  # built from its parts in Python: JobSpec(job=..., run=...)
+        # A key neither part declares goes to the Slurm job, which names it as unknown; the message lists every
+        # key of the spec (hpkit.validation.document_fields).
+        return {
+            "run": {k: v for k, v in data.items() if k in RunConfig.model_fields},
+            "job": {k: v for k, v in data.items() if k not in _TRAINING_BLOCKS},
+        }
+
+    @model_validator(mode="after")
+    def _one_identity(self) -> JobSpec:
+        # Only parts built apart can differ: a document gives both parts the same keys.
+        for key in JobIdentity.model_fields:
+            ours, theirs = getattr(self.job, key), getattr(self.run, key)
+            if ours != theirs:
+                raise ValueError(
+                    f"{key}: the job part has {ours!r}, the run part {theirs!r}: build both with the same {key}"
+                )
+        return self
 
     @model_validator(mode="after")
     def _parallelism_fits(self) -> JobSpec:
+        parallelism = self.run.parallelism
         try:
-            degrees = self.parallelism.resolve(self.world_size)
+            degrees = parallelism.resolve(self.job.world_size)
         except ValueError as exc:
             raise ValueError(f"parallelism: {exc}") from None
-        if problem := self.parallelism.pipeline_problem(degrees["pp"]):  # pp: -1 is known only now
+        if problem := parallelism.pipeline_problem(degrees["pp"]):  # pp: -1 is known only now
             raise ValueError(f"parallelism: {problem}")
         return self
 
     @model_validator(mode="after")
     def _memory_copies_fit(self) -> JobSpec:
-        memory = self.checkpoint.memory
-        if memory is not None and memory.replicas >= self.nodes:
+        memory, nodes = self.run.checkpoint.memory, self.job.nodes
+        if memory is not None and memory.replicas >= nodes:
             raise ValueError(
                 f"checkpoint.memory.replicas: {memory.replicas} copies on other nodes need at least "
-                f"{memory.replicas + 1} nodes (nodes: {self.nodes}); add nodes or remove checkpoint.memory"
+                f"{memory.replicas + 1} nodes (nodes: {nodes}); add nodes or remove checkpoint.memory"
             )
         return self
 
     @model_validator(mode="after")
     def _warm_start_applies(self) -> JobSpec:
-        if not self.resilience.warm_start:
+        job = self.job
+        if not self.run.resilience.warm_start:
             return self
-        if self.launcher != "torchrun" or self.container is not None:
+        if job.launcher != "torchrun" or job.container is not None:
             raise ValueError(
                 "resilience.warm_start: ranks are forked warm under launcher: torchrun without a container; "
                 "use that launcher, or drop warm_start"
             )
-        if python_program_start(self.command) is None:
+        if python_program_start(job.command) is None:
             raise ValueError(
                 "resilience.warm_start: the command must be a Python program (python SCRIPT or python -m MODULE, "
                 "e.g. python -m hpkit train); change the command, or drop warm_start"
@@ -102,17 +144,34 @@ class JobSpec(SlurmJob, RunConfig):
     def signal_grace_s(self) -> int:
         """Seconds between the warning signal and the kill: from `signal` when given (Slurm's default
         is 60), else resilience.signal_grace_s."""
-        if self.signal is None:
-            return self.resilience.signal_grace_s
-        _, _, seconds = self.signal.partition("@")
+        if self.job.signal is None:
+            return self.run.resilience.signal_grace_s
+        _, _, seconds = self.job.signal.partition("@")
         return int(seconds) if seconds else 60
+
+    def document(self) -> dict[str, Any]:
+        """The spec as the flat document a user writes, in JSON's values: the snapshot `hpkit submit` writes
+        for the job, which `hpkit train` reads back. Keys in the order identity, training blocks, Slurm's."""
+        return {**self.run.model_dump(mode="json"), **self.job.model_dump(mode="json")}
+
+
+# The keys only the run configuration has: every other key of a document goes to the Slurm job.
+_TRAINING_BLOCKS = frozenset(RunConfig.model_fields) - frozenset(JobIdentity.model_fields)
 
 
 def load_run_config(path: str | Path) -> RunConfig:
     """What `hpkit train --config` reads: a whole job spec (validated as `hpkit submit` did) or a file of
     bare training blocks. It lives here, above both models, so that the training configuration never
     has to know about job specs."""
+    return load_parts(path)[1]
+
+
+def load_parts(path: str | Path) -> tuple[SlurmJob | None, RunConfig]:
+    """A training file's Slurm job and run configuration: both parts of a whole job spec, or (None, the run
+    configuration) for a file of bare training blocks; for readers inside a job that need the spec's Slurm
+    fields too (its command, its smp_parameters)."""
     data = read_document(path)
     if isinstance(data, dict) and "name" in data and not set(data) <= set(RunConfig.model_fields):
-        return parse_document(JobSpec, data, str(path))
-    return parse_document(RunConfig, data, str(path))
+        spec = parse_document(JobSpec, data, str(path))
+        return spec.job, spec.run
+    return None, parse_document(RunConfig, data, str(path))

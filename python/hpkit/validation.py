@@ -9,6 +9,7 @@ from typing import Any, ClassVar, TypeVar
 
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic.fields import FieldInfo
 
 from hpkit.errors import SpecError
 
@@ -22,6 +23,20 @@ class StrictModel(BaseModel):
     # What a whole document of this model is, for the message when it is not a mapping at all.
     document_shape: ClassVar[str] = "a mapping of keys"
     document_source: ClassVar[str] = "document"
+    # Fields that are models whose keys the document writes at its own top level (a model made of parts while
+    # its YAML stays flat: hpkit.spec.JobSpec). A problem inside one is named as the user wrote it, without
+    # the part's name.
+    flat_parts: ClassVar[tuple[str, ...]] = ()
+
+
+def document_fields(model: Any) -> dict[str, FieldInfo]:
+    """The keys a document of `model` has at its top level: its fields, or its flat parts' fields (none for
+    what is not a model)."""
+    fields = getattr(model, "model_fields", {})
+    out: dict[str, FieldInfo] = {}
+    for part in getattr(model, "flat_parts", ()):
+        out.update(fields[part].annotation.model_fields)
+    return out or dict(fields)
 
 
 def check_no_control_chars(value: str, what: str) -> str:
@@ -40,10 +55,13 @@ def describe_error(
 
     `missing` is what a missing field's line says after `missing:` (the fix, where the caller knows it).
     """
-    loc = [*prefix, *(str(p) for p in err["loc"])]
+    path = [str(p) for p in err["loc"]]
+    if path and path[0] in getattr(model, "flat_parts", ()):
+        path = path[1:]
+    loc = [*prefix, *path]
     field = ".".join(loc)
     if err["type"] == "extra_forbidden":
-        known = known_fields(model, [str(p) for p in err["loc"]][:-1])
+        known = known_fields(model, path[:-1])
         hint = difflib.get_close_matches(loc[-1], known, n=1)
         suggestion = f"did you mean '{hint[0]}'? " if hint else ""
         return f"{field}: unknown key; {suggestion}known keys here: {', '.join(known)}"
@@ -57,14 +75,14 @@ def describe_error(
 def known_fields(model: type[BaseModel], path: list[str]) -> list[str]:
     current: Any = model
     for part in path:
-        field = getattr(current, "model_fields", {}).get(part)
+        field = document_fields(current).get(part)
         if field is None:
             return []
         current = field.annotation
         for arg in getattr(current, "__args__", ()) or ():
             if isinstance(arg, type) and issubclass(arg, BaseModel):
                 current = arg
-    return sorted(getattr(current, "model_fields", {}))
+    return sorted(document_fields(current))
 
 
 def format_validation_error(
@@ -74,8 +92,11 @@ def format_validation_error(
     prefix: tuple[str, ...] = (),
     missing: str = REQUIRED,
 ) -> str:
-    """Every problem in `exc`, one line each, prefixed by where the document came from."""
-    return "\n".join(f"{source}: {describe_error(e, model, prefix, missing)}" for e in exc.errors())
+    """Every problem in `exc`, one line each, prefixed by where the document came from.
+
+    A line is said once: a model's flat parts may each check a key they share (JobSpec's name) by one rule."""
+    lines = (f"{source}: {describe_error(e, model, prefix, missing)}" for e in exc.errors())
+    return "\n".join(dict.fromkeys(lines))
 
 
 def parse_document(model: type[ModelT], data: Any, source: str | None = None) -> ModelT:

@@ -12,7 +12,7 @@ import pytest
 
 from hpkit.errors import SpecError
 from hpkit.netbench.nccl_job import NcclTestsArgs, render_nccl_tests
-from hpkit.spec import JobSpec
+from hpkit.slurm_job import SlurmJob
 from hpkit.validation import parse_document
 
 
@@ -26,7 +26,7 @@ def shellcheck() -> str:
 def spec(**extra):
     data = {"name": "nccl", "nodes": 2, "gpus_per_node": 8, "launcher": "srun", "command": ["x"]}
     data.update(extra)
-    return parse_document(JobSpec, data)
+    return parse_document(SlurmJob, data)
 
 
 def check_script(script: str, tmp_path: Path) -> None:

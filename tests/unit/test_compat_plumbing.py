@@ -28,7 +28,7 @@ def spec(**fields):
     [(["smddp"], ["smddp"]), ("smp", ["smp"]), (["smddp", "smp", "smddp"], ["smddp", "smp"]), ([], [])],
 )
 def test_compat_accepts_the_two_layers(value, expected):
-    assert spec(compat=value).compat == expected
+    assert spec(compat=value).job.compat == expected
 
 
 @pytest.mark.parametrize("value", [["smdp"], ["smp", "horovod"], [None], 3, {"smddp": True}])
@@ -44,11 +44,11 @@ def test_a_bad_compat_entry_is_one_line_naming_the_field(value):
 
 def test_smp_parameters_are_kept_as_given():
     params = {"tensor_parallel_degree": 2, "placement_strategy": "cluster", "ddp": True}
-    assert spec(compat=["smp"], smp_parameters=params).smp_parameters == params
+    assert spec(compat=["smp"], smp_parameters=params).job.smp_parameters == params
 
 
 def test_without_compat_the_script_does_not_touch_pythonpath():
-    assert compat_step(spec()) is None
+    assert compat_step(spec().job) is None
     assert "hpkit.compat" not in render(spec())
 
 
@@ -64,7 +64,7 @@ def _run_step(step: str, env: dict[str, str]) -> subprocess.CompletedProcess:
 
 
 def test_the_task_asks_its_own_python_for_the_shim_and_prepends_it():
-    step = compat_step(spec(compat=["smddp"], command=[sys.executable, "train.py"]))
+    step = compat_step(spec(compat=["smddp"], command=[sys.executable, "train.py"]).job)
     assert step is not None and sys.executable in step
     proc = _run_step(step, {"PATH": os.environ["PATH"], "PYTHONPATH": f"{PYTHON_DIR}:/elsewhere"})
     assert proc.returncode == 0, proc.stderr
@@ -76,7 +76,7 @@ def test_a_task_python_without_hpkit_stops_with_one_line(tmp_path):
     fake = tmp_path / "python3"
     fake.write_text("#!/bin/sh\necho 'No module named hpkit' >&2\nexit 1\n")
     fake.chmod(0o755)
-    step = compat_step(spec(compat=["smp"], command=[str(fake), "train.py"]))
+    step = compat_step(spec(compat=["smp"], command=[str(fake), "train.py"]).job)
     proc = _run_step(step, {"PATH": "/usr/bin:/bin"})
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
@@ -86,7 +86,7 @@ def test_a_task_python_without_hpkit_stops_with_one_line(tmp_path):
 
 
 def test_a_command_that_is_not_python_asks_python3():
-    assert "python3 -m hpkit.compat" in compat_step(spec(compat=["smddp"], command=["bash", "run.sh"]))
+    assert "python3 -m hpkit.compat" in compat_step(spec(compat=["smddp"], command=["bash", "run.sh"]).job)
 
 
 PROBE = """

@@ -28,7 +28,7 @@ def spec(**fields):
 
 def test_smp_v2_parameters_are_checked_against_the_job():
     ok = spec(compat=["smp_v2"], smp_parameters={"hybrid_shard_degree": 2, "tensor_parallel_degree": 2})
-    assert ok.compat == ["smp_v2"]
+    assert ok.job.compat == ["smp_v2"]
     cases = {
         "tensor_parallel_degree=3 does not divide the job's 4 ranks": {"tensor_parallel_degree": 3},
         "hybrid_shard_degree=3 must divide the 4 data-parallel ranks": {"hybrid_shard_degree": 3},
@@ -49,11 +49,11 @@ def test_smp_v2_parameters_are_checked_against_the_job():
 
 
 def test_the_task_step_preloads_the_layer_and_exports_the_parameters():
-    step = compat_step(spec(compat=["smp_v2"], smp_parameters={"tensor_parallel_degree": 2}))
+    step = compat_step(spec(compat=["smp_v2"], smp_parameters={"tensor_parallel_degree": 2}).job)
     assert "export HPKIT_PRELOAD=hpkit.compat.smp_v2:install" in step
     words = shlex.split(step.rpartition("export ")[2])
     assert words == ['HPKIT_SMP_V2_CONFIG={"tensor_parallel_degree":2}']
-    assert "HPKIT_PRELOAD" not in compat_step(spec(compat=["smp"]))
+    assert "HPKIT_PRELOAD" not in compat_step(spec(compat=["smp"]).job)
 
 
 def _estimator(distribution: dict) -> Estimator:
@@ -74,13 +74,13 @@ def test_torch_distributed_with_modelparallel_imports_as_smp_v2():
         "smdistributed": {"modelparallel": {"enabled": True, "parameters": {"hybrid_shard_degree": 8}}},
     }
     imported = convert(_estimator(v2))
-    assert imported.spec.compat == ["smp_v2"] and imported.spec.launcher == "torchrun"
-    assert imported.spec.smp_parameters == {"hybrid_shard_degree": 8}
+    assert imported.spec.job.compat == ["smp_v2"] and imported.spec.job.launcher == "torchrun"
+    assert imported.spec.job.smp_parameters == {"hybrid_shard_degree": 8}
     v1 = {
         "mpi": {"enabled": True, "processes_per_host": 8},
         "smdistributed": {"modelparallel": {"enabled": True, "parameters": {"tensor_parallel_degree": 2}}},
     }
-    assert convert(_estimator(v1)).spec.compat == ["smp"]
+    assert convert(_estimator(v1)).spec.job.compat == ["smp"]
     bad = {
         "torch_distributed": {"enabled": True},
         "smdistributed": {"modelparallel": {"enabled": True, "parameters": {"microbatches": 4}}},

@@ -316,6 +316,7 @@ def run_rendered(spec: JobSpec, data: dict, run_dir: Path, stand_ins: Path, tall
     spec_file = run_dir / ("spec " + re.sub(r"[/\n]", "_", data["command"][1])[:40] + ".yaml")
     spec_file.write_text(yaml.safe_dump(data, allow_unicode=True))
     script = render(spec, spec_path=str(spec_file))
+    job = spec.job
     digest = hashlib.sha1(script.encode()).hexdigest()
     path = run_dir / "job.sbatch"
     path.write_text(script)
@@ -343,48 +344,48 @@ def run_rendered(spec: JobSpec, data: dict, run_dir: Path, stand_ins: Path, tall
     task = {"argv": argv.split("\0")[:-1], "env": dict(e.split("=", 1) for e in env_lines.split("\0")[:-1])}
     tally.ran += 1
 
-    assert task["argv"] == spec.command[1:]
+    assert task["argv"] == job.command[1:]
     seen = task["env"]
-    for key, value in spec.env.items():
+    for key, value in job.env.items():
         assert seen[key] == value, key
     assert seen["HPKIT_SPEC"] == str(spec_file)
     # What `hpkit train` will read: the spec back from that path, checkpoint.dir and all.
     reread = load_document(JobSpec, seen["HPKIT_SPEC"])
-    assert reread.checkpoint.dir == data["checkpoint"]["dir"] and reread == spec
+    assert reread.run.checkpoint.dir == data["checkpoint"]["dir"] and reread == spec
 
     srun_options = record.with_suffix(".srun").read_bytes().split(b"\0")[:-1]
     options = [o.decode() for o in srun_options]
     # The spec's own srun options reach srun literally, in order, right after hpkit's.
     # hpkit's: --kill-on-bad-exit=1, then --label for one task per rank (unless the spec labels already),
     # then --mpi=pmix for mpi.
-    labelled = spec.launcher in ("srun", "mpi") and not {"--label", "-l"} & set(spec.srun_options)
-    ours = 1 + labelled + (spec.launcher == "mpi")
+    labelled = job.launcher in ("srun", "mpi") and not {"--label", "-l"} & set(job.srun_options)
+    ours = 1 + labelled + (job.launcher == "mpi")
     assert options[0] == "--kill-on-bad-exit=1" and ("--label" in options[:ours]) == labelled, options
     own = options[ours:]
-    assert own[: len(spec.srun_options)] == spec.srun_options, options
+    assert own[: len(job.srun_options)] == job.srun_options, options
     # and its sbatch options are directives as written (bash sees comments; sbatch reads them).
     directives = [line for line in script.splitlines() if line.startswith("#SBATCH ")]
-    for entry in spec.sbatch_options:
+    for entry in job.sbatch_options:
         assert f"#SBATCH {entry}" in directives, entry
-    if spec.container:
-        mounts = ["/var/log:/var/log", *spec.container.mounts]
+    if job.container:
+        mounts = ["/var/log:/var/log", *job.container.mounts]
         if os.path.isdir("/var/log/aws/clusters"):
             mounts.append("/var/log/aws/clusters:/var/log/aws/clusters")
-        assert f"--container-image={spec.container.image}" in options
+        assert f"--container-image={job.container.image}" in options
         assert f"--container-mounts={','.join(mounts)}" in options
-        if spec.container.workdir is not None:
-            assert f"--container-workdir={spec.container.workdir}" in options
+        if job.container.workdir is not None:
+            assert f"--container-workdir={job.container.workdir}" in options
     else:
-        hpkits = [o for o in options if o not in spec.srun_options]
+        hpkits = [o for o in options if o not in job.srun_options]
         assert not any(o.startswith("--container") for o in hpkits), options
-    if spec.sagemaker_env is not None:
-        sm = spec.sagemaker_env
+    if job.sagemaker_env is not None:
+        sm = job.sagemaker_env
         assert seen["SM_CHANNELS"] == json.dumps(sorted(sm.channels))
         for name, channel in sm.channels.items():
             assert seen[f"SM_CHANNEL_{name.upper()}"] == job_path(channel, run_dir), name
-        model_dir = job_path(sm.model_dir or str(PurePosixPath(spec.output_dir) / "model"), run_dir)
+        model_dir = job_path(sm.model_dir or str(PurePosixPath(job.output_dir) / "model"), run_dir)
         assert seen["SM_MODEL_DIR"] == model_dir and os.path.isdir(model_dir)
-        output_dir = job_path(sm.output_data_dir or str(PurePosixPath(spec.output_dir) / "output"), run_dir)
+        output_dir = job_path(sm.output_data_dir or str(PurePosixPath(job.output_dir) / "output"), run_dir)
         assert seen["SM_OUTPUT_DATA_DIR"] == output_dir and os.path.isdir(output_dir)
 
 

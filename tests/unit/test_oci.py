@@ -50,14 +50,14 @@ def test_a_bundle_is_a_folder_with_rootfs_and_config(tmp_path: Path) -> None:
 def test_submit_checks_name_the_field_in_one_line(tmp_path: Path) -> None:
     bundle = _bundle(tmp_path)
     with pytest.raises(SpecError, match=r"^container\.image: .*does not exist") as err:
-        oci.check_container(_spec(image=str(tmp_path / "missing")).container)
+        oci.check_container(_spec(image=str(tmp_path / "missing")).job.container)
     assert "\n" not in str(err.value)
     with pytest.raises(SpecError, match=r"^container\.mounts: '/no/such:/data'"):
-        oci.check_container(_spec(image=str(bundle), mounts=["/no/such:/data"]).container)
-    oci.check_container(_spec(image=str(bundle), mounts=[f"{tmp_path}:/data"]).container)
+        oci.check_container(_spec(image=str(bundle), mounts=["/no/such:/data"]).job.container)
+    oci.check_container(_spec(image=str(bundle), mounts=[f"{tmp_path}:/data"]).job.container)
     # pyxis images live in a registry or on the nodes: nothing to check on the submitting host.
     pyxis = parse_document(JobSpec, {"name": "j", "container": {"image": "/no/such.sqsh"}}, "job.yaml")
-    oci.check_container(pyxis.container)
+    oci.check_container(pyxis.job.container)
 
 
 def test_oci_needs_an_absolute_bundle_path_and_no_mpi() -> None:
@@ -71,9 +71,10 @@ def test_oci_needs_an_absolute_bundle_path_and_no_mpi() -> None:
     assert "\n" not in str(err.value).strip()
     with pytest.raises(SpecError, match=r"container.image: 'hpkit:cpu'.*hpkit image export --oci"):
         _spec(image="hpkit:cpu")
-    assert _spec(image="/b").container.runtime == "oci"
+    assert _spec(image="/b").job.container.runtime == "oci"
     assert (
-        parse_document(JobSpec, {"name": "j", "container": {"image": "x"}}, "j").container.runtime == "pyxis"
+        parse_document(JobSpec, {"name": "j", "container": {"image": "x"}}, "j").job.container.runtime
+        == "pyxis"
     )
 
 
@@ -129,11 +130,13 @@ def test_render_writes_the_bundle_then_runs_srun_in_it() -> None:
 
 
 def test_runtime_notes_say_what_oci_cannot_do() -> None:
-    assert runtime_notes(_spec(image="/b")) == []
-    notes = runtime_notes(_spec(image="/b").model_copy(update={"gpus_per_node": 8, "tasks_per_node": None}))
+    assert runtime_notes(_spec(image="/b").job) == []
+    notes = runtime_notes(
+        _spec(image="/b").job.model_copy(update={"gpus_per_node": 8, "tasks_per_node": None})
+    )
     assert len(notes) == 1 and "NVIDIA" in notes[0]
     pyxis = parse_document(JobSpec, {"name": "j", "gpus_per_node": 8, "container": {"image": "x"}}, "j")
-    assert runtime_notes(pyxis) == []
+    assert runtime_notes(pyxis.job) == []
 
 
 class _FakeImage:

@@ -115,7 +115,7 @@ def test_write_gives_a_spec_that_submit_takes_and_plan_judges_as_fitting(
     assert "Runners-up and why they lost:" in text
     assert text.count("#   #") == 3  # the three runners-up, each with its reason
     spec = load_document(JobSpec, path)
-    assert spec.instance_type == "p5.48xlarge" and spec.world_size == 16
+    assert spec.job.instance_type == "p5.48xlarge" and spec.job.world_size == 16
     assert "#SBATCH --nodes=2" in render(spec)
     rc, out, _ = plan(capsys, str(path), "--json")
     judged = json.loads(out)
@@ -180,8 +180,9 @@ def test_a_model_block_file_plans_a_shape_with_overrides(
     rc, _, _ = plan(capsys, str(mixtral), "--instance", "p5.48xlarge", "--nodes", "4", "--write", str(path))
     assert rc == 0
     spec = load_document(JobSpec, path)
-    assert spec.model.vocab_size == 32000 and spec.model.moe is not None and spec.model.moe.experts == 8
-    assert spec.model.seq_len == 8192
+    model = spec.run.model
+    assert model.vocab_size == 32000 and model.moe is not None and model.moe.experts == 8
+    assert model.seq_len == 8192
     bad = tmp_path / "bad.yaml"
     bad.write_text("model: {name: 8B, dim: 3}\n")
     rc, _, err = plan(capsys, str(bad), "--instance", "p5.48xlarge", "--nodes", "4")

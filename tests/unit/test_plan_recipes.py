@@ -31,7 +31,7 @@ def test_recipe_renders_validates_and_fits(path: Path, capsys: pytest.CaptureFix
     text = path.read_text()
     assert "Runners-up and why they lost:" in text and "#   #2 " in text
     spec = load_document(JobSpec, path)
-    assert spec.instance_type and f"#SBATCH --nodes={spec.nodes}" in render(spec)
+    assert spec.job.instance_type and f"#SBATCH --nodes={spec.job.nodes}" in render(spec)
     stale = f"{path.name} no longer fits by the planner's models: rerun slurm/recipes/generate.py"
     assert cli(["plan", str(path), "--json"]) == 0, stale
     judged = json.loads(capsys.readouterr().out)

@@ -86,7 +86,7 @@ def test_a_trial_is_the_written_spec_under_the_base_job_fields(
     result: SearchResult, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # prepare writes into output_dir, from here
-    base = JobSpec.model_validate(base_spec()).model_dump(mode="json")
+    base = JobSpec.model_validate(base_spec()).document()
     t = trial.choose(result, 2, "tiny")[1]
     job = trial.job_fields(base, HW)
     spec = trial.trial_spec(t, base["model"], HW, 2, job, base["train"], steps=6)
@@ -115,8 +115,8 @@ def test_a_trial_is_the_written_spec_under_the_base_job_fields(
     path = tmp_path / "trial.yaml"
     path.write_text(yaml.safe_dump(spec))
     submission = prepare(path)
-    assert submission.spec.parallelism.dp_replicate == t.candidate.layout.dp_replicate
-    assert submission.script.is_file() and submission.spec.checkpoint.dir is None
+    assert submission.spec.run.parallelism.dp_replicate == t.candidate.layout.dp_replicate
+    assert submission.script.is_file() and submission.spec.run.checkpoint.dir is None
     assert submission.out_dir == tmp_path / "runs"
 
 
@@ -131,7 +131,7 @@ def test_without_a_base_the_trial_takes_named_defaults(
     assert spec["train"]["steps"] == trial.TRIAL_STEPS
     path = tmp_path / "trial.yaml"
     path.write_text(yaml.safe_dump(spec))
-    assert prepare(path).spec.name == "plan-debug-trial1"
+    assert prepare(path).spec.job.name == "plan-debug-trial1"
 
 
 def metrics(path: Path, records: list) -> Path:
@@ -205,7 +205,7 @@ def test_rerank_orders_by_measurement_and_the_table_shows_both(result: SearchRes
 
 def test_a_refused_spec_is_a_row_and_nothing_is_submitted(result: SearchResult, tmp_path: Path) -> None:
     base = base_spec(container={"runtime": "oci", "image": str(tmp_path / "no-bundle")}, launcher="torchrun")
-    base = JobSpec.model_validate(base).model_dump(mode="json")
+    base = JobSpec.model_validate(base).document()
     trials = trial.choose(result, 2, "tiny")
     job = trial.job_fields(base, HW)
     specs = [trial.trial_spec(t, base["model"], HW, 2, job, base["train"]) for t in trials]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpkit.render import user_command
-from hpkit.spec import JobSpec
+from hpkit.slurm_job import SlurmJob
 from hpkit.validation import parse_document
 
 REPO = Path(__file__).resolve().parents[2]
@@ -63,8 +63,8 @@ def test_a_module_runs_as_with_python_m(tmp_path):
     )
 
 
-def _spec(command: list[str], **extra) -> JobSpec:
-    return parse_document(JobSpec, {"name": "t", "command": command, **extra})
+def _spec(command: list[str], **extra) -> SlurmJob:
+    return parse_document(SlurmJob, {"name": "t", "command": command, **extra})
 
 
 @pytest.mark.parametrize(

@@ -70,8 +70,8 @@ def test_seed_000_tensor_parallel_only():
         "sagemaker_env": {"channels": {"training": "/opt/ml/input/data/training"}},
     }
     spec = result.spec
-    assert (spec.world_size, spec.gpus_per_node) == (8, 8)
-    assert spec.parallelism.resolve(8) == {"dp_replicate": 2, "dp_shard": 1, "ep": 1, "tp": 4, "pp": 1}
+    assert (spec.job.world_size, spec.job.gpus_per_node) == (8, 8)
+    assert spec.run.parallelism.resolve(8) == {"dp_replicate": 2, "dp_shard": 1, "ep": 1, "tp": 4, "pp": 1}
     assert sorted(warned(result)) == sorted(
         [
             "distribution.smdistributed.modelparallel.parameters.placement_strategy",
@@ -110,7 +110,13 @@ def test_seed_000_tensor_and_pipeline_parallel():
         "pp": 2,
         "microbatches": 4,
     }
-    assert result.spec.parallelism.resolve(8) == {"dp_replicate": 2, "dp_shard": 1, "ep": 1, "tp": 2, "pp": 2}
+    assert result.spec.run.parallelism.resolve(8) == {
+        "dp_replicate": 2,
+        "dp_shard": 1,
+        "ep": 1,
+        "tp": 2,
+        "pp": 2,
+    }
     assert result.data["launcher"] == "mpi"
 
 
@@ -136,7 +142,7 @@ def test_seed_002_basic_mpi_on_cpu_instances():
         "command": ["python3", "mpi_demo.py"],
         "sagemaker_env": {"channels": {}},
     }
-    assert result.spec.world_size == 6
+    assert result.spec.job.world_size == 6
     # ml.c5.2xlarge is a CPU type in the catalog: no GPUs, and nothing to warn about.
     assert sorted(warned(result)) == ["framework_version", "output_path", "py_version", "role"]
     assert "SM_MODEL_DIR" in warned(result)["output_path"]
@@ -154,7 +160,7 @@ def test_seed_002_sm_hosts_script_without_distribution_runs_once_per_host():
     assert result.data["launcher"] == "srun"
     assert "tasks_per_node" not in result.data and "gpus_per_node" not in result.data
     assert result.data["command"] == ["python3", "train.py", "--backend", "gloo", "--model-type", "custom"]
-    assert result.spec.world_size == 2
+    assert result.spec.job.world_size == 2
     script = render(result.spec)
     assert "export SM_HOSTS=" in script and "SM_CURRENT_HOST=$SLURMD_NODENAME" in script
 
@@ -172,7 +178,7 @@ def test_seed_002_misspelled_enable_is_off_as_on_sagemaker_and_warned():
     )
     assert result.data["launcher"] == "srun"
     assert (result.data["gpus_per_node"], result.data["tasks_per_node"]) == (4, 1)
-    assert result.spec.world_size == 1
+    assert result.spec.job.world_size == 1
     line = warned(result)["distribution.pytorchddp.enable"]
     assert "reads 'enabled'" in line and "distribution.pytorchddp.enabled: true" in line
 
@@ -195,9 +201,9 @@ def test_seed_002_ddp_on_p4d_uses_torchrun_one_rank_per_gpu(distribution):
     assert result.data["launcher"] == "torchrun"
     assert result.data["gpus_per_node"] == 8 and "tasks_per_node" not in result.data
     assert result.data["command"] == ["python3", "subdirectory-to-your-code/train.py"]
-    assert result.spec.world_size == 16
+    assert result.spec.job.world_size == 16
     assert result.warnings == []
-    assert result.spec.collectives.backend == "auto"
+    assert result.spec.run.collectives.backend == "auto"
 
 
 def test_seed_002_smddp_on_a_supported_type():
@@ -232,7 +238,7 @@ def test_seed_003_pytorchddp_with_string_true():
     assert result.data["name"] == "pytorch-dataparallel-mnist"
     assert result.data["launcher"] == "torchrun"
     assert result.data["command"] == ["python3", "code/my_model.py"]
-    assert result.spec.world_size == 64
+    assert result.spec.job.world_size == 64
 
 
 def test_seed_003_lightning_smddp_on_p3_says_smddp_does_not_support_it():
@@ -335,7 +341,7 @@ def test_cli_writes_a_spec_that_loads_and_prints_the_warnings(tmp_path, repo):
     text = out.read_text()
     assert "#   - role: SageMaker-only option" in text
     spec = load_document(JobSpec, out)
-    assert (spec.name, spec.launcher, spec.ranks_per_node) == ("moved", "mpi", 8)
+    assert (spec.job.name, spec.job.launcher, spec.job.ranks_per_node) == ("moved", "mpi", 8)
     assert yaml.safe_load(text)["instance_type"] == "ml.p3.16xlarge"
 
     bad = tmp_path / "bad.json"

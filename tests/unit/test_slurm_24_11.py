@@ -206,7 +206,7 @@ def test_why_reads_a_run_that_24_11_logged_as_pending_as_requeued():
 
 
 def _oci_job(launcher: str = "srun"):
-    from hpkit.spec import JobSpec
+    from hpkit.slurm_job import SlurmJob
     from hpkit.validation import parse_document
 
     data = {
@@ -215,7 +215,7 @@ def _oci_job(launcher: str = "srun"):
         "tasks_per_node": 2,
         "container": {"runtime": "oci", "image": "/b"},
     }
-    return parse_document(JobSpec, data, "job.yaml")
+    return parse_document(SlurmJob, data, "job.yaml")
 
 
 def _sinfo_prints(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str, status: int = 0) -> None:

@@ -168,9 +168,9 @@ def test_srun_options_are_quoted_after_hpkits_own():
     spec = parse_document(
         JobSpec, {"name": "x", "launcher": "mpi", "srun_options": ["--label", "--comment=$(id)"]}
     )
-    assert srun_options(spec) == ["--kill-on-bad-exit=1", "--mpi=pmix", "--label", "'--comment=$(id)'"]
+    assert srun_options(spec.job) == ["--kill-on-bad-exit=1", "--mpi=pmix", "--label", "'--comment=$(id)'"]
     assert "--container-env=A" in " ".join(
-        srun_options(parse_document(JobSpec, {"name": "x", "srun_options": ["--container-env=A"]}))
+        srun_options(parse_document(JobSpec, {"name": "x", "srun_options": ["--container-env=A"]}).job)
     )
     assert all(o in PYXIS_OPTIONS for o in ("container-image", "container-env"))
 
@@ -179,5 +179,5 @@ def test_sbatch_options_come_after_the_typed_directives():
     spec = parse_document(
         JobSpec, {"name": "x", "exclude": "n1", "sbatch_options": ["--comment=c", "--hold"]}
     )
-    lines = [d.line() for d in sbatch_directives(spec)]
+    lines = [d.line() for d in sbatch_directives(spec.job)]
     assert lines[-3:] == ["#SBATCH --exclude=n1", "#SBATCH --comment=c", "#SBATCH --hold"]

@@ -49,7 +49,7 @@ def test_escape_hatch_takes_24_11_options() -> None:
     spec = _spec(
         sbatch_options=["--oom-kill-step=1"], srun_options=["--tres-bind=gres/gpu:verbose,per_task:1"]
     )
-    assert spec.sbatch_options == ["--oom-kill-step=1"]
+    assert spec.job.sbatch_options == ["--oom-kill-step=1"]
 
 
 def test_tres_per_task_beside_hpkits_cpus_per_task_is_refused_in_one_line() -> None:
@@ -73,9 +73,9 @@ def test_steps_fit_the_job_when_srun_inherits_cpus_per_task(fields) -> None:
     """22.05's srun ignores the job's --cpus-per-task; 24.11's reads it (cpus-per-task-srun.txt: `srun -n2` in a
     1-task, 2-CPU job fails there). hpkit's steps start the job's tasks per node (and its probes one a node), so
     tasks x the inherited CPUs never exceeds what the directives allocate on a node, under either version."""
-    spec = _spec(nodes=2, **fields)
-    directives = {d.option: d.value for d in sbatch_directives(spec)}
+    job = _spec(nodes=2, **fields).job
+    directives = {d.option: d.value for d in sbatch_directives(job)}
     per_task = int(directives.get("cpus-per-task", "1"))
     allocated = int(directives["ntasks-per-node"]) * per_task
-    assert tasks_per_node(spec) * per_task <= allocated  # the training step
+    assert tasks_per_node(job) * per_task <= allocated  # the training step
     assert 1 * per_task <= allocated  # the supervisor's probes: one task a node (supervise/cluster.py)

@@ -82,13 +82,13 @@ def test_a_sweep_file_is_a_list_of_tasks_or_a_grid(tmp_path):
 def test_each_task_gets_its_spec_with_its_overrides_and_its_own_files(tmp_path):
     sweep = Sweep([{"train.lr": 0.1}, {"train.lr": 0.2, "model.dim": 64}])
     tasks = expand(base_spec(tmp_path), sweep, "job.yaml")
-    assert [t.spec.train.lr for t in tasks] == [0.1, 0.2]
-    assert tasks[1].spec.model.dim == 64 and tasks[0].spec.model.dim != 64
-    assert [t.spec.train.metrics_file for t in tasks] == ["m.task0.jsonl", "m.task1.jsonl"]
-    assert [t.spec.checkpoint.dir for t in tasks] == [str(tmp_path / "ckpt" / f"task{i}") for i in (0, 1)]
+    assert [t.spec.run.train.lr for t in tasks] == [0.1, 0.2]
+    assert tasks[1].spec.run.model.dim == 64 and tasks[0].spec.run.model.dim != 64
+    assert [t.spec.run.train.metrics_file for t in tasks] == ["m.task0.jsonl", "m.task1.jsonl"]
+    assert [t.spec.run.checkpoint.dir for t in tasks] == [str(tmp_path / "ckpt" / f"task{i}") for i in (0, 1)]
     # %j is each task's own id already (JOB_TASK): it is left as written.
     with_j = {**base_spec(tmp_path), "checkpoint": {"dir": "ckpt/%j"}}
-    assert expand(with_j, sweep, "job.yaml")[0].spec.checkpoint.dir == "ckpt/%j"
+    assert expand(with_j, sweep, "job.yaml")[0].spec.run.checkpoint.dir == "ckpt/%j"
 
 
 @pytest.mark.parametrize(

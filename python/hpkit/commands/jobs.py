@@ -114,9 +114,9 @@ def _render(args: argparse.Namespace) -> int:
     from hpkit.validation import load_document
 
     spec = load_document(JobSpec, args.spec)
-    for note in runtime_notes(spec):
+    for note in runtime_notes(spec.job):
         print(f"hpkit render: note: {note}", file=sys.stderr)
-    name = args.output or f"{spec.name}.sbatch"
+    name = args.output or f"{spec.job.name}.sbatch"
     script = render(spec, script_name=name, spec_path=str(Path(args.spec).resolve()))
     if args.output:
         write_new(Path(args.output), script, mode=0o755)
@@ -150,7 +150,7 @@ def _submit(args: argparse.Namespace) -> int:
     from hpkit.slurm import get_backend
 
     submission = prepare(args.spec, _sweep_of(args))
-    for note in runtime_notes(submission.spec):
+    for note in runtime_notes(submission.spec.job):
         print(f"hpkit submit: note: {note}", file=sys.stderr)
     give_job_path(submission)
     if args.dry_run:
@@ -158,7 +158,7 @@ def _submit(args: argparse.Namespace) -> int:
         return 0
     backend = get_backend(args.backend)
     job = submit(submission, backend)
-    spec = submission.spec
+    spec = submission.spec.job
     print(f"submitted job {job.job_id} ({spec.name}, {spec.nodes} node(s) x {spec.ranks_per_node} rank(s))")
     print(f"  script: {submission.script}")
     if submission.tasks:

@@ -300,9 +300,9 @@ def _trials(args: argparse.Namespace, problem: Any, result: Any, base: Any) -> l
         dumped = None
         prefix = "plan-" + "".join(ch if ch.isalnum() else "-" for ch in Path(args.target).name.lower())
     else:
-        dumped = base.model_dump(mode="json")
-        prefix = base.name
-        if not base.time_limit:
+        dumped = base.document()
+        prefix = base.job.name
+        if not base.job.time_limit:
             print(
                 f"hpkit plan: note: {args.spec_base or args.target} names no time_limit: the trial jobs "
                 f"take {trial.DEFAULT_TIME_LIMIT}",
@@ -329,29 +329,30 @@ def _judge_spec(args: argparse.Namespace, path: Path) -> int:
     from hpkit.validation import load_document
 
     spec = load_document(JobSpec, path)
-    instance = args.instance or spec.instance_type
+    job, run = spec.job, spec.run
+    instance = args.instance or job.instance_type
     if not instance:
         raise SpecError(f"{path}: instance_type: missing: set it in the spec, or give --instance")
-    shape = shape_of_spec(spec.model)
+    shape = shape_of_spec(run.model)
     if args.seq:
         from dataclasses import replace
 
         shape = replace(shape, seq_len=args.seq)
     hw, gpu_gib = hardware(instance, "bf16", args.network)
-    layout = Layout.from_run_config(spec, world=spec.world_size, device_type="cuda")
-    if spec.ranks_per_node != hw.gpus_per_node:
+    layout = Layout.from_run_config(run, world=job.world_size, device_type="cuda")
+    if job.ranks_per_node != hw.gpus_per_node:
         from dataclasses import replace
 
-        hw = replace(hw, gpus_per_node=spec.ranks_per_node)
+        hw = replace(hw, gpus_per_node=job.ranks_per_node)
     if layout.precision != "bf16":
         hw, gpu_gib = hardware(instance, layout.precision, args.network)
-    cand = judge(shape, layout, hw, instance, gpu_gib, memory_checkpoint=spec.checkpoint.memory)
+    cand = judge(shape, layout, hw, instance, gpu_gib, memory_checkpoint=run.checkpoint.memory)
     check = _torch_check(shape, cand) if args.check_with_torch and cand.peak_gib is not None else None
     title = (
-        f"{path}: {spec.model.name} seq {shape.seq_len} on {spec.nodes} x {hw.name} ({spec.world_size} ranks)"
+        f"{path}: {run.model.name} seq {shape.seq_len} on {job.nodes} x {hw.name} ({job.world_size} ranks)"
     )
     if args.json:
-        meta = {"spec": str(path), "instance": hw.name, "nodes": spec.nodes, "gpu_memory_gib": gpu_gib}
+        meta = {"spec": str(path), "instance": hw.name, "nodes": job.nodes, "gpu_memory_gib": gpu_gib}
         if check is not None:
             meta["torch_check"] = check
         print(json.dumps({**meta, **cand.to_json()}, indent=2))

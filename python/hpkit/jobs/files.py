@@ -112,13 +112,13 @@ def sweep_of_script(script: Path) -> Path | None:
 
 def files_for(job_id: str, spec_path: Path, workdir: Path, slurm_restarts: int = 0) -> JobFiles | None:
     """The files `hpkit train` writes for this spec in this job; None when the spec is not a training job."""
-    from hpkit.spec import load_run_config
+    from hpkit.spec import load_parts
 
     try:
-        cfg = load_run_config(spec_path)
+        job, cfg = load_parts(spec_path)
     except (HpkitError, OSError):
         return None
-    command = getattr(cfg, "command", ["hpkit", "train"])
+    command = job.command if job is not None else ["hpkit", "train"]
     if "train" not in command or not any(Path(word).name.startswith(("hpkit", "python")) for word in command):
         return None
     paths = run_paths(cfg, RunIdentity.of_job(job_id), workdir)

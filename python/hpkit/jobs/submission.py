@@ -20,7 +20,7 @@ from hpkit.jobs.sweep import Sweep, SweepTask, expand, sweep_manifest
 from hpkit.oci import check_container
 from hpkit.render import ArrayPlan, render
 from hpkit.slurm import Backend, get_backend, slurm_version
-from hpkit.slurm_job import oci_launcher_problem
+from hpkit.slurm_job import SlurmJob, oci_launcher_problem
 from hpkit.spec import JobSpec
 from hpkit.validation import load_document, read_document
 
@@ -39,7 +39,7 @@ class Submission:
 
     def log_file(self, job_id: str) -> Path:
         """The log of a job, or of a job array's task `JOB_TASK`."""
-        return self.out_dir / f"{self.spec.name}-{job_id}.out"
+        return self.out_dir / f"{self.spec.job.name}-{job_id}.out"
 
     def task_ids(self, job_id: str) -> list[str]:
         """Slurm's names for the tasks of the job array `job_id` (none for a single job)."""
@@ -71,9 +71,9 @@ def write_new(path: Path, text: str, mode: int = 0o644) -> None:
         ) from None
 
 
-def job_workdir(spec: JobSpec) -> Path:
+def job_workdir(job: SlurmJob) -> Path:
     """Where the job will run (sbatch's --chdir, else the directory it is submitted from)."""
-    return (Path(spec.workdir) if spec.workdir else Path.cwd()).resolve()
+    return (Path(job.workdir) if job.workdir else Path.cwd()).resolve()
 
 
 def prepare(spec_file: str | Path, sweep: Sweep | None = None) -> Submission:
@@ -86,29 +86,30 @@ def prepare(spec_file: str | Path, sweep: Sweep | None = None) -> Submission:
     import yaml
 
     spec = load_document(JobSpec, spec_file)
+    job = spec.job
     tasks = expand(read_document(spec_file), sweep, str(spec_file)) if sweep is not None else []
     # An OCI bundle or mount source that is not there would fail every node at job start: say so now.
     try:
-        check_container(spec.container)
+        check_container(job.container)
     except SpecError as exc:
         raise SpecError(f"{spec_file}: {exc}") from None
-    if problem := oci_launcher_problem(spec, slurm_version):
+    if problem := oci_launcher_problem(job, slurm_version):
         raise SpecError(f"{spec_file}: {problem}")
-    out_dir = (job_workdir(spec) / spec.output_dir).resolve()
+    out_dir = (job_workdir(job) / job.output_dir).resolve()
     # A snapshot of the spec travels with the job: editing the YAML after submitting must not
     # change a job that is still pending.
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
-    spec_copy = out_dir / f"{spec.name}-{stamp}.yaml"
-    script = out_dir / f"{spec.name}-{stamp}.sbatch"
-    write_new(spec_copy, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    spec_copy = out_dir / f"{job.name}-{stamp}.yaml"
+    script = out_dir / f"{job.name}-{stamp}.sbatch"
+    write_new(spec_copy, yaml.safe_dump(spec.document(), sort_keys=False))
     if not tasks:
         write_new(script, render(spec, script_name=str(script), spec_path=str(spec_copy)), mode=0o755)
         return Submission(spec, spec_copy, script, out_dir)
     assert sweep is not None
-    pattern = str(out_dir / f"{spec.name}-{stamp}.task%a.yaml")
-    manifest = out_dir / f"{spec.name}-{stamp}.sweep.json"
+    pattern = str(out_dir / f"{job.name}-{stamp}.task%a.yaml")
+    manifest = out_dir / f"{job.name}-{stamp}.sweep.json"
     for task in tasks:
-        dump = yaml.safe_dump(task.spec.model_dump(mode="json"), sort_keys=False)
+        dump = yaml.safe_dump(task.spec.document(), sort_keys=False)
         write_new(Path(pattern.replace("%a", str(task.index))), dump)
     write_new(manifest, sweep_manifest(tasks, pattern))
     array = ArrayPlan(
@@ -129,7 +130,7 @@ def give_job_path(submission: Submission) -> None:
     submits it, and refuse here (HpkitError) rather than fail on every node. Specs that set env.PATH are left
     as they are, and so are container jobs, but for Slurm's OCI containers, whose batch script writes the
     job's bundle with this environment's hpkit (the tasks' programs are the image's)."""
-    spec = submission.spec
+    spec = submission.spec.job
     if "PATH" in spec.env or (spec.container is not None and spec.container.runtime != "oci"):
         return
     from hpkit.jobs.path import check_programs, job_path, required_programs
@@ -146,6 +147,8 @@ def submit(submission: Submission, backend: Backend | str = "auto") -> Submitted
     backend = get_backend(backend) if isinstance(backend, str) else backend
     job_id = backend.submit(submission.script)
     problem = remember(
-        JobNote(job_id, submission.spec.name, str(submission.script), str(job_workdir(submission.spec)))
+        JobNote(
+            job_id, submission.spec.job.name, str(submission.script), str(job_workdir(submission.spec.job))
+        )
     )
     return SubmittedJob(job_id, submission, problem)

@@ -27,7 +27,7 @@ from hpkit.errors import SpecError
 from hpkit.runtime.config import RunConfig
 from hpkit.slurm_job import SlurmJob
 from hpkit.spec import JobSpec
-from hpkit.validation import parse_document, read_document
+from hpkit.validation import document_fields, parse_document, read_document
 
 # RunConfig fields the rendered script reads (hpkit.render: the log's name and folder, the supervisor's plan).
 _RENDERED = frozenset({"name", "output_dir", "resilience"})
@@ -151,7 +151,7 @@ def read_sweep_file(path: str) -> list[Overrides]:
 def check_sweepable(key: str, where: str) -> None:
     """Fields that reach the one script (Slurm's, name, output_dir, resilience) are the same for every task."""
     top = key.split(".", 1)[0]
-    if top in SWEEPABLE or top not in JobSpec.model_fields:
+    if top in SWEEPABLE or top not in document_fields(JobSpec):
         return  # an unknown key is the spec validator's to name, with its suggestion
     raise SpecError(
         f"{where}: {key}: cannot be swept: every task of a job array shares its script, so {top} is the same "

@@ -76,8 +76,8 @@ def resolve(ask: PlanAsk) -> PlanProblem:
     nodes, instance = ask.nodes, ask.instance
     if ask.spec_mode:
         assert ask.base is not None
-        nodes = nodes or ask.base.nodes
-        instance = instance or ask.base.instance_type
+        nodes = nodes or ask.base.job.nodes
+        instance = instance or ask.base.job.instance_type
         if not instance:
             raise SpecError(f"{ask.target}: instance_type: missing: set it in the spec, or give --instance")
     if nodes is None:
@@ -87,7 +87,7 @@ def resolve(ask: PlanAsk) -> PlanProblem:
     hw, gpu_gib = hardware(instance, precision, ask.network)
     if ask.base is not None:
         # The trial jobs run the base's ranks per node (tasks_per_node, or gpus_per_node): so does the search.
-        hw = replace(hw, gpus_per_node=ask.base.ranks_per_node)
+        hw = replace(hw, gpus_per_node=ask.base.job.ranks_per_node)
     assert instance is not None  # hardware() refused a missing one
     return PlanProblem(
         target=ask.target,
@@ -100,7 +100,7 @@ def resolve(ask: PlanAsk) -> PlanProblem:
         global_batch=_global_batch(ask, model, nodes * hw.gpus_per_node),
         precision=precision,
         model=model.block,
-        memory_checkpoint=ask.base.checkpoint.memory if ask.spec_mode and ask.base is not None else None,
+        memory_checkpoint=ask.base.run.checkpoint.memory if ask.spec_mode and ask.base is not None else None,
     )
 
 
@@ -131,17 +131,18 @@ def _model(ask: PlanAsk, nodes: int) -> _Model:
 
         base = ask.base
         assert base is not None
-        device = "cuda" if base.gpus_per_node else "cpu"
-        spec_layout = Layout.from_run_config(base, world=base.world_size, device_type=device)
-        seq = ask.seq or base.model.seq_len
-        block = base.model.model_dump(mode="json", exclude_defaults=True)
+        job, run = base.job, base.run
+        device = "cuda" if job.gpus_per_node else "cpu"
+        spec_layout = Layout.from_run_config(run, world=job.world_size, device_type=device)
+        seq = ask.seq or run.model.seq_len
+        block = run.model.model_dump(mode="json", exclude_defaults=True)
         block["seq_len"] = seq
         return _Model(
-            shape=replace(shape_of_spec(base.model), seq_len=seq),
+            shape=replace(shape_of_spec(run.model), seq_len=seq),
             seq=seq,
             block=block,
             precision=ask.precision or spec_layout.precision,
-            spec_batch=spec_layout.global_batch * nodes // base.nodes,
+            spec_batch=spec_layout.global_batch * nodes // job.nodes,
         )
     if ask.model is not None:
         from hpkit.runtime.config import ModelSpec

@@ -276,7 +276,7 @@ def run_trials(
                 continue
             trial.job_id = job.job_id
             submitted[job.job_id] = trial
-            workdirs[job.job_id] = (submission.spec_copy, job_workdir(submission.spec))
+            workdirs[job.job_id] = (submission.spec_copy, job_workdir(submission.spec.job))
             print(
                 f"hpkit plan: trial #{trial.predicted_rank} ({trial.candidate.layout.describe()}): job "
                 f"{job.job_id}, output {submission.log_file(job.job_id)}",

@@ -1,8 +1,7 @@
 """The training configuration: what `hpkit train` needs from a job spec, and nothing that concerns Slurm.
 
-Torch-free, so that the login node can validate it. `JobSpec` (hpkit.spec) extends `RunConfig` with
-resources, placement and the launcher: a whole job spec is a run configuration, and a file of bare
-training blocks is one too.
+Torch-free, so that the login node can validate it. `JobSpec` (hpkit.spec) holds a `RunConfig` (its `run`)
+beside the Slurm job: a whole job spec has a run configuration, and a file of bare training blocks is one.
 """
 
 from __future__ import annotations

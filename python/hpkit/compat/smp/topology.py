@@ -123,16 +123,16 @@ def state() -> _State:
 def _spec_parameters() -> dict[str, Any] | SmpConfig:
     from hpkit.errors import HpkitError
     from hpkit.runtime.config import SPEC_ENV
-    from hpkit.spec import load_run_config
+    from hpkit.spec import load_parts
 
     path = os.environ.get(SPEC_ENV)
     if not path:
         return {}
     try:
-        spec = load_run_config(path)
+        job, run = load_parts(path)
     except HpkitError as exc:
         bad_setting(f"cannot read the job spec {SPEC_ENV}={path}: {exc}")
-    return SmpConfig.from_parallelism(spec.parallelism, dict(getattr(spec, "smp_parameters", None) or {}))
+    return SmpConfig.from_parallelism(run.parallelism, dict(job.smp_parameters) if job is not None else {})
 
 
 def check_degrees(config: SmpConfig, world_size: int) -> int:
