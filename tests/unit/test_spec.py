@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from hpkit.errors import SpecError
-from hpkit.spec import JobSpec
+from hpkit.jobs.submission import snapshot_text
+from hpkit.spec import JobSpec, load_run_config
 from hpkit.validation import load_document, parse_document
 
 BASE = {"name": "job", "nodes": 2, "tasks_per_node": 2}
@@ -306,3 +308,20 @@ def test_moe_and_expert_parallel_are_checked_at_validation():
         run_config({"name": "debug", "moe": {"experts": 2, "top_k": 3}})
     with pytest.raises(SpecError, match="moe cannot be given with init_from"):
         run_config({"init_from": "/x", "moe": {"experts": 2}})
+
+
+REPO = Path(__file__).resolve().parents[2]
+SHIPPED_SPECS = sorted(
+    p for folder in ("slurm/jobs", "slurm/recipes") for p in (REPO / folder).glob("*.yaml")
+)
+
+
+@pytest.mark.parametrize("path", SHIPPED_SPECS, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_a_shipped_specs_snapshot_reads_back_as_the_same_spec(path, tmp_path) -> None:
+    """What every rank of the job reads (`hpkit train --config SNAPSHOT`) is the spec that was submitted. A
+    snapshot of a spec with model.init_from used to be refused by its own job: it wrote model.name's default."""
+    spec = load_document(JobSpec, path)
+    snapshot = tmp_path / "snapshot.yaml"
+    snapshot.write_text(snapshot_text(spec))
+    assert load_document(JobSpec, snapshot) == spec
+    assert load_run_config(snapshot) == spec.run

@@ -71,6 +71,14 @@ def write_new(path: Path, text: str, mode: int = 0o644) -> None:
         ) from None
 
 
+def snapshot_text(spec: JobSpec) -> str:
+    """The snapshot of a spec that travels with its job, as YAML: what `hpkit train --config` reads back on every
+    rank, so it must load as the same spec (tests/unit/test_spec.py loads every shipped spec's back)."""
+    import yaml  # imported where used: the job commands' start stays light
+
+    return yaml.safe_dump(spec.document(), sort_keys=False)
+
+
 def job_workdir(job: SlurmJob) -> Path:
     """Where the job will run (sbatch's --chdir, else the directory it is submitted from)."""
     return (Path(job.workdir) if job.workdir else Path.cwd()).resolve()
@@ -83,8 +91,6 @@ def prepare(spec_file: str | Path, sweep: Sweep | None = None) -> Submission:
     their own snapshot. Nothing here depends on the node count (bench/bench_render_scale.py compares 2,048
     nodes with 2).
     """
-    import yaml
-
     spec = load_document(JobSpec, spec_file)
     job = spec.job
     tasks = expand(read_document(spec_file), sweep, str(spec_file)) if sweep is not None else []
@@ -101,7 +107,7 @@ def prepare(spec_file: str | Path, sweep: Sweep | None = None) -> Submission:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
     spec_copy = out_dir / f"{job.name}-{stamp}.yaml"
     script = out_dir / f"{job.name}-{stamp}.sbatch"
-    write_new(spec_copy, yaml.safe_dump(spec.document(), sort_keys=False))
+    write_new(spec_copy, snapshot_text(spec))
     if not tasks:
         write_new(script, render(spec, script_name=str(script), spec_path=str(spec_copy)), mode=0o755)
         return Submission(spec, spec_copy, script, out_dir)
@@ -109,7 +115,7 @@ def prepare(spec_file: str | Path, sweep: Sweep | None = None) -> Submission:
     pattern = str(out_dir / f"{job.name}-{stamp}.task%a.yaml")
     manifest = out_dir / f"{job.name}-{stamp}.sweep.json"
     for task in tasks:
-        dump = yaml.safe_dump(task.spec.document(), sort_keys=False)
+        dump = snapshot_text(task.spec)
         write_new(Path(pattern.replace("%a", str(task.index))), dump)
     write_new(manifest, sweep_manifest(tasks, pattern))
     array = ArrayPlan(

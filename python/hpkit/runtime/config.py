@@ -234,10 +234,12 @@ class ModelSpec(StrictModel):
         if self.init_from is None:
             return self
         check_no_control_chars(self.init_from, "init_from")
+        # Given and not its default: a snapshot of the spec (spec.document()) writes every field, defaults too,
+        # and must read back (its job's ranks read it).
         shaped = [
             f
             for f in ("name", "vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "moe")
-            if f in self.model_fields_set
+            if f in self.model_fields_set and getattr(self, f) != type(self).model_fields[f].default
         ]
         if shaped:
             raise ValueError(
