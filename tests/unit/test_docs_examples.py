@@ -29,6 +29,7 @@ import yaml
 
 from hpkit.cli import parse
 from hpkit.errors import SpecError
+from hpkit.jobs.submission import snapshot_text
 from hpkit.render import render
 from hpkit.sagemaker.convert import convert
 from hpkit.sagemaker.estimator import Estimator
@@ -108,7 +109,10 @@ def load_spec(block: Block) -> None:
                 f"{block.where}: a fragment is a mapping of a spec's keys, not {type(data).__name__}"
             )
         data = merged(base, data)
-    render(parse_document(JobSpec, data, block.where))
+    spec = parse_document(JobSpec, data, block.where)
+    render(spec)
+    # What the job's ranks read back: the snapshot `hpkit submit` writes must load as the same spec.
+    assert parse_document(JobSpec, yaml.safe_load(snapshot_text(spec)), f"{block.where} (snapshot)") == spec
 
 
 def command_lines(block: Block) -> list[tuple[int, str]]:
