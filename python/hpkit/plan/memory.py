@@ -449,7 +449,7 @@ def _rank(
     buffers = _buffers(r)
     unsharded, autocast, grads_at_peak = _compute_copies(r, grads)
     logits_loss, loss_reserve = _logits_loss(r)
-    activations = _activations(r, logits_loss)
+    activations = _activations(r, logits_loss) + _weight_grad_stash(r)
     moe_buffers = _moe_buffers(r)
     comm_buffers = _comm_buffers(r)
     # Two candidate peaks: the start of backward (every activation, no reduced gradient yet but what a
@@ -593,6 +593,36 @@ def _activations(r: _Rank, logits_loss: int) -> int:
         # The logits stay referenced while the last block is recomputed; the loss's temporaries do not.
         activations += int(tokens * r.vocab * (4 if r.regime == "fp32" else 2))
     return activations
+
+
+def _weight_grad_stash(r: _Rank) -> int:
+    """Zero bubble's deferred weight gradients: a stage's backward for its input runs first, and the gradients of
+    its matmuls' outputs stay until the weight-gradient pass of that microbatch runs later (their inputs are kept
+    anyway, as activations). At the peak each stage holds one microbatch's (measured: pp_tp_zero_bubble in
+    tests/integration/plan_memory_layouts.py, 9 % under without this). CPU ranks only: no GPU run with this
+    schedule has been measured or published to check it against, and on GPUs it would move the shipped recipes'
+    layouts (llama3-70b-p5en-16n: 13.3 GiB more on its first rank, which then no longer fits) on one tiny CPU model's evidence."""
+    layout, shape = r.layout, r.shape
+    if layout.pp <= 1 or layout.pp_schedule != "zero_bubble" or r.device == "cuda":
+        return 0
+    b = 4 if r.regime == "fp32" else 2
+    tp = layout.tp
+    h = shape.dim / (
+        tp if r.sp else 1
+    )  # a row-parallel matmul's output: the stream, sequence-sharded under SP
+    q, kv = shape.n_heads * shape.hd / tp, shape.n_kv_heads * shape.hd / tp
+    per_token = 0.0
+    for part in r.parts:
+        for i in part.blocks:
+            if shape.is_moe_block(i):
+                he, k = shape.expert_hidden, (shape.top_k or 0) + (shape.shared_experts or 0)
+                ffn = k * (2 * he + shape.dim)  # each slot's w1, w3 and w2 outputs
+            else:
+                ffn = 2 * shape.ffn_dim / tp + h
+            per_token += q + 2 * kv + h + ffn
+        if part.last:
+            per_token += shape.vocab_size / tp  # the output head's
+    return int(per_token * b * r.tokens)
 
 
 def _logits_loss(r: _Rank) -> tuple[int, int]:
