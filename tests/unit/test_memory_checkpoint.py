@@ -194,7 +194,10 @@ def _a_failed_copy(rank: int, world: int, root: str) -> None:
     saver.save(1, state)
     saver.wait()
 
-    def broken(sends, receives):  # what a timed-out or closed gloo pair raises, on every rank alike
+    working = saver._exchange
+
+    def broken(sends, receives):  # a timed-out or closed gloo pair: it raises, and the group stays unusable
+        torch.distributed.destroy_process_group(saver.group)
         raise RuntimeError("Connection closed by peer")
 
     saver._exchange = broken
@@ -207,10 +210,19 @@ def _a_failed_copy(rank: int, world: int, root: str) -> None:
     )
     if rank == 0:
         assert any("in-memory checkpoint not completed" in line for line in lines), lines
+    # The next copy runs on a new group: the tier does not stay at step 1 for the rest of the run.
+    saver._exchange = working
+    saver.save(3, state)
+    saver.wait()
+    assert saver.last_step == 3, saver.last_step
+    assert sorted(p.name for p in saver.node_dir.iterdir()) == ["step-00000003"]
+    if rank == 0:
+        assert any("a new group for the copies" in line for line in lines), lines
     saver.close(completed=False)
 
 
-def test_a_failed_copy_leaves_no_files_of_its_step_in_node_memory(tmp_path):
+def test_a_failed_copy_leaves_no_files_of_its_step_in_node_memory_and_the_next_copy_works(tmp_path):
     """A copy that failed keeps the complete step before it and says so; what the failed step had written is
-    removed (it is never restored from, and each failed step would otherwise hold one more state in RAM)."""
+    removed (it is never restored from, and each failed step would otherwise hold one more state in RAM); and
+    the copy after it runs on a new group, since the broken one stays broken."""
     run_ranks(_a_failed_copy, 2, tmp_path, str(tmp_path / "mem" / "run"))

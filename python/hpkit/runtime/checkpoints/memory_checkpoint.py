@@ -106,6 +106,9 @@ class MemoryCheckpointer:
         self._staging: Any = None
         self._background: threading.Thread | None = None
         self._failure: BaseException | None = None
+        # A copy failed before its barrier: the copies' group may be broken for good (gloo's pairs stay closed
+        # after a timeout or a lost peer), and every rank's copy failed with it (the barrier needs them all).
+        self._renew_group = False
         self.last_step: int | None = None  # newest step complete on every node
         self.dirty = False  # a restore's load failed part-way: the state may be partly overwritten
         self.state_bytes = 0  # this rank's file, as last saved
@@ -138,6 +141,8 @@ class MemoryCheckpointer:
         if not self.due(step):
             return False
         self.wait()
+        if self._renew_group:
+            self._new_group()
         folder = self.node_dir / step_dir_name(step)
         # No barrier: a folder of this step left by an earlier attempt went in forget_after().
         folder.mkdir(parents=True, exist_ok=True)
@@ -180,7 +185,20 @@ class MemoryCheckpointer:
                     f"hpkit train: warning: in-memory checkpoint not completed: {type(failure).__name__}: {failure}"
                 )
 
+    def _new_group(self) -> None:
+        """A fresh group for the copies, after one failed before its barrier. Every rank's failed there, so every
+        rank comes here at the same save: new_group is a collective of the whole world, in the same order. Without
+        it, one timed-out copy left every later one failing ("Connection closed by peer") for the rest of the run,
+        and recovery would redo every step since."""
+        self._renew_group = False
+        with contextlib.suppress(Exception):  # a group already unusable may not tear down cleanly
+            dist.destroy_process_group(self.group)
+        self.group = dist.new_group(backend="gloo")
+        if self.rank == 0:
+            self._log("hpkit train: in-memory checkpoints: a new group for the copies after the failed one")
+
     def _finish(self, step: int, folder: Path, upload: Any) -> None:
+        agreed = False  # past the barrier: every rank's copy of this step is in place
         try:
             upload.result()
             start = time.perf_counter()
@@ -192,6 +210,7 @@ class MemoryCheckpointer:
             )
             # Every copy is in place on every node before any node calls the step complete.
             dist.barrier(group=self.group)
+            agreed = True
             if self.is_node_leader:
                 (folder / RANKS).write_text(json.dumps(self.rank_nodes), encoding="utf-8")
                 (folder / COMPLETE).write_text(str(step), encoding="utf-8")
@@ -210,6 +229,7 @@ class MemoryCheckpointer:
             self.copy_s = time.perf_counter() - start
         except BaseException as exc:
             self._failure = exc
+            self._renew_group = not agreed
             if self.is_node_leader:
                 # A step that did not complete is never restored from: its files would stay in node memory,
                 # beyond host_copies, one more state each time (every later copy failed where gloo's pairs broke).
