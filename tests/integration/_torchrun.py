@@ -25,10 +25,10 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from hpkit.rendezvous import free_local_ports
-from hpkit.warm.protocol import SOCKET_ENV
+from hpkit.warm.protocol import SOCKET_ENV, startup_env
 
 REPO = Path(__file__).resolve().parents[2]
 COLD_ENV = "HPKIT_TEST_COLD"
@@ -57,34 +57,46 @@ def torch_env(tmp: Path) -> dict[str, str]:
 
 
 class _Zygote:
-    """This test process's zygote, started at the first warm launch and ended with the process."""
+    """A zygote of this test process, started at the first warm launch with its start-up variables and ended with
+    the process. One per set of start-up variables (hpkit.warm.protocol.startup_env: a zygote refuses a launch
+    whose PYTHONPATH or OMP_NUM_THREADS differ from its own): a session cluster sets PYTHONPATH when it comes up,
+    and some tests give their own. At most MAX_ZYGOTES (each holds torch in memory); beyond, launches start cold."""
 
+    MAX_ZYGOTES = 3
     lock = threading.Lock()
-    proc: subprocess.Popen[str] | None = None
-    folder: Path | None = None
+    running: ClassVar[dict[tuple, _Zygote | None]] = {}
+
+    def __init__(self, proc: subprocess.Popen[str], folder: Path):
+        self.proc, self.folder = proc, folder
 
     @classmethod
-    def socket(cls) -> Path | None:
-        """The zygote's socket, starting it first if need be; None: launches start cold (HPKIT_TEST_COLD, or
-        the zygote did not come up, which is said once on stderr)."""
+    def socket(cls, env: dict[str, str]) -> Path | None:
+        """The socket of the zygote for `env`'s start-up variables, starting it first if need be; None: the launch
+        starts cold (HPKIT_TEST_COLD, too many zygotes, or this one did not come up or died: said on stderr)."""
         if os.environ.get(COLD_ENV) == "1":
             return None
+        key = tuple(sorted(startup_env(env).items()))
         with cls.lock:
-            if cls.proc is not None and cls.proc.poll() is None:
-                assert cls.folder is not None
-                return cls.folder / "z.sock"
-            if cls.proc is not None:  # it died: say so once, and start cold from now on
+            if key not in cls.running:
+                if len(cls.running) >= cls.MAX_ZYGOTES:
+                    return None
+                cls.running[key] = cls._start(env)
+            zygote = cls.running[key]
+            if zygote is None or zygote.proc.poll() is not None:
                 return None
-            return cls._start()
+            return zygote.folder / "z.sock"
 
     @classmethod
-    def _start(cls) -> Path | None:
+    def _start(cls, launch_env: dict[str, str]) -> _Zygote | None:
         # In node memory and short: a Unix socket's path holds at most 107 characters, and TMPDIR is deep here.
         base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else "/tmp"
-        cls.folder = Path(tempfile.mkdtemp(prefix="hpkit-tz-", dir=base))
-        path = cls.folder / "z.sock"
-        env = torch_env(cls.folder / "tmp") | {SOCKET_ENV: str(path)}
-        cls.proc = subprocess.Popen(
+        folder = Path(tempfile.mkdtemp(prefix="hpkit-tz-", dir=base))
+        path = folder / "z.sock"
+        (folder / "tmp").mkdir()
+        # This process's environment with the launch's start-up variables: nothing else of one launch's own.
+        env = {k: v for k, v in os.environ.items() if k not in startup_env(os.environ)}
+        env |= startup_env(launch_env) | {"TMPDIR": str(folder / "tmp"), SOCKET_ENV: str(path)}
+        proc = subprocess.Popen(
             [sys.executable, "-m", "hpkit.warm.zygote", f"--preload={PRELOAD}"],
             env=env,
             stdout=subprocess.PIPE,
@@ -93,32 +105,31 @@ class _Zygote:
             cwd=REPO,
             preexec_fn=_die_with_parent,
         )
-        atexit.register(cls.stop)
-        assert cls.proc.stdout is not None
+        zygote = cls(proc, folder)
+        atexit.register(zygote.stop)
+        assert proc.stdout is not None
         ready = ""
-        if select.select([cls.proc.stdout], [], [], ZYGOTE_READY_S)[0]:
-            ready = cls.proc.stdout.readline()
+        if select.select([proc.stdout], [], [], ZYGOTE_READY_S)[0]:
+            ready = proc.stdout.readline()
         if "ready" not in ready:
             print(
-                f"_torchrun: the zygote did not come up ({ready.strip()!r}): launches start cold",
+                f"_torchrun: a zygote did not come up ({ready.strip()!r}): its launches start cold",
                 file=sys.stderr,
             )
-            cls.proc.kill()
+            zygote.stop()
             return None
         # Its later lines (a line per process forked) are read off, so its pipe never fills.
-        threading.Thread(target=cls.proc.stdout.read, daemon=True).start()
-        return path
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        return zygote
 
-    @classmethod
-    def stop(cls) -> None:
-        if cls.proc is not None and cls.proc.poll() is None:
-            cls.proc.send_signal(signal.SIGTERM)
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                cls.proc.wait(timeout=30)
+                self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
-                cls.proc.kill()
-        if cls.folder is not None:
-            shutil.rmtree(cls.folder, ignore_errors=True)
+                self.proc.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 def _die_with_parent() -> None:
@@ -129,7 +140,7 @@ def _die_with_parent() -> None:
 def warm(cmd: list[str], env: dict[str, str]) -> list[str]:
     """`cmd` (a `sys.executable ...` command) started by this process's zygote: the warm client's words before it,
     and its socket in `env`; `cmd` unchanged where launches start cold."""
-    path = _Zygote.socket()
+    path = _Zygote.socket(env)
     if path is None:
         return cmd
     env[SOCKET_ENV] = str(path)
@@ -140,8 +151,7 @@ def torchrun_command(args: list[str], nproc: int, env: dict[str, str], *options:
     """`torchrun --nproc-per-node NPROC OPTIONS ARGS` with its agent and each rank forked warm where `env` can
     be (see warm; `env` gets the socket); ARGS as torchrun takes them: a script or `-m MODULE`, then its args."""
     agent = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *options]
-    path = _Zygote.socket()
-    if path is None:
+    if _Zygote.socket(env) is None:
         return [*agent, *args]
     # torchrun runs `python -u ARGS` (interpreter options start cold); --no-python runs the words given instead.
     rank = warm([sys.executable, *args], env)

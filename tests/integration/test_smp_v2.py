@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from _torchrun import torchrun_command, warm
 from test_slurm_jobs import hpkit, output_of, submit, unlabelled
 
 from hpkit.slurm import CliBackend, JobState, wait
@@ -81,19 +82,23 @@ def _steps(text: str) -> list[dict]:
 
 def _plain(tmp_path: Path, model_type: str, steps: int) -> tuple[list[dict], dict]:
     layout = tmp_path / f"plain-{model_type}"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python")}
     done = subprocess.run(
-        [
-            sys.executable,
-            str(SCRIPT),
-            "--plain",
-            "--model_type",
-            model_type,
-            "--max_steps",
-            str(steps),
-            "--layout_out",
-            str(layout),
-        ],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "python")},
+        warm(
+            [
+                sys.executable,
+                str(SCRIPT),
+                "--plain",
+                "--model_type",
+                model_type,
+                "--max_steps",
+                str(steps),
+                "--layout_out",
+                str(layout),
+            ],
+            env,
+        ),
+        env=env,
         capture_output=True,
         text=True,
         timeout=300,
@@ -273,10 +278,9 @@ def _torchrun(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
         "TMPDIR": str(tmp_path),
     }
     return subprocess.run(
-        [
-            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
-            *("-m", "hpkit.run_script", str(SCRIPT), "--max_steps", "1", *args),
-        ],
+        torchrun_command(
+            ["-m", "hpkit.run_script", str(SCRIPT), "--max_steps", "1", *args], 2, env, "--standalone"
+        ),
         env=env,
         cwd=tmp_path,
         capture_output=True,
