@@ -130,6 +130,7 @@ HANG_EXIT = 75
 HANGS = "hangs"  # beside the job's log, in its output folder
 VERDICT = "verdict.json"
 CULPRIT_NODES = "culprit_nodes"
+VERDICT_JUDGE = "judge"  # the verdict's key: the node whose watchdog judged (the supervisor weighs it)
 _HANG_FOLDER = re.compile(r"^(\d+(?:_\d+)?)-(\d+)-(\d+)-[^/]*-step\d+$")  # JOB or JOB_TASK
 
 _P = TypeVar("_P", bound=PurePath)

@@ -585,9 +585,12 @@ RECOVERY_MARKS = (
 )
 
 
-def recovery_timeline(events: list[dict], metrics: Path, killed_wall: float) -> dict[str, Any]:
+def recovery_timeline(
+    events: list[dict], metrics: Path, killed_wall: float, past: int = MEMORY_STEP
+) -> dict[str, Any]:
     """Seconds from the kill to each of RECOVERY_MARKS, from the supervisor's events and the resumed run's start
-    record; `source` is what the run resumed from."""
+    record, "new_step" being the first step past `past` (the last step the run had trained before the fault);
+    `source` is what the run resumed from."""
     ended = events_of(events, "step_ended")[0]
     failing = events_of(events, "step_failing")
     marks = {
@@ -603,7 +606,7 @@ def recovery_timeline(events: list[dict], metrics: Path, killed_wall: float) -> 
     marks.update(after[0].get("phases") or {})
     marks["resumed"] = after[0]["time"]
     marks["first_step"] = next(r["time"] for r in after if "loss" in r)
-    marks["new_step"] = next(r["time"] for r in after if r.get("step") == MEMORY_STEP + 1 and "loss" in r)
+    marks["new_step"] = next(r["time"] for r in after if r.get("step") == past + 1 and "loss" in r)
     timeline: dict[str, Any] = {name: at - killed_wall for name, at in marks.items()}
     timeline["source"] = after[0].get("resumed_from")
     return timeline

@@ -204,14 +204,18 @@ def of(outcome: Outcome, kind: str) -> list[dict]:
     return [e for e in outcome.events if e["type"] == kind]
 
 
-def hang_at(tmp_path: Path, restart: int = 0, culprit: str | None = None) -> Callable[[int], None]:
-    """What the watchdog leaves when it stops a hung step (hpkit.runtime.watchdog.hang_watchdog's layout)."""
+def hang_at(
+    tmp_path: Path, restart: int = 0, culprit: str | None = None, judge: str | None = None
+) -> Callable[[int], None]:
+    """What the watchdog leaves when it stops a hung step (hpkit.runtime.watchdog.hang_watchdog's layout); `judge`:
+    the node whose watchdog wrote it."""
 
     def write(attempt: int) -> None:
         folder = tmp_path / "logs" / "hangs" / f"{JOB}-{restart}-{attempt}-0-step5"
         folder.mkdir(parents=True)
         (folder / "culprit_nodes").write_text(f"{culprit}\n" if culprit else "")
-        (folder / "verdict.json").write_text(json.dumps({"line": "hpkit: hang: rank 1", "culprits": [1]}))
+        record = {"line": "hpkit: hang: rank 1", "culprits": [1], **({"judge": judge} if judge else {})}
+        (folder / "verdict.json").write_text(json.dumps(record))
 
     return write
 
@@ -278,6 +282,29 @@ def test_spares_are_taken_in_order_and_the_batch_host_is_the_last(tmp_path):
     swap = of(out, ev.SPARE_SWAP)
     assert [(e["node"], e["spare"], e["spares_left"]) for e in swap] == [("node1", "node3", ["node4"])]
     assert "--nodelist=node3,node2" in cluster.started[1][0]
+
+
+def test_a_verdict_judged_on_a_node_that_does_not_answer_swaps_only_that_node(tmp_path):
+    # node1's link cut, and node1 held the watchdog's store: its judge saw node2 go silent and named it (issue 44's
+    # cut-link bench). The probe finds node1 alone unanswering: node2 is healthy, keeps its place, is not replaced.
+    cluster = FakeCluster(
+        [
+            StepScript(exit=75, polls=100, on_start=hang_at(tmp_path, culprit="node2", judge="node1")),
+            StepScript(exit=0),
+        ],
+        nodes=["node1", "node2", "node3", "node4"],
+    )
+    cluster.unanswering_nodes = {"node1"}
+    out = supervise(tmp_path, cluster, batch_host="node4", spare_nodes=2, replace_bad_nodes=True)
+    assert out.exit == 0
+    swap = of(out, ev.SPARE_SWAP)
+    assert [(e["node"], e["spare"], e["spares_left"]) for e in swap] == [("node1", "node3", ["node4"])]
+    assert "--nodelist=node3,node2" in cluster.started[1][0]
+    assert "replace node2" not in cluster.calls
+    assert of(out, ev.RESTART)[0]["reason"] == "node"
+    assert any(
+        "judged on node node1, which does not answer: its culprit node(s) node2 stay" in x for x in out.lines
+    )
 
 
 def test_replace_bad_nodes_asks_hyperpod_to_replace_the_swapped_node(tmp_path):

@@ -4,9 +4,10 @@ line, written first)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-from hpkit.job_events import CULPRIT_NODES, verdict_paths
+from hpkit.job_events import CULPRIT_NODES, VERDICT_JUDGE, verdict_paths
 
 
 def verdict_path(hangs_dir: Path, job_id: str, restart: int, attempt: int) -> Path | None:
@@ -20,3 +21,12 @@ def culprit_nodes(verdict: Path) -> list[str]:
     except OSError:
         return []
     return sorted({line.strip() for line in text.splitlines() if line.strip()})
+
+
+def verdict_judge(verdict: Path) -> str | None:
+    """The node whose watchdog wrote the verdict (its "judge"), or None where the verdict does not say."""
+    try:
+        judge = json.loads(verdict.read_text(encoding="utf-8")).get(VERDICT_JUDGE)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return judge if isinstance(judge, str) and judge else None

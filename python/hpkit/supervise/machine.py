@@ -26,7 +26,7 @@ from typing import Any
 from hpkit import job_events as ev
 from hpkit.supervise.budget import Budget
 from hpkit.supervise.cluster import WARM_STEP_NAME, Cluster, Step, TaskExit
-from hpkit.supervise.hangs import culprit_nodes, verdict_path
+from hpkit.supervise.hangs import culprit_nodes, verdict_judge, verdict_path
 from hpkit.supervise.plan import Plan, Run
 from hpkit.supervise.ready import READY_ENV, all_ready
 
@@ -450,6 +450,15 @@ class Supervisor:
         lost = self.probed if self.probed is not None else self.cluster.unanswering(list(self.step_nodes))
         self.event(ev.PROBE, nodes=self.step_nodes, unanswering=lost)
         suspects = culprit_nodes(verdict) if verdict is not None else []
+        judge = verdict_judge(verdict) if verdict is not None else None
+        if suspects and judge in lost:
+            # The judge's own node does not answer: cut off, it saw every other node go silent, and names the
+            # nodes it lost sight of (the watchdog store's node cut: its judge named the healthy survivors).
+            self.say(
+                f"the hang verdict was judged on node {judge}, which does not answer: its culprit node(s) "
+                f"{' '.join(suspects)} stay in the step"
+            )
+            suspects = []
         if not lost and not suspects:
             return None
         self.say(

@@ -44,7 +44,16 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpkit.job_events import CULPRIT_NODES, HANG_EXIT, VERDICT, hang_attempt, hang_folder, hang_line, job_key
+from hpkit.job_events import (
+    CULPRIT_NODES,
+    HANG_EXIT,
+    VERDICT,
+    VERDICT_JUDGE,
+    hang_attempt,
+    hang_folder,
+    hang_line,
+    job_key,
+)
 from hpkit.runtime.env import node_name
 from hpkit.runtime.watchdog.hang_board import (
     Freshness,
@@ -529,7 +538,12 @@ class HangWatchdog:
         # first, since verdict.json's appearance is the signal.
         (out / CULPRIT_NODES).write_text("".join(f"{n}\n" for n in verdict.culprit_nodes()), encoding="utf-8")
         missing = sorted(set(verdict.nodes) - {int(p.stem[4:]) for p in out.glob("rank*.txt")})
-        record = {**verdict_record(verdict), "stacks": str(out), "no_stacks": missing, "judge": self.node}
+        record = {
+            **verdict_record(verdict),
+            "stacks": str(out),
+            "no_stacks": missing,
+            VERDICT_JUDGE: self.node,
+        }
         _write_whole(out / VERDICT, json.dumps(record, indent=1))
         self._say(hang_line(verdict.line(), out))
 
