@@ -94,7 +94,8 @@ class _Zygote:
         path = folder / "z.sock"
         (folder / "tmp").mkdir()
         # This process's environment with the launch's start-up variables: nothing else of one launch's own.
-        env = {k: v for k, v in os.environ.items() if k not in startup_env(os.environ)}
+        own = startup_env(os.environ)
+        env = {k: v for k, v in os.environ.items() if k not in own}
         env |= startup_env(launch_env) | {"TMPDIR": str(folder / "tmp"), SOCKET_ENV: str(path)}
         proc = subprocess.Popen(
             [sys.executable, "-m", "hpkit.warm.zygote", f"--preload={PRELOAD}"],

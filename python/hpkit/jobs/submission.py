@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
+import yaml
+
 from hpkit.errors import HpkitError, SpecError
 from hpkit.job_events import task_name
 from hpkit.jobs.index import JobNote, remember
@@ -74,8 +76,6 @@ def write_new(path: Path, text: str, mode: int = 0o644) -> None:
 def snapshot_text(spec: JobSpec) -> str:
     """The snapshot of a spec that travels with its job, as YAML: what `hpkit train --config` reads back on every
     rank, so it must load as the same spec (tests/unit/test_spec.py loads every shipped spec's back)."""
-    import yaml  # imported where used: the job commands' start stays light
-
     return yaml.safe_dump(spec.document(), sort_keys=False)
 
 
