@@ -290,6 +290,12 @@ _DENSE = {
 }
 
 
+def _widths(shape: ModelShape, tp: int, sp: bool) -> tuple[float, float, float]:
+    """Per token on one rank under TP: (the residual stream, sequence-sharded under SP; the query heads; the key
+    or the value heads)."""
+    return shape.dim / (tp if sp else 1), shape.n_heads * shape.hd / tp, shape.n_kv_heads * shape.hd / tp
+
+
 def _block_saved(shape: ModelShape, layout: Layout, index: int, sp: bool) -> dict[str, float]:
     """Bytes per token one block keeps for backward: `none` (no checkpointing), `selective` (what the
     selective policy keeps: matmul and attention outputs, and the block input), `full` (the block input)."""
@@ -298,9 +304,7 @@ def _block_saved(shape: ModelShape, layout: Layout, index: int, sp: bool) -> dic
     b = 4 if regime == "fp32" else 2  # matmul outputs
     stream = 2 if regime == "fsdp_bf16" else 4  # the residual stream between blocks
     tp = layout.tp
-    h = shape.dim / (tp if sp else 1)
-    q = shape.n_heads * shape.hd / tp
-    kv = shape.n_kv_heads * shape.hd / tp
+    h, q, kv = _widths(shape, tp, sp)
     heads = shape.n_heads / tp
     attn_none = c["h"] / 2 * h + c["q"] * q + c["kv"] * kv + 4 * heads + 4
     if tp > 1 and not sp:
@@ -359,9 +363,7 @@ def _gpu_block_saved(
     b = 4 if regime == "fp32" else 2  # activations out of matmuls
     stream = 2 if regime == "fsdp_bf16" else 4  # the residual stream between blocks
     tp = layout.tp
-    h = shape.dim / (tp if sp else 1)
-    q = shape.n_heads * shape.hd / tp
-    kv = shape.n_kv_heads * shape.hd / tp
+    h, q, kv = _widths(shape, tp, sp)
     heads = shape.n_heads / tp
     gqa = shape.n_kv_heads != shape.n_heads
     kernel = sdpa_kernel("cuda", layout.precision, shape.hd, gqa=gqa, gpu=gpu)
@@ -601,16 +603,14 @@ def _weight_grad_stash(r: _Rank) -> int:
     anyway, as activations). At the peak each stage holds one microbatch's (measured: pp_tp_zero_bubble in
     tests/integration/plan_memory_layouts.py, 9 % under without this). CPU ranks only: no GPU run with this
     schedule has been measured or published to check it against, and on GPUs it would move the shipped recipes'
-    layouts (llama3-70b-p5en-16n: 13.3 GiB more on its first rank, which then no longer fits) on one tiny CPU model's evidence."""
+    layouts (llama3-70b-p5en-16n: 13.3 GiB more on its first rank, which then no longer fits) on one tiny CPU
+    model's evidence."""
     layout, shape = r.layout, r.shape
     if layout.pp <= 1 or layout.pp_schedule != "zero_bubble" or r.device == "cuda":
         return 0
     b = 4 if r.regime == "fp32" else 2
     tp = layout.tp
-    h = shape.dim / (
-        tp if r.sp else 1
-    )  # a row-parallel matmul's output: the stream, sequence-sharded under SP
-    q, kv = shape.n_heads * shape.hd / tp, shape.n_kv_heads * shape.hd / tp
+    h, q, kv = _widths(shape, tp, r.sp)  # h: a row-parallel matmul's output
     per_token = 0.0
     for part in r.parts:
         for i in part.blocks:
