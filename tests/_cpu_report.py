@@ -1,5 +1,9 @@
 """HPKIT_TEST_CPU_REPORT=FILE: each test file's CPU seconds, its processes and daemons included, appended to FILE.
 
+A line per file, tab-separated: the file, its CPU seconds, its start and end (Unix time, wall clock) and the xdist
+worker that ran it ("main" without xdist). The wall times show the run's timeline: which files ran side by side,
+and which one alone at the end kept the run going while a core idled.
+
 The suite is CPU-bound on its 2-core machine, so a file's wall time says more about its neighbours than about
 itself. Each pytest process (each xdist worker) moves into a cgroup of its own, which everything it starts stays
 in (torchrun's ranks, the clusters' slurmctld and slurmd, their jobs), and charges the group's CPU to the file
@@ -11,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -33,7 +38,8 @@ class CpuReport:
     def __init__(self, report: Path, group: Path, parent: Path, usage: str):
         self.report, self.group, self.parent, self.usage = report, group, parent, usage
         self.module: str | None = None
-        self.mark = self.used_s()
+        self.mark, self.started = self.used_s(), time.time()
+        self.worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
     def used_s(self) -> float:
         text = (self.group / self.usage).read_text()
@@ -43,11 +49,13 @@ class CpuReport:
         return int(text) / 1e9
 
     def switch(self, module: str | None) -> None:
-        now = self.used_s()
+        now, wall = self.used_s(), time.time()
         if self.module is not None:
             with self.report.open("a") as out:
-                out.write(f"{self.module}\t{now - self.mark:.1f}\n")
-        self.module, self.mark = module, now
+                out.write(
+                    f"{self.module}\t{now - self.mark:.1f}\t{self.started:.0f}\t{wall:.0f}\t{self.worker}\n"
+                )
+        self.module, self.mark, self.started = module, now, wall
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logstart(self, nodeid: str, location: tuple) -> None:
