@@ -164,8 +164,11 @@ def kill_node(env: dict[str, str], job: str, node: str) -> list[int]:
     """What a crashed host does to the job: its slurmd first, so it cannot report its steps' deaths."""
     slurmd = int((Path(env["HPKIT_DEV_CLUSTER_DIR"]) / "run" / f"slurmd-{node}.pid").read_text())
     victims = job_processes_on(job, node)
-    for pid in (slurmd, *victims):
-        os.kill(pid, signal.SIGKILL)
+    os.kill(slurmd, signal.SIGKILL)
+    for pid in victims:
+        # Gone already: a warm-started rank dies with its zygote (PR_SET_PDEATHSIG), killed just before it.
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return victims
 
 
@@ -635,6 +638,10 @@ def test_a_lost_node_resumes_from_its_partners_memory_without_the_checkpoint_dir
     assert sorted(n for n, what in forked if what.startswith("rank")) == nodes, log
     assert sorted(what for _, what in forked if what.startswith("rank")) == ["rank 0", "rank 1"], log
     assert "warm start refused" not in log, log
+    # The first step waited for the zygotes of its two nodes, and its agents and ranks forked too.
+    assert "hpkit: warm starts: every zygote serves after" in log, log
+    first = re.findall(r"hpkit: warm start on \S+: (rank \d+|hpkit.torchrun_agent) \(attempt 0\) forked", log)
+    assert sorted(first) == ["hpkit.torchrun_agent"] * 2 + ["rank 0", "rank 1"], log
     # Every part of the recovery is timed (bench_recovery splits it by these), in the order the parts run (the
     # start record's time is rounded to the millisecond).
     at = [timeline[mark] for mark in RECOVERY_MARKS]

@@ -36,6 +36,8 @@ class StepScript:
     # After this many polls its `ranks` ranks have installed their signal handlers and say so, as hpkit train's do
     ready_after: int | None = None
     ranks: int = 2
+    # A zygote's step (resilience.warm_start): says it serves after this many polls (never: None)
+    serves_after: int | None = None
 
 
 class FakeStep:
@@ -46,6 +48,7 @@ class FakeStep:
         self.signalled_after: list[int] = []  # how many polls the step had run at each signal
         self.status: int | None = None
         self.env: dict[str, str] = {}
+        self.ready_when: Callable[[str], object] | None = None
 
     def poll(self) -> int | None:
         if self.status is None:
@@ -61,6 +64,10 @@ class FakeStep:
 
     def join(self, timeout: float) -> None:
         self.cluster.sleep(timeout)
+
+    def ready(self) -> bool:
+        serves = self.script.serves_after
+        return self.ready_when is not None and serves is not None and self.script.polls - self.polls >= serves
 
     def task_exits(self) -> list[TaskExit]:
         return list(self.script.tasks)
@@ -90,11 +97,18 @@ class FakeCluster:
         self.answer = True
         self.calls: list[str] = []
         self.started: list[tuple[list[str], dict[str, str], FakeStep]] = []
+        self.started_at: list[float] = []  # the clock at each start_step
         self.clock = 0.0
 
-    def start_step(self, srun_args: Sequence[str], env: Mapping[str, str]) -> FakeStep:
+    def start_step(
+        self,
+        srun_args: Sequence[str],
+        env: Mapping[str, str],
+        ready_when: Callable[[str], object] | None = None,
+    ) -> FakeStep:
         step = FakeStep(self.scripts.pop(0), self)
-        step.env = dict(env)
+        step.env, step.ready_when = dict(env), ready_when
+        self.started_at.append(self.clock)
         self.started.append((list(srun_args), dict(env), step))
         if step.script.on_start is not None:
             step.script.on_start(int(env["HPKIT_STEP_ATTEMPT"]))
@@ -654,7 +668,7 @@ def test_warm_start_keeps_a_zygote_step_on_every_node_for_the_run(tmp_path):
     """resilience.warm_start: one background step per node of the allocation, spares included (slurmctld ends a
     step with a task on a failed node, all of it: the survivors' zygotes must not go with it), started before the
     first training step and ended (SIGTERM) when the run ends."""
-    zygotes = [StepScript(polls=10**6) for _ in range(3)]
+    zygotes = [StepScript(polls=10**6, serves_after=1) for _ in range(3)]
     cluster = FakeCluster([*zygotes, StepScript(exit=0)], nodes=["node1", "node2", "node3"])
     out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1, warm="python -m hpkit.warm.zygote")
     assert out.exit == 0
@@ -666,6 +680,41 @@ def test_warm_start_keeps_a_zygote_step_on_every_node_for_the_run(tmp_path):
         assert step.signals == [signal.SIGTERM]
     (train_argv, _, _), *_ = cluster.started[3:]
     assert "--nodelist=node1,node2" in train_argv
+
+
+def test_the_first_step_waits_until_the_zygote_of_each_of_its_nodes_serves(tmp_path):
+    """Its ranks fork too (one import per node, not one per rank and agent): the first step starts once the
+    zygotes of its nodes have said they serve, not before; a spare's zygote is not waited for."""
+    zygotes = [StepScript(polls=10**6, serves_after=n) for n in (3, 20, None)]
+    cluster = FakeCluster([*zygotes, StepScript(exit=0)], nodes=["node1", "node2", "node3"])
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1, warm="python -m hpkit.warm.zygote")
+    assert out.exit == 0
+    from hpkit.warm.protocol import ready_line, ready_node
+
+    # The supervisor knows a zygote serves by its line (one format, one parser: hpkit.warm.protocol).
+    assert {step.ready_when for _, _, step in cluster.started[:3]} == {ready_node}
+    assert ready_node("3: " + ready_line("node2", 4.21, "torch", 1)) == "node2"
+    assert cluster.started_at[3] == pytest.approx(2.0)  # node2 serves at its 20th poll, 0.1 s apart
+    assert "hpkit: warm starts: every zygote serves after 2.0 s: the first step's ranks fork" in out.lines
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_a_zygote_that_is_late_or_ended_leaves_its_node_cold_and_the_first_step_goes_on(tmp_path, late):
+    from hpkit.supervise.machine import WARM_READY_S
+
+    zygote = StepScript(polls=10**6 if late else 5, serves_after=None)
+    cluster = FakeCluster([StepScript(polls=10**6, serves_after=1), zygote, StepScript(exit=0)])
+    out = supervise(tmp_path, cluster, warm="python -m hpkit.warm.zygote")
+    assert out.exit == 0
+    if late:
+        assert cluster.started_at[2] == pytest.approx(WARM_READY_S, abs=0.2)
+        assert (
+            "hpkit: warm starts: the zygote on node2 is late after 120 s: its first ranks start cold"
+            in out.lines
+        )
+    else:
+        assert cluster.started_at[2] < 1.0
+        assert "hpkit: warm starts: the zygote on node2 ended: its first ranks start cold" in out.lines
 
 
 def test_no_warm_start_no_zygote_step(tmp_path):

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,13 +64,26 @@ class Step(Protocol):
         ...
 
     def task_exits(self) -> list[TaskExit]: ...
+    def ready(self) -> bool:
+        """Whether the step has said it is ready: a line its `ready_when` accepts (start_step); False without."""
+        ...
+
     def signal(self, signum: int) -> None: ...
     def kill(self) -> None: ...
     def wait(self) -> int: ...
 
 
 class Cluster(Protocol):
-    def start_step(self, srun_args: Sequence[str], env: Mapping[str, str]) -> Step: ...
+    def start_step(
+        self,
+        srun_args: Sequence[str],
+        env: Mapping[str, str],
+        ready_when: Callable[[str], object] | None = None,
+    ) -> Step:
+        """Start `srun_args`. With `ready_when`, the step's standard output is read (and passed on) line by line,
+        and the step is ready() once `ready_when` returns a true value for a line."""
+        ...
+
     def unanswering(self, nodes: Sequence[str]) -> list[str]:
         """The nodes, of those given, that do not start a task within PROBE_TIMEOUT_S."""
         ...
@@ -102,14 +115,32 @@ class Cluster(Protocol):
 
 
 class _SrunStep:
-    """srun in its own process group: its stderr is passed through, and its per-task error lines kept."""
+    """srun in its own process group: its stderr is passed through, and its per-task error lines kept; with
+    `ready_when`, its stdout too, watched for the line that says the step is ready."""
 
-    def __init__(self, argv: Sequence[str], env: Mapping[str, str]):
-        self._proc = subprocess.Popen(list(argv), env=dict(env), stderr=subprocess.PIPE)
+    def __init__(
+        self, argv: Sequence[str], env: Mapping[str, str], ready_when: Callable[[str], object] | None = None
+    ):
+        stdout = subprocess.PIPE if ready_when is not None else None
+        self._proc = subprocess.Popen(list(argv), env=dict(env), stdout=stdout, stderr=subprocess.PIPE)
         self._exits: list[TaskExit] = []
         self._lock = threading.Lock()
+        self._ready = threading.Event()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
+        if ready_when is not None:
+            threading.Thread(target=self._watch, args=(ready_when,), daemon=True).start()
+
+    def _watch(self, ready_when: Callable[[str], object]) -> None:
+        assert self._proc.stdout is not None
+        for raw in self._proc.stdout:
+            sys.stdout.buffer.write(raw)
+            sys.stdout.buffer.flush()
+            if not self._ready.is_set() and ready_when(raw.decode(errors="replace")):
+                self._ready.set()
+
+    def ready(self) -> bool:
+        return self._ready.is_set()
 
     def _read(self) -> None:
         assert self._proc.stderr is not None
@@ -155,8 +186,13 @@ def _run(args: Sequence[str], timeout: float = 60) -> subprocess.CompletedProces
 class SlurmCli:
     """The real cluster: Slurm's commands on the batch host."""
 
-    def start_step(self, srun_args: Sequence[str], env: Mapping[str, str]) -> Step:
-        return _SrunStep(srun_args, env)
+    def start_step(
+        self,
+        srun_args: Sequence[str],
+        env: Mapping[str, str],
+        ready_when: Callable[[str], object] | None = None,
+    ) -> Step:
+        return _SrunStep(srun_args, env, ready_when)
 
     def unanswering(self, nodes: Sequence[str]) -> list[str]:
         probes = [

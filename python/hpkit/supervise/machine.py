@@ -29,6 +29,7 @@ from hpkit.supervise.cluster import WARM_STEP_NAME, Cluster, Step, TaskExit
 from hpkit.supervise.hangs import culprit_nodes, verdict_judge, verdict_path
 from hpkit.supervise.plan import Plan, Run
 from hpkit.supervise.ready import READY_ENV, all_ready
+from hpkit.warm.protocol import ready_node
 
 POLL_S = 0.5
 # A step that has started to fail (a failed task, a hang verdict) and still runs this long after is stopped
@@ -36,6 +37,10 @@ POLL_S = 0.5
 STEP_GRACE_S = 3.0
 # How long the zygotes' step has to end after SIGTERM when the job's run ends, before it is killed.
 WARM_STOP_S = 5.0
+# How long the first step waits for its nodes' zygotes to serve. A zygote imports what a cold rank would, once
+# per node instead of once per rank and agent, so the wait costs the first step nothing; a zygote that is later
+# than this (a stuck file system) leaves its node's first ranks to start cold.
+WARM_READY_S = 120.0
 
 
 @dataclass
@@ -136,6 +141,7 @@ class Supervisor:
         if ended is not None:
             return ended
         warm = self.start_warm()
+        self.await_warm(warm[: len(self.step_nodes)])
         try:
             while True:
                 self._check_flag()
@@ -177,9 +183,30 @@ class Supervisor:
                     f"--nodelist={node}",
                 ],
                 self.env,
+                ready_when=ready_node,
             )
             for node in nodes
         ]
+
+    def await_warm(self, steps: Sequence[Step]) -> None:
+        """The first step's ranks fork too: wait until the zygote of each of its nodes (`steps`, in step_nodes'
+        order) serves, up to WARM_READY_S. A node whose zygote ended or is late starts its first ranks cold."""
+        if not steps:
+            return
+        zygotes = dict(zip(self.step_nodes, steps, strict=True))
+        began = self.cluster.monotonic()
+        while True:
+            waiting = [n for n, s in zygotes.items() if not s.ready() and s.poll() is None]
+            waited = self.cluster.monotonic() - began
+            if not waiting or waited >= WARM_READY_S:
+                break
+            self.cluster.sleep(0.1)
+        ended = [n for n, s in zygotes.items() if not s.ready() and n not in waiting]
+        if not waiting and not ended:
+            self.say(f"warm starts: every zygote serves after {waited:.1f} s: the first step's ranks fork")
+        for nodes, why in ((waiting, f"is late after {WARM_READY_S:.0f} s"), (ended, "ended")):
+            if nodes:
+                self.say(f"warm starts: the zygote on {' '.join(nodes)} {why}: its first ranks start cold")
 
     def start_run(self) -> int | None:
         """Place the steps, settle the budget for this run, record it; an exit status if the run must not go on."""

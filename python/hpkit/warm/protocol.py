@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import stat
 from collections.abc import Mapping, Sequence
@@ -26,6 +27,21 @@ STARTUP_VARS = (
     "MKL_NUM_THREADS",
     "OPENBLAS_NUM_THREADS",
 )
+
+
+_READY = re.compile(r"hpkit: warm: (\S+) ready in ")
+
+
+def ready_line(node: str, seconds: float, preloaded: str, threads: int) -> str:
+    """What a zygote says once its socket listens. The job's supervisor waits for it (ready_node) before the
+    first step, so that that step's ranks fork too."""
+    return f"hpkit: warm: {node} ready in {seconds:.1f} s ({preloaded or 'nothing'} imported; {threads} thread(s))"
+
+
+def ready_node(line: str) -> str | None:
+    """The node a zygote's ready line names (srun's task label before it, if any); None for any other line."""
+    match = _READY.search(line)
+    return match.group(1) if match else None
 
 
 def socket_path(env: Mapping[str, str]) -> Path | None:

@@ -54,6 +54,7 @@ from hpkit.warm.protocol import (
     env_difference,
     private_folder,
     python_target,
+    ready_line,
     receive,
     send,
     socket_path,
@@ -470,10 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     began = time.monotonic()
     preload([m for m in args.preload.split(",") if m], say)
     zygote = Zygote(path, say, node)
-    zygote.serve(
-        f"hpkit: warm: {node} ready in {time.monotonic() - began:.1f} s ({args.preload or 'nothing'} imported; "
-        f"{zygote.threads} thread(s))"
-    )
+    zygote.serve(ready_line(node, time.monotonic() - began, args.preload, zygote.threads))
     return 0
 
 
