@@ -43,9 +43,11 @@ ZYGOTE_READY_S = 180
 def torch_env(tmp: Path) -> dict[str, str]:
     tmp.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    python_path = [str(REPO / "python"), env.get("PYTHONPATH", "")]
+    python_path = [str(REPO / "python"), *env.get("PYTHONPATH", "").split(os.pathsep)]
     env.update(
-        PYTHONPATH=os.pathsep.join(p for p in python_path if p),
+        # Each folder once (dict: first place kept): the session cluster puts REPO/python on this process's
+        # PYTHONPATH, and a launch before it came up must not need another zygote than one after.
+        PYTHONPATH=os.pathsep.join(p for p in dict.fromkeys(python_path) if p),
         # torchrun leaves a torchelastic_* folder per run in TMPDIR; keep each test's to itself.
         TMPDIR=str(tmp),
         OMP_NUM_THREADS="1",
