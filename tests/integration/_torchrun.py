@@ -38,6 +38,10 @@ PRELOAD = (
     "hpkit.runtime.loop.trainer"
 )
 ZYGOTE_READY_S = 180
+# The one thread that starts zygotes, alive as long as this process. A zygote dies with the thread that started it
+# (PR_SET_PDEATHSIG follows the parent thread, not the process): one started by run_together's pool was SIGKILLed
+# when the pool ended, and every later launch with its start-up variables ran cold for the rest of the session.
+_STARTER = ThreadPoolExecutor(1, thread_name_prefix="zygote-starter")
 
 
 def torch_env(tmp: Path) -> dict[str, str]:
@@ -82,7 +86,7 @@ class _Zygote:
             if key not in cls.running:
                 if len(cls.running) >= cls.MAX_ZYGOTES:
                     return None
-                cls.running[key] = cls._start(env)
+                cls.running[key] = _STARTER.submit(cls._start, env).result()
             zygote = cls.running[key]
             if zygote is None or zygote.proc.poll() is not None:
                 return None
