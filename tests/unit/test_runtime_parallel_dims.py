@@ -56,6 +56,14 @@ def test_every_schedule_a_spec_may_name_has_a_torch_class():
     from hpkit.runtime.parallel import pipeline
 
     assert sorted(pipeline.SCHEDULES) == sorted(SCHEDULES)
+    import torch.distributed.pipelining as pipelining
+
+    for name in SCHEDULES:
+        cls = pipeline.schedule_class(name)
+        assert issubclass(cls, pipelining.schedules._PipelineSchedule), name
+        # The one-stage schedules take a stage, the others a list of them.
+        one_stage = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
+        assert one_stage == (name in pipeline.ONE_STAGE_SCHEDULES), name
 
 
 @pytest.mark.parametrize(("schedule", "style"), [("interleaved_1f1b", "loop"), ("zero_bubble", "v")])

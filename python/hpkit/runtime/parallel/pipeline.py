@@ -17,25 +17,29 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleZBVZeroBubble,
-)
 
 from hpkit.arch.pipeline import microbatch_problem, stage_ids, stage_layers
 from hpkit.errors import SpecError
 from hpkit.runtime.adapters import ModelAdapter, adapter_of
 
-# Each schedule name (hpkit.arch.pipeline.SCHEDULES) -> torch's class that runs it.
+# Each schedule name (hpkit.arch.pipeline.SCHEDULES) -> the name of torch's class that runs it, in
+# torch.distributed.pipelining; those of one stage per rank take a stage, the others a list of stages.
 SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "zero_bubble": ScheduleZBVZeroBubble,
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleZBVZeroBubble",
 }
+ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+
+
+def schedule_class(schedule: str) -> type:
+    """torch's class that runs `schedule`. Imported when a pipeline is built, not with this module:
+    torch.distributed.pipelining imports torch._dynamo (0.5 CPU-s more for every rank, measured on CPU here),
+    which only pipeline-parallel runs use."""
+    import torch.distributed.pipelining as pipelining
+
+    return getattr(pipelining, SCHEDULES[schedule])
 
 
 def split_model(
@@ -64,12 +68,14 @@ def build_schedule(
     parts = [parts] if isinstance(parts, nn.Module) else list(parts)
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_stages = pp * len(parts)
+    from torch.distributed.pipelining import PipelineStage  # see schedule_class
+
     stages = [
         PipelineStage(part, index, n_stages, device, group=pp_mesh.get_group())
         for part, index in zip(parts, stage_ids(rank, pp, len(parts), schedule), strict=True)
     ]
-    cls = SCHEDULES[schedule]
-    if cls in (ScheduleGPipe, Schedule1F1B):
+    cls = schedule_class(schedule)
+    if schedule in ONE_STAGE_SCHEDULES:
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
