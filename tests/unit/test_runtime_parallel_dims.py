@@ -52,7 +52,7 @@ def test_degrees_that_do_not_make_the_world(world, kw, message):
 
 
 def test_every_schedule_a_spec_may_name_has_a_torch_class():
-    from hpkit.arch.pipeline import SCHEDULES
+    from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES
     from hpkit.runtime.parallel import pipeline
 
     assert sorted(pipeline.SCHEDULES) == sorted(SCHEDULES)
@@ -63,7 +63,7 @@ def test_every_schedule_a_spec_may_name_has_a_torch_class():
         assert issubclass(cls, pipelining.schedules._PipelineSchedule), name
         # The one-stage schedules take a stage, the others a list of them.
         one_stage = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
-        assert one_stage == (name in pipeline.ONE_STAGE_SCHEDULES), name
+        assert one_stage == (name not in MULTI_STAGE_SCHEDULES), name
 
 
 @pytest.mark.parametrize(("schedule", "style"), [("interleaved_1f1b", "loop"), ("zero_bubble", "v")])

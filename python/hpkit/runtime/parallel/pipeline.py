@@ -18,19 +18,18 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpkit.arch.pipeline import microbatch_problem, stage_ids, stage_layers
+from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, microbatch_problem, stage_ids, stage_layers
 from hpkit.errors import SpecError
 from hpkit.runtime.adapters import ModelAdapter, adapter_of
 
 # Each schedule name (hpkit.arch.pipeline.SCHEDULES) -> the name of torch's class that runs it, in
-# torch.distributed.pipelining; those of one stage per rank take a stage, the others a list of stages.
+# torch.distributed.pipelining; those of MULTI_STAGE_SCHEDULES take a list of stages, the others one stage.
 SCHEDULES = {
     "gpipe": "ScheduleGPipe",
     "1f1b": "Schedule1F1B",
     "interleaved_1f1b": "ScheduleInterleaved1F1B",
     "zero_bubble": "ScheduleZBVZeroBubble",
 }
-ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")
 
 
 def schedule_class(schedule: str) -> type:
@@ -65,17 +64,17 @@ def build_schedule(
     scale_grads divides the summed microbatch gradients by their number: the gradient of the mean of
     per-microbatch losses. The trainer turns it off: its loss function is already weighted by the step's
     token count (hpkit.runtime.loop.loss), so the microbatches' gradients simply add up."""
+    from torch.distributed.pipelining import PipelineStage  # see schedule_class
+
     parts = [parts] if isinstance(parts, nn.Module) else list(parts)
     pp, rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_stages = pp * len(parts)
-    from torch.distributed.pipelining import PipelineStage  # see schedule_class
-
     stages = [
         PipelineStage(part, index, n_stages, device, group=pp_mesh.get_group())
         for part, index in zip(parts, stage_ids(rank, pp, len(parts), schedule), strict=True)
     ]
     cls = schedule_class(schedule)
-    if schedule in ONE_STAGE_SCHEDULES:
+    if schedule not in MULTI_STAGE_SCHEDULES:
         return cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
 
