@@ -81,7 +81,7 @@ class _Zygote:
         starts cold (HPKIT_TEST_COLD, too many zygotes, or this one did not come up or died: said on stderr)."""
         if os.environ.get(COLD_ENV) == "1":
             return None
-        key = tuple(sorted(startup_env(env).items()))
+        key = cls.key(env)
         with cls.lock:
             if key not in cls.running:
                 if len(cls.running) >= cls.MAX_ZYGOTES:
@@ -91,6 +91,11 @@ class _Zygote:
             if zygote is None or zygote.proc.poll() is not None:
                 return None
             return zygote.folder / "z.sock"
+
+    @staticmethod
+    def key(env: dict[str, str]) -> tuple:
+        """Which zygote serves `env`: one per set of start-up variables."""
+        return tuple(sorted(startup_env(env).items()))
 
     @classmethod
     def _start(cls, launch_env: dict[str, str]) -> _Zygote | None:
