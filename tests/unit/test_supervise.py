@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 
 from hpkit import job_events as ev
 from hpkit.supervise.cluster import TaskExit
-from hpkit.supervise.machine import Supervisor
+from hpkit.supervise.machine import STEP_GRACE_S, Supervisor
 from hpkit.supervise.plan import Plan, Run
 
 JOB = "77"
@@ -49,6 +50,7 @@ class FakeStep:
         self.status: int | None = None
         self.env: dict[str, str] = {}
         self.ready_when: Callable[[str], object] | None = None
+        self.killed_at: float | None = None  # the cluster's clock when the supervisor killed the step
 
     def poll(self) -> int | None:
         if self.status is None:
@@ -63,6 +65,7 @@ class FakeStep:
         return self.status
 
     def join(self, timeout: float) -> None:
+        time.sleep(0.001)  # a real moment: the supervisor's probe thread runs, as it would beside a real step
         self.cluster.sleep(timeout)
 
     def ready(self) -> bool:
@@ -80,6 +83,7 @@ class FakeStep:
 
     def kill(self) -> None:
         self.status = 137
+        self.killed_at = self.cluster.clock
 
     def wait(self) -> int:
         while self.poll() is None:
@@ -281,6 +285,28 @@ def test_a_lost_node_is_swapped_for_a_spare_and_the_step_restarts_on_it(tmp_path
     ended = of(out, ev.STEP_ENDED)[0]
     assert ended["tasks"] == [{"node": "node1", "tasks": "0", "outcome": "Killed", "exit_code": None}]
     assert "scontrol requeue 77" not in cluster.calls
+
+
+@pytest.mark.parametrize("silent", [True, False])
+def test_a_failing_step_with_a_silent_node_is_stopped_without_waiting_out_the_grace(tmp_path, silent):
+    # The probe starts when the step begins to fail; a node that does not answer cannot finish the step, so the
+    # step is stopped as soon as the probe says so. Where every node answers, the step keeps its grace (it may end
+    # by itself, with its ranks' own exit statuses).
+    task = TaskExit("node1", "0", "Killed") if silent else TaskExit("node1", "0", "Exited with exit code 1")
+    cluster = FakeCluster(
+        [StepScript(exit=1, polls=100, tasks=[task]), StepScript(exit=0)], nodes=["node1", "node2", "node3"]
+    )
+    cluster.unanswering_nodes = {"node1"} if silent else set()
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1)
+    killed_at = cluster.started[0][2].killed_at
+    assert killed_at is not None
+    if silent:
+        assert killed_at < STEP_GRACE_S
+        assert "hpkit: the step is failing and node(s) node1 do not answer: stopping it" in out.lines
+        assert out.exit == 0 and of(out, ev.SPARE_SWAP)[0]["node"] == "node1"
+    else:
+        assert killed_at >= STEP_GRACE_S
+        assert "hpkit: the step is failing and still running 3 s later: stopping it" in out.lines
 
 
 def test_spares_are_taken_in_order_and_the_batch_host_is_the_last(tmp_path):

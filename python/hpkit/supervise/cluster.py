@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hpkit.slurm import client, hostlist
+from hpkit.supervise.probe import silent_nodes
 
 # srun's line for a task that failed: "srun: error: NODE: task(s) N[,M-K]: Exited with exit code C".
 _TASK_ERROR = re.compile(r"^srun: error: ([^:\s]+): tasks? ([\d,\-]+): (.+)$")
-PROBE_TIMEOUT_S = 5  # a healthy node starts a task well within a second
+PROBE_POLL_S = 0.05
 NODES_ANSWER_TIMEOUT_S = 60
 # The name of the background step that keeps a zygote on each node (hpkit.warm, resilience.warm_start).
 WARM_STEP_NAME = "hpkit-warm"
@@ -85,7 +86,7 @@ class Cluster(Protocol):
         ...
 
     def unanswering(self, nodes: Sequence[str]) -> list[str]:
-        """The nodes, of those given, that do not start a task within PROBE_TIMEOUT_S."""
+        """The nodes, of those given, that do not start a task in time (hpkit.supervise.probe says how long)."""
         ...
 
     def all_answer(self, node_count: int) -> bool:
@@ -214,18 +215,27 @@ class SlurmCli:
             )
             for node in nodes
         ]
-        deadline = time.monotonic() + PROBE_TIMEOUT_S
-        out = []
-        for node, proc in probes:
-            try:
-                status = proc.wait(timeout=max(deadline - time.monotonic(), 0.01))
-            except subprocess.TimeoutExpired:
+        began = time.monotonic()
+        answered: dict[str, float] = {}
+        failed: list[str] = []
+        while True:
+            elapsed = time.monotonic() - began
+            for node, proc in probes:
+                if node in answered or node in failed or (status := proc.poll()) is None:
+                    continue
+                if status == 0:
+                    answered[node] = elapsed
+                else:
+                    failed.append(node)
+            silent = silent_nodes(nodes, answered, failed, elapsed)
+            if silent is not None:
+                break
+            time.sleep(PROBE_POLL_S)
+        for _, proc in probes:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-                status = -1
-            if status != 0:
-                out.append(node)
-        return out
+        return silent
 
     def all_answer(self, node_count: int) -> bool:
         done = _run(

@@ -33,7 +33,8 @@ from hpkit.warm.protocol import ready_node
 
 POLL_S = 0.5
 # A step that has started to fail (a failed task, a hang verdict) and still runs this long after is stopped
-# and its nodes probed: srun would otherwise wait for slurmctld to declare a dead node down (SlurmdTimeout).
+# (at once where the probe of its nodes, started when it began to fail, names one that does not answer): srun
+# would otherwise wait for slurmctld to declare a dead node down (SlurmdTimeout).
 STEP_GRACE_S = 3.0
 # How long the zygotes' step has to end after SIGTERM when the job's run ends, before it is killed.
 WARM_STOP_S = 5.0
@@ -377,9 +378,13 @@ class Supervisor:
                             )
                             # Probe while the step has its grace: the answer is ready when it is needed.
                             self._probe = pool.submit(self.cluster.unanswering, list(self.step_nodes))
-                    if failing_since is not None and now - failing_since >= STEP_GRACE_S:
+                    silent = self._probe.result() if self._probe is not None and self._probe.done() else []
+                    if silent or (failing_since is not None and now - failing_since >= STEP_GRACE_S):
+                        # A node that does not answer cannot finish the step: no grace is waited for.
                         self.say(
-                            f"the step is failing and still running {STEP_GRACE_S:.0f} s later: stopping it"
+                            f"the step is failing and node(s) {' '.join(silent)} do not answer: stopping it"
+                            if silent
+                            else f"the step is failing and still running {STEP_GRACE_S:.0f} s later: stopping it"
                         )
                         self.task_exits, stopped = step.task_exits(), True
                         step.kill()

@@ -1,0 +1,32 @@
+"""When the probe of a failing step's nodes has its answer: which nodes do not answer.
+
+A node answers by starting a one-task step (`srun --overlap ... true`). A lost node never answers (a dead machine
+sends nothing back) or fails at once (a refused connection); a healthy one answers within a second on a quiet
+cluster and within a few under load. Waiting the whole PROBE_TIMEOUT_S on every fault was the largest part of a
+recovery from memory (5 s of 16.6 s at 125M, BENCHMARKS.md). So a node still silent once PROBE_FACTOR times the
+slowest answer has passed (and at least PROBE_MIN_S) is called silent: the slowest answer is this cluster's own
+measure of how loaded its controller and nodes are at that moment, and load stretches every node's answer alike.
+Until some node has answered, the probe waits the whole timeout: a slow controller and dead nodes look the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+PROBE_TIMEOUT_S = 5.0  # at most: a healthy node starts a task well within it
+PROBE_MIN_S = 1.5  # at least: a node is never called silent sooner
+PROBE_FACTOR = 3.0  # x the slowest answer
+
+
+def silent_nodes(
+    nodes: Sequence[str], answered: Mapping[str, float], failed: Sequence[str], elapsed: float
+) -> list[str] | None:
+    """The nodes (in `nodes`' order) that do not answer, once that is known; None while the probe must wait.
+
+    `answered`: each node that started its task, with the seconds it took; `failed`: the nodes whose probe ended
+    in an error; `elapsed`: seconds since the probes started."""
+    pending = [n for n in nodes if n not in answered and n not in failed]
+    known = not pending or elapsed >= PROBE_TIMEOUT_S
+    if not known and answered:
+        known = elapsed >= max(PROBE_MIN_S, PROBE_FACTOR * max(answered.values()))
+    return [n for n in nodes if n not in answered] if known else None

@@ -1,0 +1,42 @@
+"""When the probe of a failing step's nodes has its answer (hpkit.supervise.probe.silent_nodes)."""
+
+from __future__ import annotations
+
+from hpkit.supervise.probe import PROBE_FACTOR, PROBE_MIN_S, PROBE_TIMEOUT_S, silent_nodes
+
+NODES = ["node1", "node2", "node3"]
+
+
+def test_every_node_done_is_known_at_once():
+    assert silent_nodes(NODES, {"node1": 0.2, "node3": 0.3}, ["node2"], 0.3) == ["node2"]
+    assert silent_nodes(NODES, {n: 0.2 for n in NODES}, [], 0.2) == []
+
+
+def test_a_silent_node_is_called_so_at_the_factor_of_the_slowest_answer_and_not_before():
+    answered = {"node2": 0.4, "node3": 0.9}  # the slowest answer sets the bar: 3 x 0.9 = 2.7 s
+    bar = PROBE_FACTOR * 0.9
+    assert PROBE_MIN_S < bar < PROBE_TIMEOUT_S
+    assert silent_nodes(NODES, answered, [], bar - 0.05) is None
+    assert silent_nodes(NODES, answered, [], bar) == ["node1"]
+
+
+def test_never_sooner_than_the_floor_however_fast_the_others():
+    answered = {"node2": 0.05, "node3": 0.1}
+    assert silent_nodes(NODES, answered, [], PROBE_MIN_S - 0.05) is None
+    assert silent_nodes(NODES, answered, [], PROBE_MIN_S) == ["node1"]
+
+
+def test_a_loaded_cluster_waits_up_to_the_timeout_and_no_longer():
+    answered = {"node2": 2.0, "node3": 4.0}  # 3 x 4.0 is past the timeout
+    assert silent_nodes(NODES, answered, [], PROBE_TIMEOUT_S - 0.05) is None
+    assert silent_nodes(NODES, answered, [], PROBE_TIMEOUT_S) == ["node1"]
+
+
+def test_with_no_answer_yet_the_probe_waits_the_whole_timeout():
+    # A slow controller and dead nodes look alike: a failed probe is no answer to measure the others by.
+    assert silent_nodes(NODES, {}, ["node3"], PROBE_TIMEOUT_S - 0.05) is None
+    assert silent_nodes(NODES, {}, ["node3"], PROBE_TIMEOUT_S) == ["node1", "node2", "node3"]
+
+
+def test_the_result_keeps_the_nodes_order():
+    assert silent_nodes(["b", "a", "c"], {"a": 0.1}, ["c"], PROBE_TIMEOUT_S) == ["b", "c"]
