@@ -103,6 +103,8 @@ class FakeCluster:
         self.started: list[tuple[list[str], dict[str, str], FakeStep]] = []
         self.started_at: list[float] = []  # the clock at each start_step
         self.clock = 0.0
+        # A stopped step's rendezvous store listens until the clock reaches this (None: never)
+        self.store_listens_s: float | None = None
 
     def start_step(
         self,
@@ -151,6 +153,10 @@ class FakeCluster:
 
     def cancel_steps(self, job_id: str) -> None:
         self.calls.append("cancel steps")
+
+    def listens(self, addr: str, port: int) -> bool:
+        self.calls.append(f"listens {addr}:{port}")
+        return self.store_listens_s is not None and self.clock < self.store_listens_s
 
     def hyperpod(self) -> bool:
         return True
@@ -307,6 +313,37 @@ def test_a_failing_step_with_a_silent_node_is_stopped_without_waiting_out_the_gr
     else:
         assert killed_at >= STEP_GRACE_S
         assert "hpkit: the step is failing and still running 3 s later: stopping it" in out.lines
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_a_restarted_step_starts_once_the_stopped_steps_store_on_its_node_has_closed(tmp_path, swapped):
+    # The stopped step's agent on the rendezvous node may still be ending, its store listening: a new agent there
+    # could not bind the port, and the others would join the old store. With another rendezvous node (its first
+    # node swapped out), nothing is waited for.
+    task = TaskExit("node1" if swapped else "node2", "0", "Killed")
+    cluster = FakeCluster(
+        [StepScript(exit=1, polls=100, tasks=[task]), StepScript(exit=0)], nodes=["node1", "node2", "node3"]
+    )
+    cluster.unanswering_nodes = {task.node}
+    cluster.store_listens_s = 4.0
+    lines: list[str] = []
+    run = Run(job_id=JOB, restart=0, nodelist="node[1-3]", batch_host="node3", cwd=tmp_path)
+    (tmp_path / "logs").mkdir()
+    sup = Supervisor(
+        plan(spare_nodes=1), run, cluster, [], "hpkit train", {"MASTER_PORT": "29577"}, lines.append
+    )
+    assert sup.run() == 0
+    assert cluster.started[0][1]["MASTER_ADDR"] == "10.0.0.1"
+    if swapped:
+        assert cluster.started[1][1]["MASTER_ADDR"] == "10.0.0.3"
+        assert not [c for c in cluster.calls if c.startswith("listens")]
+        return
+    assert cluster.started[1][1]["MASTER_ADDR"] == "10.0.0.1"
+    assert cluster.started_at[1] >= 4.0
+    assert (
+        "hpkit: the stopped step's rendezvous store still listens on 10.0.0.1:29577: waiting for it to close"
+        in lines
+    )
 
 
 def test_spares_are_taken_in_order_and_the_batch_host_is_the_last(tmp_path):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hpkit.supervise.probe import PROBE_FACTOR, PROBE_MIN_S, PROBE_TIMEOUT_S, silent_nodes
+from hpkit.supervise.probe import PROBE_FACTOR, PROBE_MIN_S, PROBE_TIMEOUT_S, launch_failed_node, silent_nodes
 
 NODES = ["node1", "node2", "node3"]
 
@@ -40,3 +40,13 @@ def test_with_no_answer_yet_the_probe_waits_the_whole_timeout():
 
 def test_the_result_keeps_the_nodes_order():
     assert silent_nodes(["b", "a", "c"], {"a": 0.1}, ["c"], PROBE_TIMEOUT_S) == ["b", "c"]
+
+
+def test_srun_names_the_node_a_task_could_not_start_on():
+    # As srun 22.05 printed it on the local cluster with a node's slurmd killed (24.11 words it the same).
+    line = "srun: error: Task launch for StepId=206000.194 failed on node node17: Communication connection failure"
+    assert launch_failed_node(line) == "node17"
+    assert (
+        launch_failed_node("srun: error: Application launch failed: Communication connection failure") is None
+    )
+    assert launch_failed_node("srun: error: node9: task 8: Killed") is None

@@ -36,6 +36,10 @@ POLL_S = 0.5
 # (at once where the probe of its nodes, started when it began to fail, names one that does not answer): srun
 # would otherwise wait for slurmctld to declare a dead node down (SlurmdTimeout).
 STEP_GRACE_S = 3.0
+# How long a restarted step waits for the stopped step's rendezvous store to close, where both have the same
+# node and port: the store's agent may still be ending (SIGTERM, then its ranks), and a new agent on it cannot
+# bind the port while the others would join the old store's rendezvous.
+STORE_GONE_S = 30.0
 # How long the zygotes' step has to end after SIGTERM when the job's run ends, before it is killed.
 WARM_STOP_S = 5.0
 # How long the first step waits for its nodes' zygotes to serve. A zygote imports what a cold rank would, once
@@ -89,6 +93,7 @@ class Supervisor:
         self.probed: list[str] | None = None
         # The step's task exits before this supervisor stopped it (its own SIGKILL is no rank's fault).
         self.task_exits: list[TaskExit] = []
+        self._store: tuple[str, str] | None = None  # the last step's rendezvous store: address, port
 
     # -- what it tells: one line for people, one event for hpkit why ------------------------------------------
 
@@ -349,10 +354,33 @@ class Supervisor:
             "HPKIT_RDZV_NODE": first,
         }
 
+    def await_store_gone(self, env: Mapping[str, str]) -> None:
+        """A restarted step whose rendezvous store has the stopped step's node and port starts once the old store
+        no longer listens (up to STORE_GONE_S)."""
+        store = (env["MASTER_ADDR"], env.get("MASTER_PORT", ""))
+        previous, self._store = self._store, store
+        if store != previous or not store[1].isdigit():
+            return
+        addr, port = store[0], int(store[1])
+        began = self.cluster.monotonic()
+        if not self.cluster.listens(addr, port):
+            return
+        self.say(
+            f"the stopped step's rendezvous store still listens on {addr}:{port}: waiting for it to close"
+        )
+        while self.cluster.listens(addr, port):
+            if self.cluster.monotonic() - began >= STORE_GONE_S:
+                self.say(f"it still listens after {STORE_GONE_S:.0f} s: starting the step anyway")
+                return
+            self.cluster.sleep(0.2)
+        self.say(f"the old store closed after {self.cluster.monotonic() - began:.1f} s")
+
     def run_step(self) -> int:
         """Start the step, watch it, and return its exit status once it has ended (or been stopped)."""
+        env = self.step_env()
+        self.await_store_gone(env)
         self.event(ev.STEP_STARTED, nodes=self.step_nodes, spares=self.spares, logs=self.logs())
-        step = self.cluster.start_step(self.step_argv(), self.step_env())
+        step = self.cluster.start_step(self.step_argv(), env)
         self.step = step
         if self.signalled:
             self.on_usr1()  # a signal that came before the step: passed on once its ranks are ready

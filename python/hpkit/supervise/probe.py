@@ -11,11 +11,15 @@ Until some node has answered, the probe waits the whole timeout: a slow controll
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 PROBE_TIMEOUT_S = 5.0  # at most: a healthy node starts a task well within it
 PROBE_MIN_S = 1.5  # at least: a node is never called silent sooner
 PROBE_FACTOR = 3.0  # x the slowest answer
+# srun's line when a task cannot start on a node (22.05 and 24.11): "srun: error: Task launch for StepId=12.3
+# failed on node node17: Communication connection failure".
+_LAUNCH_FAILED = re.compile(r"^srun: error: Task launch for \S+ failed on node ([^:\s]+):")
 
 
 def silent_nodes(
@@ -30,3 +34,9 @@ def silent_nodes(
     if not known and answered:
         known = elapsed >= max(PROBE_MIN_S, PROBE_FACTOR * max(answered.values()))
     return [n for n in nodes if n not in answered] if known else None
+
+
+def launch_failed_node(line: str) -> str | None:
+    """The node that srun's line says a task could not start on; None for any other line."""
+    match = _LAUNCH_FAILED.match(line)
+    return match.group(1) if match else None
