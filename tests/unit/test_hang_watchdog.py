@@ -15,7 +15,7 @@ from typing import TypeVar
 import pytest
 
 from hpkit.runtime.watchdog.hang_rules import RankView, decide
-from hpkit.runtime.watchdog.hang_watchdog import attempt_id, top_frame
+from hpkit.runtime.watchdog.hang_watchdog import attempt_id, settled_text, top_frame
 
 NOW = 1000.0
 T = TypeVar("T")
@@ -622,3 +622,37 @@ def test_a_validation_holds_the_clock_for_its_own_length_then_the_rank_stuck_in_
     # Before any step time is known (a validation before the third step), it is allowed start_s.
     assert decide(validating(101, median_step_s=None), min_s=10, factor=10, world=4, start_s=600) is None
     assert decide(validating(601, median_step_s=None), min_s=10, factor=10, world=4, start_s=600) is not None
+
+
+def test_a_stopped_ranks_stacks_are_read_whole_not_as_soon_as_the_file_is_not_empty(tmp_path):
+    # faulthandler writes a stopped rank's dump from a signal, a thread at a time; on a loaded machine the process
+    # can be descheduled between two writes. Reading at the first byte gave half a dump: no main thread, no top
+    # frame in the verdict (test_hang_recovery failed so, 1 run in 4 under load).
+    import threading
+    import time
+
+    path = tmp_path / "stacks-rank1.txt"
+    path.touch()
+    first = 'Thread 0x1 (most recent call first):\n  File "threading.py", line 1 in run\n\n'
+    second = 'Current thread 0x2 (most recent call first):\n  File "train.py", line 9 in step\n'
+
+    def write() -> None:
+        with open(path, "a") as f:
+            f.write(first)
+            f.flush()
+            time.sleep(0.2)
+            f.write(second)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    text = settled_text(path, within_s=3)
+    writer.join()
+    assert text == first + second
+    assert top_frame(text) == "train.py:9 in step"
+
+
+def test_stacks_never_written_are_none(tmp_path):
+    path = tmp_path / "stacks-rank1.txt"
+    path.touch()
+    assert settled_text(path, within_s=0.3) is None
+    assert settled_text(tmp_path / "absent.txt", within_s=0.3) is None

@@ -134,6 +134,23 @@ def _write_whole(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def settled_text(path: Path, within_s: float, quiet_s: float = 0.3, poll_s: float = 0.1) -> str | None:
+    """The file's text once it has stopped growing (the same non-zero size for `quiet_s`), or None if it has not
+    within `within_s`. A stopped rank's stacks are written by faulthandler from a signal, in many writes and with no
+    mark at the end: a file read as soon as it is not empty can be half a dump (its main thread missing), which a
+    loaded machine makes likely."""
+    deadline = time.monotonic() + within_s
+    size, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        now_size = path.stat().st_size if path.exists() else 0
+        if now_size != size:
+            size, since = now_size, time.monotonic()
+        elif size and time.monotonic() - since >= quiet_s:
+            return path.read_text(encoding="utf-8", errors="replace")
+        time.sleep(poll_s)
+    return path.read_text(encoding="utf-8", errors="replace") if size > 0 and path.exists() else None
+
+
 def top_frame(stacks: str) -> str:
     """The innermost frame of the main thread in a stack file: `file:line in function`."""
     for line in stacks.splitlines():
@@ -566,8 +583,6 @@ class HangWatchdog:
             os.kill(pid, signal.SIGUSR2)
         except (ProcessLookupError, PermissionError):
             return
-        deadline = time.monotonic() + 3
-        while time.monotonic() < deadline and not (source.exists() and source.stat().st_size):
-            time.sleep(0.1)
-        if source.exists() and source.stat().st_size:
-            _write_whole(out / f"rank{rank}.txt", source.read_text(encoding="utf-8", errors="replace"))
+        text = settled_text(source, within_s=3)
+        if text:
+            _write_whole(out / f"rank{rank}.txt", text)
