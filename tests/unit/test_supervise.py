@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
-import time
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -65,7 +65,10 @@ class FakeStep:
         return self.status
 
     def join(self, timeout: float) -> None:
-        time.sleep(0.001)  # a real moment: the supervisor's probe thread runs, as it would beside a real step
+        if self.cluster.polls_wait_for_probe:
+            # The supervisor probes on a thread of its own; a real step's polls take real time, this one's none,
+            # so a case about what follows the probe lets it finish first (on a loaded machine too).
+            self.cluster.probed.wait(5)
         self.cluster.sleep(timeout)
 
     def ready(self) -> bool:
@@ -103,6 +106,8 @@ class FakeCluster:
         self.started: list[tuple[list[str], dict[str, str], FakeStep]] = []
         self.started_at: list[float] = []  # the clock at each start_step
         self.clock = 0.0
+        self.probed = threading.Event()  # set once unanswering has answered
+        self.polls_wait_for_probe = False  # a step's polls wait (real time) until then
         # A stopped step's rendezvous store listens until the clock reaches this (None: never)
         self.store_listens_s: float | None = None
 
@@ -122,7 +127,9 @@ class FakeCluster:
 
     def unanswering(self, nodes: Sequence[str]) -> list[str]:
         self.calls.append(f"probe {','.join(nodes)}")
-        return [n for n in nodes if n in self.unanswering_nodes]
+        silent = [n for n in nodes if n in self.unanswering_nodes]
+        self.probed.set()
+        return silent
 
     def all_answer(self, node_count: int) -> bool:
         return self.answer
@@ -303,6 +310,7 @@ def test_a_failing_step_with_a_silent_node_is_stopped_without_waiting_out_the_gr
         [StepScript(exit=1, polls=100, tasks=[task]), StepScript(exit=0)], nodes=["node1", "node2", "node3"]
     )
     cluster.unanswering_nodes = {"node1"} if silent else set()
+    cluster.polls_wait_for_probe = True
     out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1)
     killed_at = cluster.started[0][2].killed_at
     assert killed_at is not None
