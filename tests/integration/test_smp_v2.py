@@ -195,7 +195,11 @@ def test_v2_script_matches_one_process(slurm_cluster, tmp_path, plain, request, 
     assert [s["step"] for s in steps] == list(range(len(steps))), log
     assert [s["loss"] for s in steps] == pytest.approx([r["loss"] for r in reference], abs=1e-5)
     assert [s["grad_norm"] for s in steps] == pytest.approx([r["grad_norm"] for r in reference], abs=1e-5)
-    assert "Traceback" not in log
+    # The killed job is checked up to its last step: after the kill its ranks may print tracebacks (SIGKILL lands
+    # on some processes before others, and a rank whose peer died mid-collective raises; CI saw it once).
+    text = unlabelled(log)
+    checked = text if layout != "tp2xhs2" else text[: list(STEP_LINE.finditer(text))[-1].end()]
+    assert "Traceback" not in checked, log
 
     ranks = _layouts(layout_dir)
     assert sorted(ranks) == [0, 1, 2, 3], log
