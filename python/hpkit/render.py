@@ -31,6 +31,7 @@ from hpkit.slurm_job import (
 )
 from hpkit.spec import JobSpec, ResilienceSpec
 from hpkit.supervise.plan import Plan
+from hpkit.supervise.probe import LOST_NODE_STATES
 
 
 def _template_dir() -> Path:
@@ -204,11 +205,6 @@ def resilience_directives(job: SlurmJob, resilience: ResilienceSpec) -> list[Dir
         if resilience.spare_nodes
         else []
     )
-
-
-# sinfo's short node states (%t) that mean a node is gone: down, failing, or not answering
-# slurmctld's pings (the trailing `*`). Drained nodes are an administrator's choice, not a failure.
-LOST_NODE_STATES = r"^(down|fail)|[*]$"
 
 
 def supervise_plan(spec: JobSpec) -> str:

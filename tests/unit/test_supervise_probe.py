@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-from hpkit.supervise.probe import PROBE_FACTOR, PROBE_MIN_S, PROBE_TIMEOUT_S, launch_failed_node, silent_nodes
+from hpkit.supervise.probe import (
+    PROBE_FACTOR,
+    PROBE_MIN_S,
+    PROBE_TIMEOUT_S,
+    launch_failed_node,
+    silent_nodes,
+    unanswering,
+)
 
 NODES = ["node1", "node2", "node3"]
 
@@ -50,3 +57,65 @@ def test_srun_names_the_node_a_task_could_not_start_on():
         launch_failed_node("srun: error: Application launch failed: Communication connection failure") is None
     )
     assert launch_failed_node("srun: error: node9: task 8: Killed") is None
+
+
+class FakeSlurm:
+    """srun's together-probe, sinfo's gone nodes and the per-node probe over a cluster whose `down` nodes slurmctld
+    calls gone (it refuses any step that names one) and whose `dead` nodes it has not noticed yet."""
+
+    def __init__(self, down: set[str] = frozenset(), dead: set[str] = frozenset()):
+        self.down, self.dead = set(down), set(dead)
+        self.calls: list[tuple[str, list[str]]] = []
+
+    def together(self, nodes):
+        self.calls.append(("together", list(nodes)))
+        if self.down & set(nodes):
+            return {}, [], True  # "Unable to create step ...: Requested node configuration is not available"
+        dead = [n for n in nodes if n in self.dead]
+        return (
+            {n: 0.1 for n in nodes if n not in self.dead},
+            dead[:1],
+            True,
+        )  # srun names the first failed launch
+
+    def gone(self, nodes):
+        self.calls.append(("gone", list(nodes)))
+        return [n for n in nodes if n in self.down]
+
+    def each(self, nodes):
+        self.calls.append(("each", list(nodes)))
+        return [n for n in nodes if n in self.down | self.dead]
+
+    def probe(self, nodes):
+        return unanswering(nodes, self.together, self.gone, self.each)
+
+
+FLEET = [f"node{i}" for i in range(1, 2001)]
+
+
+def test_a_node_slurmctld_calls_down_is_named_from_its_state_without_a_probe_per_node():
+    slurm = FakeSlurm(down={"node17"})
+    assert slurm.probe(FLEET) == ["node17"]
+    # The refused step, sinfo, then the others together again: three calls, not 2,000 sruns.
+    assert [kind for kind, _ in slurm.calls] == ["together", "gone", "together"]
+    assert "node17" not in slurm.calls[2][1] and len(slurm.calls[2][1]) == 1999
+
+
+def test_a_healthy_fleet_is_one_call_and_a_failed_launch_is_named_by_srun():
+    slurm = FakeSlurm()
+    assert slurm.probe(FLEET) == [] and len(slurm.calls) == 1
+    slurm = FakeSlurm(dead={"node5"})
+    assert slurm.probe(FLEET) == ["node5"] and len(slurm.calls) == 1
+
+
+def test_nodes_left_unknown_that_slurmctld_does_not_call_gone_are_probed_one_by_one():
+    slurm = FakeSlurm(dead={"node3", "node4"})  # srun names node3 only and ends: node4 is unknown
+    assert slurm.probe(FLEET[:6]) == ["node3", "node4"]
+    assert slurm.calls[1:] == [("gone", ["node4"]), ("each", ["node4"])]
+
+
+def test_a_probe_still_waiting_calls_every_node_that_did_not_answer_silent():
+    def together(nodes):
+        return {"node1": 0.2}, [], False
+
+    assert unanswering(["node1", "node2"], together, lambda _: [], lambda _: []) == ["node2"]

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from hpkit.slurm import client, hostlist
+from hpkit.supervise import probe
 from hpkit.supervise.probe import launch_failed_node, silent_nodes
 
 # srun's line for a task that failed: "srun: error: NODE: task(s) N[,M-K]: Exited with exit code C".
@@ -206,13 +207,13 @@ class SlurmCli:
         """One srun over all the nodes, each task printing its node's name: one step for slurmctld to create and
         one process here, where a probe per node made as many of each (at 64 nodes: the last answer at 0.8 s
         against 1.3 s; at thousands, more than the probe's whole timeout). srun aborts the step when a task's
-        launch fails and names that node; a node it neither heard from nor named is then probed alone."""
-        answered, failed, srun_ended = self._probe_together(nodes)
-        unknown = [n for n in nodes if n not in answered and n not in failed] if srun_ended else []
-        silent = set(failed) | set(self._probe_each(unknown) if unknown else [])
-        if not srun_ended:
-            silent |= {n for n in nodes if n not in answered}
-        return [n for n in nodes if n in silent]
+        launch fails and names that node; what it leaves unknown, hpkit.supervise.probe.unanswering settles."""
+        return probe.unanswering(
+            nodes,
+            self._probe_together,
+            lambda unknown: self.lost_nodes(hostlist.compress(unknown), probe.LOST_NODE_STATES),
+            self._probe_each,
+        )
 
     def _probe_together(self, nodes: Sequence[str]) -> tuple[dict[str, float], list[str], bool]:
         """The nodes that answered (seconds), those whose launch srun says failed, and whether srun ended by
