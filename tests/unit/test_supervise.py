@@ -37,8 +37,8 @@ class StepScript:
     # After this many polls its `ranks` ranks have installed their signal handlers and say so, as hpkit train's do
     ready_after: int | None = None
     ranks: int = 2
-    # A zygote's step (resilience.warm_start): says it serves after this many polls (never: None)
-    serves_after: int | None = None
+    # A zygote's step (resilience.warm_start): node -> the polls after which its zygote says it serves
+    serves_after: dict[str, int] = field(default_factory=dict)
 
 
 class FakeStep:
@@ -49,7 +49,7 @@ class FakeStep:
         self.signalled_after: list[int] = []  # how many polls the step had run at each signal
         self.status: int | None = None
         self.env: dict[str, str] = {}
-        self.ready_when: Callable[[str], object] | None = None
+        self.ready_when: Callable[[str], str | None] | None = None
         self.killed_at: float | None = None  # the cluster's clock when the supervisor killed the step
 
     def poll(self) -> int | None:
@@ -71,9 +71,17 @@ class FakeStep:
             self.cluster.probed.wait(5)
         self.cluster.sleep(timeout)
 
-    def ready(self) -> bool:
-        serves = self.script.serves_after
-        return self.ready_when is not None and serves is not None and self.script.polls - self.polls >= serves
+    def ready(self) -> set[str]:
+        if self.ready_when is None:
+            return set()
+        from hpkit.warm.protocol import ready_line
+
+        # What the real step does: each zygote's line, read by the supervisor's own parser.
+        done = self.script.polls - self.polls
+        lines = [
+            ready_line(n, 1.0, "torch", 1) for n, after in self.script.serves_after.items() if done >= after
+        ]
+        return {name for line in lines if (name := self.ready_when(line))}
 
     def task_exits(self) -> list[TaskExit]:
         return list(self.script.tasks)
@@ -115,7 +123,7 @@ class FakeCluster:
         self,
         srun_args: Sequence[str],
         env: Mapping[str, str],
-        ready_when: Callable[[str], object] | None = None,
+        ready_when: Callable[[str], str | None] | None = None,
     ) -> FakeStep:
         step = FakeStep(self.scripts.pop(0), self)
         step.env, step.ready_when = dict(env), ready_when
@@ -735,37 +743,36 @@ def test_a_pending_usr1_is_held_until_every_rank_has_installed_its_handler(tmp_p
     assert cluster.started[0][2].signals == [] and of(out, ev.REQUEUE)[0]["reason"] == "usr1"
 
 
-def test_warm_start_keeps_a_zygote_step_on_every_node_for_the_run(tmp_path):
-    """resilience.warm_start: one background step per node of the allocation, spares included (slurmctld ends a
-    step with a task on a failed node, all of it: the survivors' zygotes must not go with it), started before the
-    first training step and ended (SIGTERM) when the run ends."""
-    zygotes = [StepScript(polls=10**6, serves_after=1) for _ in range(3)]
-    cluster = FakeCluster([*zygotes, StepScript(exit=0)], nodes=["node1", "node2", "node3"])
+def test_warm_start_keeps_one_zygote_step_over_every_node_for_the_run(tmp_path):
+    """resilience.warm_start: one background step with a task on each node of the allocation, spares included, and
+    --no-kill (slurmctld then ends only a lost node's task: the survivors' zygotes stay), started before the first
+    training step and ended (SIGTERM) when the run ends. One srun, not one per node."""
+    zygotes = StepScript(polls=10**6, serves_after={"node1": 1, "node2": 1, "node3": 1})
+    cluster = FakeCluster([zygotes, StepScript(exit=0)], nodes=["node1", "node2", "node3"])
     out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1, warm="python -m hpkit.warm.zygote")
     assert out.exit == 0
-    warm = cluster.started[:3]
-    for node, (argv, env, step) in zip(["node1", "node2", "node3"], warm, strict=True):
-        assert argv[2] == 'exec srun "$@" python -m hpkit.warm.zygote'
-        assert {"--overlap", "--job-name=hpkit-warm", "--nodes=1", f"--nodelist={node}"} <= set(argv), argv
-        assert "HPKIT_STEP_ATTEMPT" not in env
-        assert step.signals == [signal.SIGTERM]
-    (train_argv, _, _), *_ = cluster.started[3:]
+    (argv, env, step), (train_argv, _, _) = cluster.started
+    assert argv[2] == 'exec srun "$@" python -m hpkit.warm.zygote'
+    wanted = {"--overlap", "--job-name=hpkit-warm", "--nodes=3", "--ntasks=3", "--ntasks-per-node=1"}
+    assert wanted | {"--nodelist=node[1-3]", "--no-kill", "--kill-on-bad-exit=0"} <= set(argv), argv
+    assert "HPKIT_STEP_ATTEMPT" not in env
+    assert step.signals == [signal.SIGTERM]
     assert "--nodelist=node1,node2" in train_argv
 
 
 def test_the_first_step_waits_until_the_zygote_of_each_of_its_nodes_serves(tmp_path):
     """Its ranks fork too (one import per node, not one per rank and agent): the first step starts once the
     zygotes of its nodes have said they serve, not before; a spare's zygote is not waited for."""
-    zygotes = [StepScript(polls=10**6, serves_after=n) for n in (3, 20, None)]
-    cluster = FakeCluster([*zygotes, StepScript(exit=0)], nodes=["node1", "node2", "node3"])
+    zygotes = StepScript(polls=10**6, serves_after={"node1": 3, "node2": 20})
+    cluster = FakeCluster([zygotes, StepScript(exit=0)], nodes=["node1", "node2", "node3"])
     out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1, warm="python -m hpkit.warm.zygote")
     assert out.exit == 0
     from hpkit.warm.protocol import ready_line, ready_node
 
     # The supervisor knows a zygote serves by its line (one format, one parser: hpkit.warm.protocol).
-    assert {step.ready_when for _, _, step in cluster.started[:3]} == {ready_node}
+    assert cluster.started[0][2].ready_when is ready_node
     assert ready_node("3: " + ready_line("node2", 4.21, "torch", 1)) == "node2"
-    assert cluster.started_at[3] == pytest.approx(2.0)  # node2 serves at its 20th poll, 0.1 s apart
+    assert cluster.started_at[1] == pytest.approx(2.0)  # node2 serves at its 20th poll, 0.1 s apart
     assert "hpkit: warm starts: every zygote serves after 2.0 s: the first step's ranks fork" in out.lines
 
 
@@ -773,18 +780,19 @@ def test_the_first_step_waits_until_the_zygote_of_each_of_its_nodes_serves(tmp_p
 def test_a_zygote_that_is_late_or_ended_leaves_its_node_cold_and_the_first_step_goes_on(tmp_path, late):
     from hpkit.supervise.machine import WARM_READY_S
 
-    zygote = StepScript(polls=10**6 if late else 5, serves_after=None)
-    cluster = FakeCluster([StepScript(polls=10**6, serves_after=1), zygote, StepScript(exit=0)])
+    ended = [] if late else [TaskExit("node2", "1", "Exited with exit code 1")]
+    zygotes = StepScript(polls=10**6, serves_after={"node1": 1}, tasks=ended)
+    cluster = FakeCluster([zygotes, StepScript(exit=0)])
     out = supervise(tmp_path, cluster, warm="python -m hpkit.warm.zygote")
     assert out.exit == 0
     if late:
-        assert cluster.started_at[2] == pytest.approx(WARM_READY_S, abs=0.2)
+        assert cluster.started_at[1] == pytest.approx(WARM_READY_S, abs=0.2)
         assert (
             "hpkit: warm starts: the zygote on node2 is late after 120 s: its first ranks start cold"
             in out.lines
         )
     else:
-        assert cluster.started_at[2] < 1.0
+        assert cluster.started_at[1] < 1.0
         assert "hpkit: warm starts: the zygote on node2 ended: its first ranks start cold" in out.lines
 
 

@@ -69,8 +69,8 @@ class Step(Protocol):
         ...
 
     def task_exits(self) -> list[TaskExit]: ...
-    def ready(self) -> bool:
-        """Whether the step has said it is ready: a line its `ready_when` accepts (start_step); False without."""
+    def ready(self) -> set[str]:
+        """What the step has said is ready: the names `ready_when` (start_step) found in its lines; empty without."""
         ...
 
     def signal(self, signum: int) -> None: ...
@@ -83,10 +83,10 @@ class Cluster(Protocol):
         self,
         srun_args: Sequence[str],
         env: Mapping[str, str],
-        ready_when: Callable[[str], object] | None = None,
+        ready_when: Callable[[str], str | None] | None = None,
     ) -> Step:
         """Start `srun_args`. With `ready_when`, the step's standard output is read (and passed on) line by line,
-        and the step is ready() once `ready_when` returns a true value for a line."""
+        and each name `ready_when` returns for a line (a node whose task says it serves) joins the step's ready()."""
         ...
 
     def unanswering(self, nodes: Sequence[str]) -> list[str]:
@@ -125,31 +125,37 @@ class Cluster(Protocol):
 
 class _SrunStep:
     """srun in its own process group: its stderr is passed through, and its per-task error lines kept; with
-    `ready_when`, its stdout too, watched for the line that says the step is ready."""
+    `ready_when`, its stdout too, watched for the lines that say a task is ready."""
 
     def __init__(
-        self, argv: Sequence[str], env: Mapping[str, str], ready_when: Callable[[str], object] | None = None
+        self,
+        argv: Sequence[str],
+        env: Mapping[str, str],
+        ready_when: Callable[[str], str | None] | None = None,
     ):
         stdout = subprocess.PIPE if ready_when is not None else None
         self._proc = subprocess.Popen(list(argv), env=dict(env), stdout=stdout, stderr=subprocess.PIPE)
         self._exits: list[TaskExit] = []
         self._lock = threading.Lock()
-        self._ready = threading.Event()
+        self._ready: set[str] = set()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         if ready_when is not None:
             threading.Thread(target=self._watch, args=(ready_when,), daemon=True).start()
 
-    def _watch(self, ready_when: Callable[[str], object]) -> None:
+    def _watch(self, ready_when: Callable[[str], str | None]) -> None:
         assert self._proc.stdout is not None
         for raw in self._proc.stdout:
             sys.stdout.buffer.write(raw)
             sys.stdout.buffer.flush()
-            if not self._ready.is_set() and ready_when(raw.decode(errors="replace")):
-                self._ready.set()
+            name = ready_when(raw.decode(errors="replace"))
+            if name:
+                with self._lock:
+                    self._ready.add(name)
 
-    def ready(self) -> bool:
-        return self._ready.is_set()
+    def ready(self) -> set[str]:
+        with self._lock:
+            return set(self._ready)
 
     def _read(self) -> None:
         assert self._proc.stderr is not None
@@ -199,7 +205,7 @@ class SlurmCli:
         self,
         srun_args: Sequence[str],
         env: Mapping[str, str],
-        ready_when: Callable[[str], object] | None = None,
+        ready_when: Callable[[str], str | None] | None = None,
     ) -> Step:
         return _SrunStep(srun_args, env, ready_when)
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hpkit import job_events as ev
+from hpkit.slurm import hostlist
 from hpkit.supervise.budget import Budget
 from hpkit.supervise.cluster import WARM_STEP_NAME, Cluster, Step, TaskExit
 from hpkit.supervise.hangs import culprit_nodes, verdict_judge, verdict_path
@@ -147,7 +148,8 @@ class Supervisor:
         if ended is not None:
             return ended
         warm = self.start_warm()
-        self.await_warm(warm[: len(self.step_nodes)])
+        if warm is not None:
+            self.await_warm(warm)
         try:
             while True:
                 self._check_flag()
@@ -157,60 +159,61 @@ class Supervisor:
                     return decision.exit
                 self.attempt += 1
         finally:
-            for step in warm:
-                step.signal(signal.SIGTERM)
-            for step in warm:
-                step.join(WARM_STOP_S)
-                if step.poll() is None:
-                    step.kill()
+            if warm is not None:
+                warm.signal(signal.SIGTERM)
+                warm.join(WARM_STOP_S)
+                if warm.poll() is None:
+                    warm.kill()
 
-    def start_warm(self) -> list[Step]:
+    def start_warm(self) -> Step | None:
         """resilience.warm_start: a zygote (hpkit.warm.zygote) on every node of the allocation, spares included,
         for the run's length, from which each step's ranks fork (a rank whose node has none starts cold).
 
-        One step per node: slurmctld ends a step that has a task on a failed node, all of its tasks, and the
-        survivors' zygotes (their ranks with them) must outlive a lost node."""
+        One step over all the nodes, a task on each, with --no-kill: slurmctld then ends only a failed node's task,
+        and the survivors' zygotes (their ranks with them) outlive it (checked on 22.05 and 24.11). A step per node
+        did the same with as many srun processes on the batch host: thousands, at thousands of nodes."""
         if not self.plan.warm:
-            return []
+            return None
         nodes = [*self.step_nodes, *self.spares]
         self.say(f"warm starts (resilience.warm_start): a zygote on {' '.join(nodes)}")
-        return [
-            self.cluster.start_step(
-                [
-                    "bash",
-                    "-c",
-                    f'exec srun "$@" {self.plan.warm}',
-                    WARM_STEP_NAME,
-                    *self.srun_args,
-                    "--overlap",  # beside the training steps
-                    f"--job-name={WARM_STEP_NAME}",
-                    "--nodes=1",
-                    "--ntasks=1",
-                    f"--nodelist={node}",
-                ],
-                self.env,
-                ready_when=ready_node,
-            )
-            for node in nodes
-        ]
+        return self.cluster.start_step(
+            [
+                "bash",
+                "-c",
+                f'exec srun "$@" {self.plan.warm}',
+                WARM_STEP_NAME,
+                *self.srun_args,
+                "--overlap",  # beside the training steps
+                f"--job-name={WARM_STEP_NAME}",
+                f"--nodes={len(nodes)}",
+                f"--ntasks={len(nodes)}",
+                "--ntasks-per-node=1",
+                f"--nodelist={hostlist.compress(nodes)}",
+                "--no-kill",
+                "--kill-on-bad-exit=0",
+            ],
+            self.env,
+            ready_when=ready_node,
+        )
 
-    def await_warm(self, steps: Sequence[Step]) -> None:
-        """The first step's ranks fork too: wait until the zygote of each of its nodes (`steps`, in step_nodes'
-        order) serves, up to WARM_READY_S. A node whose zygote ended or is late starts its first ranks cold."""
-        if not steps:
-            return
-        zygotes = dict(zip(self.step_nodes, steps, strict=True))
+    def await_warm(self, step: Step) -> None:
+        """The first step's ranks fork too: wait until the zygote of each of its nodes serves (its ready line), up
+        to WARM_READY_S. A node whose zygote ended or is late starts its first ranks cold."""
         began = self.cluster.monotonic()
         while True:
-            waiting = [n for n, s in zygotes.items() if not s.ready() and s.poll() is None]
+            ready = step.ready()
+            ended = (
+                {t.node for t in step.task_exits()} if step.poll() is None else set(self.step_nodes)
+            ) - ready
+            waiting = [n for n in self.step_nodes if n not in ready and n not in ended]
             waited = self.cluster.monotonic() - began
             if not waiting or waited >= WARM_READY_S:
                 break
             self.cluster.sleep(0.1)
-        ended = [n for n, s in zygotes.items() if not s.ready() and n not in waiting]
-        if not waiting and not ended:
+        ended_nodes = [n for n in self.step_nodes if n in ended]
+        if not waiting and not ended_nodes:
             self.say(f"warm starts: every zygote serves after {waited:.1f} s: the first step's ranks fork")
-        for nodes, why in ((waiting, f"is late after {WARM_READY_S:.0f} s"), (ended, "ended")):
+        for nodes, why in ((waiting, f"is late after {WARM_READY_S:.0f} s"), (ended_nodes, "ended")):
             if nodes:
                 self.say(f"warm starts: the zygote on {' '.join(nodes)} {why}: its first ranks start cold")
 
