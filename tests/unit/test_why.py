@@ -696,14 +696,20 @@ def test_without_slurm_the_verdict_comes_from_the_noted_files(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("job", "message"),
+    ("job", "message", "status"),
     [
-        ("12ab", "hpkit why: error: '12ab' is not a Slurm job id (a number such as 1234)"),
-        ("5555", "hpkit why: error: job 5555 is unknown: slurmctld does not remember it"),
+        (
+            "12ab",
+            "hpkit why: error: argument job_id: '12ab' is not a Slurm job id (a number such as 1234)",
+            2,
+        ),
+        ("5555", "hpkit why: error: job 5555 is unknown: slurmctld does not remember it", 1),
     ],
 )
-def test_bad_input_is_one_line_not_a_traceback(tmp_path, job, message):
+def test_bad_input_is_one_line_not_a_traceback(tmp_path, job, message, status):
     env = _fake_slurmless_job(tmp_path)
     done = _hpkit(env, job)
-    assert done.returncode == 1 and done.stdout == ""
-    assert done.stderr.startswith(message) and done.stderr.count("\n") == 1, done.stderr
+    assert done.returncode == status and done.stdout == ""
+    # One line, and no traceback; a malformed id is a usage error, after argparse's usage line.
+    lines = done.stderr.splitlines()
+    assert lines[-1].startswith(message) and len(lines) == (2 if status == 2 else 1), done.stderr

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+from hpkit import arg_types
 from hpkit.errors import HpkitError, SlurmError
 
 
@@ -20,6 +21,7 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
         parser.add_argument(
             "job_ids",
             nargs="+",
+            type=arg_types.job_id,
             metavar="job_id",
             help="Slurm job id(s) (JOB_TASK for a task of a job array; a sweep's array id: all its tasks): one "
             "poll serves all",
@@ -28,11 +30,12 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
         parser.add_argument(
             "job_id",
             nargs="?",
+            type=arg_types.job_id,
             help="Slurm job id, JOB_TASK for a task of a job array; a sweep's array id: a table of its tasks "
             "(default: a table of your jobs)",
         )
     else:
-        parser.add_argument("job_id", help="Slurm job id")
+        parser.add_argument("job_id", type=arg_types.job_id, help="Slurm job id")
     if command == "render":
         parser.add_argument("-o", "--output", help="write the script here instead of printing it")
     if command == "submit":
@@ -66,17 +69,20 @@ def _parser(command: str, prog: str) -> argparse.ArgumentParser:
             "(training progress for hpkit training jobs)",
         )
         parser.add_argument(
-            "--timeout", type=float, default=None, help="give up waiting after this many seconds"
+            "--timeout",
+            type=arg_types.positive_float,
+            default=None,
+            help="give up waiting after this many seconds",
         )
         parser.add_argument(
             "--poll",
-            type=float,
+            type=arg_types.positive_float,
             default=1.0,
             help="seconds between the first polls (default 1; then 2, 5, 10 while no job changes state)",
         )
         parser.add_argument(
             "--outage-timeout",
-            type=float,
+            type=arg_types.positive_float,
             default=120.0,
             help="give up when Slurm has not answered for this many seconds (default 120)",
         )

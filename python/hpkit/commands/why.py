@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from hpkit import arg_types
+
 
 def parse_args(argv: list[str], prog: str = "hpkit why") -> argparse.Namespace:
     """The command line as `hpkit.cli.parse` and main read it (argv[0] is the command's name)."""
@@ -15,7 +17,9 @@ def parse_args(argv: list[str], prog: str = "hpkit why") -> argparse.Namespace:
         "'unknown' included; 1 for a job id nothing knows.",
     )
     parser.add_argument(
-        "job_id", help="Slurm job id; JOB_TASK for a task of a job array, JOB for a table of its tasks"
+        "job_id",
+        type=arg_types.job_id,
+        help="Slurm job id; JOB_TASK for a task of a job array, JOB for a table of its tasks",
     )
     parser.add_argument("--json", action="store_true", help="print the verdict as one JSON object")
     return parser.parse_args(argv[1:])

@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
+from hpkit.arg_types import job_id_problem
 from hpkit.errors import HpkitError, SlurmError
 from hpkit.job_events import events_path, hangs_dir, runs_path, verdict_paths, verdict_restart
 from hpkit.jobs.files import files_for, spec_of_script, split_task
@@ -88,10 +89,9 @@ def _last_line(text: str) -> str:
 def gather(job_id: str, env: Mapping[str, str] | None = None) -> Facts:
     """Everything readable about the job. Raises HpkitError for a malformed id or a job nothing knows."""
     job_id = job_id.strip()
-    if not re.fullmatch(r"\d+(_\d+)?", job_id):
-        raise HpkitError(
-            f"{job_id!r} is not a Slurm job id (a number such as 1234), or JOB_TASK for a task of a job array (1234_5)"
-        )
+    problem = job_id_problem(job_id)
+    if problem is not None:
+        raise HpkitError(problem)
     read = _Reader(env)
     records: list[SlurmRecord] = []
     findings: list[Finding] = []

@@ -1,0 +1,42 @@
+"""The job commands refuse a malformed job id or a timing flag that is not a positive number in one line, before
+they ask Slurm anything (no cluster here: a command that reached Slurm would fail another way)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpkit import cli
+
+NOT_AN_ID = "is not a Slurm job id (a number such as 1234), or JOB_TASK for a task of a job array (1234_5)"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["status", "abc"], f"argument job_id: 'abc' {NOT_AN_ID}"),
+        (["logs", "12;rm"], f"argument job_id: '12;rm' {NOT_AN_ID}"),
+        (["cancel", ""], f"argument job_id: '' {NOT_AN_ID}"),
+        (["why", "1_2_3"], f"argument job_id: '1_2_3' {NOT_AN_ID}"),
+        (["wait", "1", "x"], f"argument job_id: 'x' {NOT_AN_ID}"),
+        (["wait", "1", "--poll", "-1"], "argument --poll: must be greater than 0"),
+        (["wait", "1", "--poll", "nan"], "argument --poll: must be a finite number"),
+        (["wait", "1", "--timeout", "-5"], "argument --timeout: must be greater than 0"),
+        (
+            ["submit", "spec.yaml", "--outage-timeout", "inf"],
+            "argument --outage-timeout: must be a finite number",
+        ),
+    ],
+)
+def test_a_bad_job_id_or_timing_flag_is_one_usage_line(argv, message, capsys, monkeypatch):
+    monkeypatch.setenv("SLURM_CONF", "/nonexistent/slurm.conf")
+    with pytest.raises(SystemExit) as stop:
+        cli.main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1] == f"hpkit {argv[0]}: error: {message}", err
+
+
+def test_a_job_task_and_spaces_around_an_id_are_accepted():
+    from hpkit.arg_types import job_id
+
+    assert job_id(" 1234_5 ") == "1234_5" and job_id("77") == "77"
