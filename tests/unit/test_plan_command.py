@@ -207,3 +207,16 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_as_sigpipe_would() -> 
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 141 and done.stderr == "", done.stderr[-2000:]
+
+
+@pytest.mark.timeout(60)
+def test_a_huge_node_count_is_planned_not_hung(capsys: pytest.CaptureFixture[str]) -> None:
+    """--nodes 99999999999: the layouts' degrees come from the world's divisors, found in O(sqrt n) (at O(n) the
+    command ran for hours). The divisors are the same as counting them one by one."""
+    from hpkit.plan.search import _divisors
+
+    assert all(_divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 400))
+    assert _divisors(8 * 99999999999)[:6] == [1, 2, 3, 4, 6, 8]
+    rc = cli(["plan", "8B", "--nodes", "99999999999", "--instance", "p5.48xlarge"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "(799999999992 GPUs, 80 GiB each)" in out, out[:2000]

@@ -142,6 +142,8 @@ def test_the_command_prints_both_modes_at_three_scales_and_the_target(
         (["--unrecoverable=-0.1"], "--unrecoverable -0.1: a fraction of the faults"),
         (["--memory-every", "2.5"], "--memory-every 2.5: a whole number"),
         (["--instance", "p9.48xlarge"], "--instance p9.48xlarge: unknown"),
+        # Finite, but times the nodes a fault every 0 s: it divided by zero (a traceback).
+        (["--fault-rate", "1e308", "--nodes", "2"], "--fault-rate 1e+308: on 2 node(s), a fault every 0 s"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_flag(

@@ -131,7 +131,15 @@ class GoodputInputs:
 
 def mtbf_s(inputs: GoodputInputs, nodes: int) -> float:
     """The job's mean time between faults: one node's, shared among the job's nodes."""
-    return HOUR / (inputs.fault_rate * nodes)
+    mtbf = HOUR / (inputs.fault_rate * nodes)
+    if (
+        not mtbf > 0
+    ):  # the rate times the nodes overflowed: a fault every 0 s (--fault-rate 1e308 divided by it)
+        raise SpecError(
+            f"--fault-rate {inputs.fault_rate:g}: on {nodes} node(s), a fault every {mtbf:g} s: give faults per "
+            "node-hour (Llama 3's: 419 in 54 days on 2,048 nodes, 0.000158)"
+        )
+    return mtbf
 
 
 def young_daly_s(cost_s: float, mtbf: float) -> float:
