@@ -136,6 +136,12 @@ def read_document(path: str | Path) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         raise SpecError(f"{path}:{where} is not valid YAML: {getattr(exc, 'problem', exc)}") from None
+    except RecursionError:
+        # Both parsers recurse once per level: a hostile file of 5,000 nested brackets ended in a traceback.
+        raise SpecError(
+            f"{path}: nested too deeply to read (lists or mappings about a thousand levels inside each other): "
+            "a spec is a few levels deep"
+        ) from None
 
 
 def load_document(model: type[ModelT], path: str | Path) -> ModelT:

@@ -486,3 +486,24 @@ def test_hostile_sbatch_values_are_refused_naming_the_field(field_name, payload,
     lines = str(err.value).strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"spec: {field_name}: "), str(err.value)
     assert "Traceback" not in str(err.value)
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_file_nested_thousands_deep_is_one_line_not_a_recursion_traceback(
+    tmp_path: Path, suffix: str
+) -> None:
+    path = tmp_path / f"deep{suffix}"
+    path.write_text('{"name": ' + "[" * 20000 + "]" * 20000 + "}")
+    with pytest.raises(SpecError, match=r"deep\.(yaml|json): nested too deeply to read"):
+        load_document(JobSpec, path)
+
+
+def test_a_config_json_or_network_file_nested_thousands_deep_is_one_line(tmp_path: Path) -> None:
+    from hpkit.arch.llama.hf import load_config_json
+    from hpkit.plan.problem import inter_node_gbs
+
+    (tmp_path / "config.json").write_text('{"x": ' + "[" * 20000 + "]" * 20000 + "}")
+    with pytest.raises(SpecError, match=r"config\.json: unreadable: maximum recursion depth"):
+        load_config_json(tmp_path, str, "")
+    with pytest.raises(SpecError, match=r"--network .*: unreadable: maximum recursion depth"):
+        inter_node_gbs(str(tmp_path / "config.json"))

@@ -42,6 +42,6 @@ def hf_family(directory: str | Path) -> str:
     then names the problem)."""
     try:
         model_type = json.loads((Path(directory) / CONFIG_NAME).read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):
         return "llama"
     return HF_FAMILIES.get(model_type, "llama")

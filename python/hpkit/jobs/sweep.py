@@ -88,7 +88,7 @@ def parse_value(text: str) -> Any:
         return float(text)
     try:
         return yaml.safe_load(text) if text else None
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):  # the spec's validation then names the field
         return text
 
 

@@ -191,7 +191,7 @@ def inter_node_gbs(path: str) -> float:
     best_per_node rule; that module imports torch, which a login node's plan does not)."""
     try:
         document = json.loads(Path(path).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
         raise SpecError(f"--network {path}: unreadable: {exc}") from None
     best: dict[str, float] = {}
     for round_ in document.get("rounds", []) if isinstance(document, dict) else []:

@@ -46,7 +46,7 @@ def load_config_json(directory: str | Path, where: Callable[[Path], str], missin
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise SpecError(f"{where(path)}: no such file: {missing}") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nested thousands deep
         raise SpecError(f"{where(path)}: unreadable: {exc}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{where(path)}: not a JSON object")
