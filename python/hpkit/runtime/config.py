@@ -23,6 +23,17 @@ from hpkit.validation import StrictModel, check_no_control_chars
 SPEC_ENV = "HPKIT_SPEC"
 
 
+def _whole_number(value: Any) -> bool:
+    """What the degree fields accept: an integer, or its text or float form ("2", 2.0), as pydantic's lax mode."""
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return True
+    if isinstance(value, float):
+        return value.is_integer()
+    return isinstance(value, str) and value.strip().lstrip("-").isdigit()
+
+
 class ParallelismSpec(StrictModel):
     """Parallel degrees; their product is the world size. One degree may be -1 and is inferred.
 
@@ -77,6 +88,9 @@ class ParallelismSpec(StrictModel):
         for alias, canonical in DEGREE_ALIASES.items():
             if alias in data:
                 value = data.pop(alias)
+                if not _whole_number(value):
+                    # Checked here, under the user's name for it: the field's own check would name `canonical`.
+                    raise ValueError(f"{alias}: {value!r} is not a whole number (a degree: 2, 4, 8, ...)")
                 if canonical in data and data[canonical] != value:
                     raise ValueError(
                         f"{alias}={value} conflicts with {canonical}={data[canonical]}: give one"
