@@ -98,6 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     except HpkitError as exc:
         print(f"hpkit {name}: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        if name == "train":
+            raise  # a training run's failure keeps its traceback: `hpkit why` names the file and line from it
+        # A path the command could not create, read or write (`--out /proc/x`, a full disk): the system's own
+        # words name the path and the reason, in one line.
+        print(f"hpkit {name}: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"hpkit {name}: interrupted", file=sys.stderr)
         return 130

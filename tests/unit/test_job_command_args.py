@@ -40,3 +40,18 @@ def test_a_job_task_and_spaces_around_an_id_are_accepted():
     from hpkit.arg_types import job_id
 
     assert job_id(" 1234_5 ") == "1234_5" and job_id("77") == "77"
+
+
+def test_a_path_a_command_cannot_write_is_one_line_not_a_traceback(tmp_path, capsys):
+    """An OSError (a folder that cannot be made, a full disk) reaches the user as the system's one line, naming the
+    path; it was a traceback (`hpkit data prepare --out /proc/x`, `hpkit import-sagemaker -o /proc/x.yaml`)."""
+    described = tmp_path / "estimator.json"
+    described.write_text(
+        '{"entry_point": "train.py", "instance_type": "ml.p4d.24xlarge", "instance_count": 2}'
+    )
+    assert cli.main(["import-sagemaker", str(described), "-o", "/proc/no-such/spec.yaml"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(
+        "hpkit import-sagemaker: error: [Errno 2] No such file or directory: '/proc/no-such"
+    )
+    assert err.count("\n") == 1, err
