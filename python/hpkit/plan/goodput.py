@@ -132,9 +132,8 @@ class GoodputInputs:
 def mtbf_s(inputs: GoodputInputs, nodes: int) -> float:
     """The job's mean time between faults: one node's, shared among the job's nodes."""
     mtbf = HOUR / (inputs.fault_rate * nodes)
-    if (
-        not mtbf > 0
-    ):  # the rate times the nodes overflowed: a fault every 0 s (--fault-rate 1e308 divided by it)
+    # The rate times the nodes overflowed (--fault-rate 1e308): a fault every 0 s, which every goodput divides by.
+    if not mtbf > 0:
         raise SpecError(
             f"--fault-rate {inputs.fault_rate:g}: on {nodes} node(s), a fault every {mtbf:g} s: give faults per "
             "node-hour (Llama 3's: 419 in 54 days on 2,048 nodes, 0.000158)"
