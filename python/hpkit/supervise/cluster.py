@@ -123,6 +123,21 @@ class Cluster(Protocol):
     def sleep(self, seconds: float) -> None: ...
 
 
+def task_on_each_node(nodes: Sequence[str]) -> list[str]:
+    """srun options for a step beside the training steps with one task on each of `nodes`, which a lost node does not
+    end: slurmctld then ends only that node's task (--no-kill; checked on 22.05 and 24.11), and a task that exits ends
+    no other (--kill-on-bad-exit=0). The probe and the warm-start zygotes use it."""
+    return [
+        "--overlap",
+        f"--nodes={len(nodes)}",
+        f"--ntasks={len(nodes)}",
+        "--ntasks-per-node=1",
+        f"--nodelist={hostlist.compress(nodes)}",
+        "--no-kill",
+        "--kill-on-bad-exit=0",
+    ]
+
+
 class _SrunStep:
     """srun in its own process group: its stderr is passed through, and its per-task error lines kept; with
     `ready_when`, its stdout too, watched for the lines that say a task is ready."""
@@ -224,19 +239,7 @@ class SlurmCli:
     def _probe_together(self, nodes: Sequence[str]) -> tuple[dict[str, float], list[str], bool]:
         """The nodes that answered (seconds), those whose launch srun says failed, and whether srun ended by
         itself before the probe had its answer (hpkit.supervise.probe)."""
-        argv = [
-            "srun",
-            "--overlap",
-            f"--nodes={len(nodes)}",
-            f"--ntasks={len(nodes)}",
-            "--ntasks-per-node=1",
-            f"--nodelist={hostlist.compress(nodes)}",
-            "--no-kill",
-            "--kill-on-bad-exit=0",
-            "--time=1",
-            "printenv",
-            "SLURMD_NODENAME",
-        ]
+        argv = ["srun", *task_on_each_node(nodes), "--time=1", "printenv", "SLURMD_NODENAME"]
         answered: dict[str, float] = {}
         failed: list[str] = []
         names = set(nodes)

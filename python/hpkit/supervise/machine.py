@@ -24,9 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from hpkit import job_events as ev
-from hpkit.slurm import hostlist
 from hpkit.supervise.budget import Budget
-from hpkit.supervise.cluster import WARM_STEP_NAME, Cluster, Step, TaskExit
+from hpkit.supervise.cluster import WARM_STEP_NAME, Cluster, Step, TaskExit, task_on_each_node
 from hpkit.supervise.hangs import culprit_nodes, verdict_judge, verdict_path
 from hpkit.supervise.plan import Plan, Run
 from hpkit.supervise.ready import READY_ENV, all_ready
@@ -183,14 +182,8 @@ class Supervisor:
                 f'exec srun "$@" {self.plan.warm}',
                 WARM_STEP_NAME,
                 *self.srun_args,
-                "--overlap",  # beside the training steps
                 f"--job-name={WARM_STEP_NAME}",
-                f"--nodes={len(nodes)}",
-                f"--ntasks={len(nodes)}",
-                "--ntasks-per-node=1",
-                f"--nodelist={hostlist.compress(nodes)}",
-                "--no-kill",
-                "--kill-on-bad-exit=0",
+                *task_on_each_node(nodes),
             ],
             self.env,
             ready_when=ready_node,
