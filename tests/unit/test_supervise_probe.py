@@ -119,3 +119,24 @@ def test_a_probe_still_waiting_calls_every_node_that_did_not_answer_silent():
         return {"node1": 0.2}, [], False
 
     assert unanswering(["node1", "node2"], together, lambda _: [], lambda _: []) == ["node2"]
+
+
+def test_a_srun_that_fails_at_once_has_ended_though_it_exits_after_closing_its_output(tmp_path, monkeypatch):
+    """srun refusing the step ("Unable to create step": a node slurmctld calls DOWN) closes its pipes a moment before
+    it exits. Read as still running, every node was called silent (seen 2 calls in 6 on the local cluster); it has
+    ended, so the nodes are settled from their states. Here an `srun` on PATH closes its output, then exits 0.3 s
+    later, as the real one does at random."""
+    import os
+
+    from hpkit.supervise.cluster import SlurmCli
+
+    fake = tmp_path / "srun"
+    fake.write_text(
+        "#!/bin/bash\n"
+        "echo 'srun: error: Unable to create step for job 7: Requested node configuration is not available' >&2\n"
+        "exec >&- 2>&-\nsleep 0.3\nexit 1\n"
+    )
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    answered, failed, ended = SlurmCli()._probe_together(["node1", "node2"])
+    assert (answered, failed, ended) == ({}, [], True)

@@ -23,7 +23,7 @@ from typing import Protocol
 
 from hpkit.slurm import client, hostlist
 from hpkit.supervise import probe
-from hpkit.supervise.probe import launch_failed_node, silent_nodes
+from hpkit.supervise.probe import PROBE_TIMEOUT_S, launch_failed_node, silent_nodes
 
 # srun's line for a task that failed: "srun: error: NODE: task(s) N[,M-K]: Exited with exit code C".
 _TASK_ERROR = re.compile(r"^srun: error: ([^:\s]+): tasks? ([\d,\-]+): (.+)$")
@@ -267,6 +267,11 @@ class SlurmCli:
                             failed.append(node)
                 if silent_nodes(nodes, answered, failed, time.monotonic() - began) is not None:
                     break
+            else:
+                # Both pipes closed: srun is ending by itself (it can fail at once: "Unable to create step"), though
+                # poll() may not see it yet. Taken for still running, every node that had not answered was silent.
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(PROBE_TIMEOUT_S)
         ended = proc.poll() is not None
         if not ended:
             proc.kill()
