@@ -22,7 +22,7 @@ from hpkit.render import render
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 from hpkit.warm import protocol
-from hpkit.warm.zygote import remove_leftovers
+from hpkit.warm.zygote import can_bind, remove_leftovers
 
 PY = sys.executable
 # A rank that reports who it is and what it was given, then does what its first argument says.
@@ -40,6 +40,8 @@ elif what == "usr1":
 elif what == "wait":
     print("ready", flush=True)
     signal.pause()
+elif what == "cpus":
+    print("cpus", sorted(os.sched_getaffinity(0)), flush=True)
 elif what == "raise":
     raise ValueError("boom")
 sys.exit(int(what) if what.isdigit() else 0)
@@ -146,6 +148,27 @@ def test_rank_is_forked_with_the_clients_argv_env_cwd_and_stdio(zygote, script, 
     assert lines[1] == "read hello"
     assert "to stderr" in err and "refused" not in err
     assert rank.returncode == 0
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="binding to fewer CPUs needs two")
+def test_rank_runs_on_its_clients_cpus_not_the_zygotes(zygote, script) -> None:
+    """Slurm's task/affinity binds the rank's task to its CPUs; the zygote's step is bound apart. A cold rank keeps its
+    task's CPUs, and so must a warm one: else every rank of a node would share the zygote's one CPU."""
+    proc, root = zygote
+    one = {max(os.sched_getaffinity(proc.pid))}
+    rank = client(root, [PY, str(script), "cpus"], preexec_fn=lambda: os.sched_setaffinity(0, one))
+    out, err = rank.communicate(timeout=120)
+    assert "refused" not in err and rank.returncode == 0, err
+    assert int(out.splitlines()[0].split()[2]) == proc.pid  # forked, not cold
+    assert out.splitlines()[-1] == f"cpus {sorted(one)}"
+    assert os.sched_getaffinity(proc.pid) != one  # the zygote's own binding is as it was
+
+
+def test_cpus_outside_the_zygotes_reach_refuse_the_fork_and_leave_its_binding() -> None:
+    mine = os.sched_getaffinity(0)
+    assert can_bind(mine)
+    assert not can_bind({*mine, os.cpu_count() or 1})  # a CPU no cgroup of this machine holds
+    assert os.sched_getaffinity(0) == mine
 
 
 def test_exit_status_and_uncaught_exception_are_the_ranks(zygote, script) -> None:

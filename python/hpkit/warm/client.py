@@ -2,7 +2,7 @@
 where one answers, else exactly as `exec COMMAND`.
 
 The launcher (torchrun's agent) starts this in the rank's place. It connects to the zygote of its job on its node
-over a unix socket, hands it the command, its environment, its folder and its stdin, stdout and stderr (the
+over a unix socket, hands it the command, its environment, its folder, its CPUs (affinity) and its stdin, stdout and stderr (the
 descriptors themselves), then stands for the rank: every signal it receives goes to the rank, and it exits
 with the rank's exit status, or dies of the signal that killed the rank. The zygote SIGKILLs the rank when this
 process's connection closes (it was SIGKILLed, its step cancelled), so no rank outlives its step; and this
@@ -73,6 +73,8 @@ def main(argv: list[str]) -> None:
         "cwd": os.getcwd(),
         "ignored_signals": ignored,
         "umask": _umask(),
+        # Slurm binds a step's tasks to their CPUs (task/affinity); the zygote's step has its own binding.
+        "cpus": sorted(os.sched_getaffinity(0)),
     }
     fds = [fd for fd in (0, 1, 2) if _is_open(fd)]
     request["fds"] = fds

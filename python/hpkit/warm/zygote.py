@@ -6,9 +6,10 @@ One zygote per node of the allocation, spares included, started as a background 
 (hpkit.supervise) and ended with the allocation. It serves a unix socket in node-local memory named by the job
 and the node (hpkit.warm.protocol.socket_path), in a folder only its user can enter, and answers only its own
 user. Each rank it forks:
-- becomes the process the command would have been: the client's argv, environment, folder, umask, stdin,
-  stdout and stderr (passed as descriptors), signal dispositions, a session of its own, `__main__` fresh, and
-  Python's and numpy's random state drawn again (they would otherwise repeat the zygote's in every rank);
+- becomes the process the command would have been: the client's argv, environment, folder, umask, CPUs (the
+  affinity Slurm's task/affinity gave the rank's task, not the zygote's own), stdin, stdout and stderr (passed
+  as descriptors), signal dispositions, a session of its own, `__main__` fresh, and Python's and numpy's random
+  state drawn again (they would otherwise repeat the zygote's in every rank);
 - dies when the zygote does (PR_SET_PDEATHSIG), and is SIGKILLed when its client's connection closes (the client
   was killed, its step cancelled): no rank outlives its step;
 - reports its exit status or the signal that ended it to the client, which ends the same way.
@@ -77,6 +78,19 @@ def native_threads() -> int:
         return threading.active_count()
 
 
+def can_bind(cpus: set[int]) -> bool:
+    """Whether a fork of this process can run on exactly `cpus`: its step's cgroup (cpuset) must hold them all.
+    Tried on this process, whose own binding (its task's, Slurm's task/affinity) is put back after."""
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, cpus)
+        return os.sched_getaffinity(0) == cpus
+    except OSError:
+        return False
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
 def cuda_initialised() -> bool:
     cuda = sys.modules.get("torch.cuda")
     return bool(cuda is not None and cuda.is_initialized())
@@ -105,6 +119,9 @@ class Zygote:
             return f"the zygote runs {native_threads()} threads, more than its imports left ({self.threads})"
         if cuda_initialised():
             return "the zygote has initialised CUDA"
+        cpus = request.get("cpus")
+        if cpus is not None and not can_bind(set(cpus)):
+            return f"the zygote's step (its cgroup) does not hold all {len(cpus)} of its CPUs"
         return None
 
     # -- the loop -------------------------------------------------------------------------------------------
@@ -284,6 +301,8 @@ class Zygote:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             os.setsid()
+            if (cpus := request.get("cpus")) is not None:
+                os.sched_setaffinity(0, cpus)
             _signals(request.get("ignored_signals") or [])
             os.umask(int(request.get("umask", 0o022)))
             os.environ.clear()
