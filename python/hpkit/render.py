@@ -227,7 +227,7 @@ def supervise_plan(spec: JobSpec) -> str:
         # only for hpkit train with its watchdog on, since serving it imports torch (memory in the batch step).
         watch_store=job.launcher in ("srun", "mpi") and resilience.hang.enabled and runs_hpkit_train(job),
         ranks_ready=runs_hpkit_train(job),
-        warm=zygote_command(job, resilience),
+        warm=zygote_command(job, spec.warm_starts),
     ).to_json()
 
 
@@ -239,19 +239,19 @@ def runs_hpkit_train(spec: SlurmJob) -> bool:
     )
 
 
-def warm_client_words(job: SlurmJob, resilience: ResilienceSpec) -> list[str]:
-    """What starts each rank, and each node's torchrun agent, under resilience.warm_start: hpkit.warm.client, which
+def warm_client_words(job: SlurmJob, warm: bool) -> list[str]:
+    """What starts each rank, and each node's torchrun agent, when they start warm (JobSpec.warm_starts): hpkit.warm.client, which
     has the node's zygote fork it (and runs it cold where none answers), before the command; nothing otherwise."""
-    if not resilience.warm_start:
+    if not warm:
         return []
     return [user_command(job)[0], "-m", "hpkit.warm.client", "--"]
 
 
-def zygote_command(job: SlurmJob, resilience: ResilienceSpec) -> str:
+def zygote_command(job: SlurmJob, warm: bool) -> str:
     """The command of the supervisor's background step that keeps a zygote (hpkit.warm.zygote) on every node of
-    the allocation, spares included, as shell text; "" without resilience.warm_start. It preloads what the
+    the allocation, spares included, as shell text; "" when ranks start cold. It preloads what the
     rank's command imports first: torch, and for hpkit train hpkit's runtime."""
-    if not resilience.warm_start:
+    if not warm:
         return ""
     # torchrun's agent is forked too (hpkit.torchrun_agent, launch_words): its imports first.
     preload = ["torch", "torch.distributed.run", "hpkit.torchrun_agent", "hpkit.run_script"]
@@ -579,7 +579,7 @@ def build_context(
         spec_word: str | None = array_path_word(array.spec_pattern)
     else:
         spec_word = shell_quote(spec_path) if spec_path else None
-    warm = warm_client_words(job, resilience)
+    warm = warm_client_words(job, spec.warm_starts)
     return RenderContext(
         version=__version__,
         script_name=shell_quote(script_name),

@@ -125,20 +125,19 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _warm_start_applies(self) -> JobSpec:
-        job = self.job
-        if not self.run.resilience.warm_start:
-            return self
-        if job.launcher != "torchrun" or job.container is not None:
-            raise ValueError(
-                "resilience.warm_start: ranks are forked warm under launcher: torchrun without a container; "
-                "use that launcher, or drop warm_start"
-            )
-        if python_program_start(job.command) is None:
-            raise ValueError(
-                "resilience.warm_start: the command must be a Python program (python SCRIPT or python -m MODULE, "
-                "e.g. python -m hpkit train); change the command, or drop warm_start"
-            )
+        if self.run.resilience.warm_start and (problem := warm_start_problem(self.job)):
+            raise ValueError(f"resilience.warm_start: {problem}, or drop warm_start")
         return self
+
+    @property
+    def warm_starts(self) -> bool:
+        """Whether the ranks are forked warm (hpkit.warm): resilience.warm_start as written; left out, wherever they
+        can be in a job that asks for no GPUs. A forked rank lives in its zygote's step, not in its own: whether
+        that step's cgroup holds the node's GPUs as the rank's step would is not yet checked on a GPU cluster."""
+        chosen = self.run.resilience.warm_start
+        if chosen is not None:
+            return chosen
+        return self.job.gpus_per_node == 0 and warm_start_problem(self.job) is None
 
     @property
     def signal_grace_s(self) -> int:
@@ -156,6 +155,19 @@ class JobSpec(StrictModel):
 
 
 # The keys only the run configuration has: every other key of a document goes to the Slurm job.
+def warm_start_problem(job: SlurmJob) -> str | None:
+    """Why the job's ranks cannot be forked warm (hpkit.warm.protocol.python_target says which commands a zygote
+    starts), or None."""
+    if job.launcher != "torchrun" or job.container is not None:
+        return "ranks are forked warm under launcher: torchrun without a container; use that launcher"
+    if python_program_start(job.command) != 1:
+        return (
+            "the command must be a Python program without interpreter options (python SCRIPT or python -m "
+            "MODULE, e.g. python -m hpkit train); change the command"
+        )
+    return None
+
+
 _TRAINING_BLOCKS = frozenset(RunConfig.model_fields) - frozenset(JobIdentity.model_fields)
 
 

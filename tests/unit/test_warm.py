@@ -390,8 +390,29 @@ def test_warm_start_renders_the_client_before_agent_and_rank_and_the_zygote_in_t
     assert f"--no-python -- {client_words} -m hpkit.run_script -m hpkit train'" in script
     assert '"warm": "/opt/venv/bin/python -m hpkit.warm.zygote' in script
     assert "--preload=torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli," in script
-    cold = render(parse_document(JobSpec, {**WARM_SPEC, "resilience": {"max_restarts": 2}}))
+    cold = render(parse_document(JobSpec, {**WARM_SPEC, "resilience": {"warm_start": False}}))
     assert "hpkit.warm" not in cold and '"warm"' not in cold
+
+
+@pytest.mark.parametrize(
+    ("change", "warm"),
+    [
+        ({}, True),
+        ({"gpus_per_node": 8, "instance_type": "p5.48xlarge"}, False),  # the zygote step's GPUs: unchecked
+        ({"gpus_per_node": 8, "resilience": {"warm_start": True}}, True),
+        ({"resilience": {"warm_start": False}}, False),
+        ({"launcher": "srun"}, False),
+        ({"container": {"image": "img.sqsh"}}, False),
+        # the zygote would refuse an interpreter option
+        ({"command": ["/opt/venv/bin/python", "-u", "-m", "hpkit", "train"]}, False),
+        ({"command": ["hpkit", "train"]}, False),
+    ],
+)
+def test_warm_start_left_out_is_on_where_it_can_be_in_a_job_without_gpus(change: dict, warm: bool) -> None:
+    spec = {**WARM_SPEC, "resilience": {}, **change}
+    script = render(parse_document(JobSpec, spec))
+    assert ("hpkit.warm.zygote" in script) is warm
+    assert ("hpkit.warm.client" in script) is warm
 
 
 @pytest.mark.parametrize(
@@ -403,6 +424,10 @@ def test_warm_start_renders_the_client_before_agent_and_rank_and_the_zygote_in_t
         (
             {"command": ["python3", "-c", "pass"]},
             "resilience.warm_start: the command must be a Python program",
+        ),
+        (
+            {"command": ["python3", "-u", "train.py"]},
+            "resilience.warm_start: the command must be a Python program without interpreter options",
         ),
     ],
 )

@@ -551,12 +551,14 @@ class ResilienceSpec(StrictModel):
             'state=fail reason="Action:Replace")'
         ),
     )
-    warm_start: bool = Field(
-        default=False,
+    warm_start: bool | None = Field(
+        default=None,
         description=(
             "fork each rank from a per-node process of the job that has already imported torch and hpkit "
-            "(hpkit.warm), spares included: a restarted step or a swapped-in spare skips the interpreter's start "
-            "and its imports; needs launcher torchrun, no container and a Python command"
+            "(hpkit.warm), spares included: every step, a restarted one or a swapped-in spare's too, skips the "
+            "interpreter's start and its imports; needs launcher torchrun, no container and a Python command "
+            "(python SCRIPT or python -m MODULE). Left out: on where it can be, for a job without GPUs "
+            "(gpus_per_node: 0); set true to have it on GPU nodes"
         ),
     )
     requeue_on_failure: bool | None = Field(

@@ -68,6 +68,7 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 @dataclass
 class _Rank:
     conn: socket.socket
+    client: int  # the client's pid: the process the launcher started, and names in its reports
     pid: int | None = None
 
 
@@ -179,11 +180,11 @@ class Zygote:
             conn, _ = listener.accept()
         except OSError:
             return
-        _pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+        client, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
         if uid != os.getuid():  # the folder already keeps others out; this says so twice
             conn.close()
             return
-        self.ranks[conn.fileno()] = _Rank(conn)
+        self.ranks[conn.fileno()] = _Rank(conn, client)
         self.selector.register(conn, selectors.EVENT_READ, "rank")
 
     def _handle(self, conn: socket.socket) -> None:
@@ -239,9 +240,10 @@ class Zygote:
         target = python_target([str(a) for a in request["argv"]], sys.executable) or ["?"]
         # A rank by its number; anything else (torchrun's agent) by its module or script.
         what = f"rank {env['RANK']}" if "RANK" in env else target[1] if target[0] == "-m" else target[0]
+        # torchrun's reports name the process it started, the client: the line maps it to the rank's own.
         self.say(
             f"hpkit: warm start on {self.node}: {what} (attempt {env.get('HPKIT_STEP_ATTEMPT', '?')}) forked as "
-            f"process {pid}"
+            f"process {pid} for process {rank.client}"
         )
         try:
             send(rank.conn, {"pid": pid})
