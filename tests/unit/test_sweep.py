@@ -109,6 +109,11 @@ def test_each_task_gets_its_spec_with_its_overrides_and_its_own_files(tmp_path):
         (["--sweep", "nodes=1,2"], "sweep task 0 (nodes=1): nodes: cannot be swept"),
         (["--sweep", "resilience.max_restarts=1,2"], "resilience.max_restarts: cannot be swept"),
         (["--sweep", "train.lr=1", "--sweep", "train.lr=2"], "--sweep train.lr: given twice"),
+        (
+            ["--sweep", "train.lr=1e-4,2e-4,0.0001"],
+            "sweep task 2 (train.lr=0.0001): the same overrides as task 0",
+        ),
+        (["--sweep-file", "twice.yaml"], "sweep task 1 (train.seed=1.0): the same overrides as task 0"),
         (["--sweep", "train.steps.x=1"], "train.steps.x: train.steps is a value, not a block with fields"),
         (["--sweep", "train.lr=1", "--max-parallel", "0"], "--max-parallel 0: must be 1 or more"),
         (["--max-parallel", "2"], "--max-parallel: applies to a sweep only"),
@@ -122,6 +127,7 @@ def test_bad_sweeps_are_one_line_naming_the_field_before_anything_is_written(tmp
     (tmp_path / "empty.yaml").write_text("[]\n")
     (tmp_path / "scalar.yaml").write_text("train.lr: 0.1\n")
     (tmp_path / "nodes.yaml").write_text("- {train.lr: 0.1}\n- {nodes: 2}\n")
+    (tmp_path / "twice.yaml").write_text("- {train.seed: 1}\n- {train.seed: 1.0}\n")
     proc = subprocess.run(
         [sys.executable, "-m", "hpkit", "submit", "job.yaml", "--dry-run", *args],
         cwd=tmp_path,

@@ -202,11 +202,17 @@ def expand(base: Mapping[str, Any], sweep: Sweep, source: str) -> list[SweepTask
         raise SpecError(f"{source}: the sweep has no tasks")
     if sweep.max_parallel is not None and sweep.max_parallel < 1:
         raise SpecError(f"--max-parallel {sweep.max_parallel}: must be 1 or more")
-    out = []
+    out: list[SweepTask] = []
     for index, overrides in enumerate(sweep.tasks):
         where = f"{source}: sweep task {index} ({describe(overrides)})"
         if not overrides:
             raise SpecError(f"{where}: no overrides: every task sets at least one field")
+        # Equal values, however written (1e-4 and 0.0001), make the same run: a task's compute for nothing.
+        if (same := next((t.index for t in out if t.overrides == overrides), None)) is not None:
+            raise SpecError(
+                f"{where}: the same overrides as task {same}: it would train the same run twice; drop the "
+                "repeated value (to repeat a run, give each its own train.seed)"
+            )
         for key in overrides:
             check_sweepable(key, where)
         data = _own_files(apply(base, overrides, where), index)
