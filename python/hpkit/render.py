@@ -240,8 +240,9 @@ def runs_hpkit_train(spec: SlurmJob) -> bool:
 
 
 def warm_client_words(job: SlurmJob, warm: bool) -> list[str]:
-    """What starts each rank, and each node's torchrun agent, when they start warm (JobSpec.warm_starts): hpkit.warm.client, which
-    has the node's zygote fork it (and runs it cold where none answers), before the command; nothing otherwise."""
+    """What starts each rank, and each node's torchrun agent, when they start warm (JobSpec.warm_starts):
+    hpkit.warm.client, which has the node's zygote fork it (and runs it cold where none answers), before the
+    command; nothing otherwise."""
     if not warm:
         return []
     return [user_command(job)[0], "-m", "hpkit.warm.client", "--"]

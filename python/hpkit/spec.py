@@ -154,7 +154,6 @@ class JobSpec(StrictModel):
         return {**self.run.model_dump(mode="json"), **self.job.model_dump(mode="json")}
 
 
-# The keys only the run configuration has: every other key of a document goes to the Slurm job.
 def warm_start_problem(job: SlurmJob) -> str | None:
     """Why the job's ranks cannot be forked warm (hpkit.warm.protocol.python_target says which commands a zygote
     starts), or None."""
@@ -168,6 +167,7 @@ def warm_start_problem(job: SlurmJob) -> str | None:
     return None
 
 
+# The keys only the run configuration has: every other key of a document goes to the Slurm job.
 _TRAINING_BLOCKS = frozenset(RunConfig.model_fields) - frozenset(JobIdentity.model_fields)
 
 
