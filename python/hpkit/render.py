@@ -258,9 +258,22 @@ def zygote_command(job: SlurmJob, warm: bool) -> str:
     preload = ["torch", "torch.distributed.run", "hpkit.torchrun_agent", "hpkit.run_script"]
     if runs_hpkit_train(job):
         preload += ["hpkit.cli", "hpkit.commands.train", "hpkit.runtime.run"]
+    # The compat shim goes first on the ranks' PYTHONPATH (compat_step), which an interpreter reads as it starts: the
+    # zygote starts with it too, or it would refuse every rank (hpkit.warm.protocol.STARTUP_VARS).
+    wrapper = task_wrapper([step] if (step := compat_step(job)) else [])
     return " ".join(
-        shell_quote(word)
-        for word in (user_command(job)[0], "-m", "hpkit.warm.zygote", f"--preload={','.join(preload)}")
+        [
+            *wrapper,
+            *(
+                shell_quote(word)
+                for word in (
+                    user_command(job)[0],
+                    "-m",
+                    "hpkit.warm.zygote",
+                    f"--preload={','.join(preload)}",
+                )
+            ),
+        ]
     )
 
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import re
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -392,6 +395,16 @@ def test_warm_start_renders_the_client_before_agent_and_rank_and_the_zygote_in_t
     assert "--preload=torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli," in script
     cold = render(parse_document(JobSpec, {**WARM_SPEC, "resilience": {"warm_start": False}}))
     assert "hpkit.warm" not in cold and '"warm"' not in cold
+
+
+def test_a_compat_jobs_zygote_starts_with_the_shim_on_its_pythonpath_as_the_ranks_do() -> None:
+    """The compat shim goes on each rank's PYTHONPATH, read as the interpreter starts: a zygote without it would
+    refuse every rank (warm start refused: PYTHONPATH differs)."""
+    script = render(parse_document(JobSpec, {**WARM_SPEC, "compat": ["smp_v2"]}))
+    plan = json.loads(shlex.split(re.search(r"--plan ('.*?'|\S+) --step", script).group(1))[0])
+    wrapper, _, zygote = plan["warm"].partition(" hpkit-task ")
+    assert 'export PYTHONPATH="$shim' in shlex.split(wrapper)[2]
+    assert zygote.startswith("/opt/venv/bin/python -m hpkit.warm.zygote ")
 
 
 @pytest.mark.parametrize(
