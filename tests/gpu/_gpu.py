@@ -12,6 +12,16 @@ from typing import Any
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
+# The CUDA tests' model: small enough for seconds a run, big enough for every layout's kernels.
+TINY_MODEL = {
+    "name": "debug",
+    "dim": 128,
+    "n_layers": 4,
+    "n_heads": 4,
+    "ffn_dim": 256,
+    "vocab_size": 512,
+    "seq_len": 64,
+}
 
 
 def train(config: dict[str, Any], workdir: Path, *, cpu: bool, steps: int | None = None) -> list[dict]:

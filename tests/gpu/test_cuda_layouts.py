@@ -13,22 +13,14 @@ Tolerances (relative, per step, over 6 steps of a small model):
 from __future__ import annotations
 
 import pytest
-from _gpu import series, train, worst_relative
+from _gpu import TINY_MODEL, series, train, worst_relative
 
 pytestmark = pytest.mark.gpu
 
 BASE = {
     "name": "gpu-layouts",
     "parallelism": {"dp_shard": 1},
-    "model": {
-        "name": "debug",
-        "dim": 128,
-        "n_layers": 4,
-        "n_heads": 4,
-        "ffn_dim": 256,
-        "vocab_size": 512,
-        "seq_len": 64,
-    },
+    "model": TINY_MODEL,
     "train": {
         "steps": 6,
         "local_batch_size": 4,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,27 +19,24 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _gpu import REPO, series, worst_relative
+from _gpu import REPO, TINY_MODEL, series, worst_relative
+
+from hpkit.render import zygote_command
+from hpkit.slurm_job import SlurmJob
 
 pytestmark = pytest.mark.gpu
 
-# What render.zygote_command preloads for `python -m hpkit train`.
-PRELOAD = (
-    "torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli,hpkit.commands.train,"
-    "hpkit.runtime.run"
-)
+# What a job's zygote preloads for `python -m hpkit train`: render's own list (render.zygote_command).
+PRELOAD = re.search(
+    r"--preload=([^\s']+)",
+    zygote_command(
+        SlurmJob(name="w", launcher="torchrun", command=[sys.executable, "-m", "hpkit", "train"]), True
+    ),
+).group(1)
 CONFIG = {
     "name": "warm-gpu",
     "parallelism": {"dp_shard": 1},
-    "model": {
-        "name": "debug",
-        "dim": 128,
-        "n_layers": 2,
-        "n_heads": 4,
-        "ffn_dim": 256,
-        "vocab_size": 512,
-        "seq_len": 64,
-    },
+    "model": TINY_MODEL,
     "train": {
         "steps": 6,
         "local_batch_size": 4,
