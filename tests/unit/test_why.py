@@ -264,6 +264,54 @@ def test_a_sigkilled_rank_beats_the_survivors_earlier_connection_reset():
     assert_cited(v, SIGKILL_TORCHRUN)
 
 
+# Each node's torchrun prints its own block: here node2's (rank 0 died of the reset connection, a second later)
+# reached the file before node1's (rank 1, SIGKILLed), as in a CI run of test_why_jobs.
+SIGKILL_TWO_BLOCKS = """\
+hpkit: job 5803 (restart 0 of at most 0) on node[1-2]
+0: step     5 | loss 5.1813 | grad_norm 0.749 | lr 3.00e-04 | 729 tok/s
+E1130 02:54:14.930000 13446 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: -9) local_rank: 0 (pid: 13499) of binary: /venv/bin/python3
+0: [rank0]: Traceback (most recent call last):
+0: [rank0]:   File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 4943, in reduce_scatter_single
+0: [rank0]:     work.wait()
+0: [rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:55986: Connection reset by peer. This is typically caused by a remote worker hanging or bugs in the application.
+E1130 02:54:15.592000 13442 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 13500) of binary: /venv/bin/python3
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_02:54:15
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 13500)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-30_02:54:14
+  host      : localhost
+  rank      : 1 (local_rank: 0)
+  exitcode  : -9 (pid: 13499)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 13499
+======================================================
+srun: error: node1: task 0: Exited with exit code 137
+srun: error: node2: task 1: Exited with exit code 1
+hpkit: the training program failed on healthy nodes (exit 137); not requeued
+"""
+
+
+def test_the_job_s_first_failure_is_the_earliest_block_that_is_not_a_consequence_whatever_the_file_order():
+    v = decide(facts(SIGKILL_TWO_BLOCKS, [record("FAILED", exit_code="137:0")], torchrun=True))
+    assert (v.kind, v.rank, v.node) == (why.SIGNAL, 1, "node1"), v.summary
+    # Both blocks in the same second: rank 0's reset connection still sets its block aside.
+    same_second = SIGKILL_TWO_BLOCKS.replace("2026-11-30_02:54:15", "2026-11-30_02:54:14")
+    v = decide(facts(same_second, [record("FAILED", exit_code="137:0")], torchrun=True))
+    assert (v.kind, v.rank) == (why.SIGNAL, 1), v.summary
+    # The same blocks with rank 0's traceback gone: no consequence left to set aside, so the earlier time decides.
+    lines = [line for line in SIGKILL_TWO_BLOCKS.splitlines(True) if "[rank0]" not in line]
+    v = decide(facts("".join(lines), [record("FAILED", exit_code="137:0")], torchrun=True))
+    assert (v.kind, v.rank) == (why.SIGNAL, 1), v.summary
+
+
 def test_srun_killed_task_is_the_signal_when_srun_started_every_rank():
     text = "hpkit: job 5 (restart 0 of at most 0) on node[1-2], rendezvous x:1\nsrun: error: node2: task 3: Killed\n"
     text += "srun: error: node1: tasks 0-2: Terminated\n"

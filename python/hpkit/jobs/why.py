@@ -447,7 +447,7 @@ def _program(found: _Found, torchrun: bool | None) -> _Call | None:
     causes = [t for t in tracebacks if not t.follow_on]
     faults = [f for f in found.of(FAULT) if f.detail == "exit"]
     via_torchrun = bool(roots) if torchrun is None else torchrun
-    root = roots[0] if roots else None
+    root = _first_root(roots, tracebacks)
     first_task = tasks[0] if tasks else None
     if root is None and first_task is not None and not via_torchrun:
         root = first_task  # srun started every rank: its task id is the rank
@@ -500,6 +500,19 @@ def _program(found: _Found, torchrun: bool | None) -> _Call | None:
             node,
         )
     return None
+
+
+def _first_root(roots: Sequence[Finding], tracebacks: Sequence[Finding]) -> Finding | None:
+    """The job's first failure among torchrun's blocks: each node's agent prints one, naming its own node's first
+    failure, and srun interleaves the nodes' output in no set order. A block whose rank's own traceback is a
+    consequence (a peer's reset connection) goes after the others, whatever the file order: its rank died of
+    another's failure. Then the earliest `time` (to the second), then the file order."""
+
+    def consequence(root: Finding) -> bool:
+        own = [t for t in tracebacks if t.rank is not None and t.rank == root.rank]
+        return bool(own) and all(t.follow_on for t in own)
+
+    return min(roots, key=lambda r: (consequence(r), r.when), default=None)
 
 
 def _exception(tb: Finding, launcher: list[Evidence], node: str | None) -> _Call:

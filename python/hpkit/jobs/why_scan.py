@@ -197,6 +197,7 @@ def _root_finding(root: _OpenRoot) -> Finding:
         node=fields.get("host", ("", None))[0] or None,
         signal=sig,
         exit_code=exit_code if sig is None else None,
+        when=fields.get("time", ("", None))[0],
     )
 
 
