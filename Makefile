@@ -101,14 +101,15 @@ lint: venv
 	$(BIN)/deptry python --no-ansi
 	$(BIN)/lint-imports --no-cache
 
-# Three workers, whole files each (a file shares its clusters and fixtures): the suite mostly waits on
-# Slurm and on torch launches, so side by side it takes about half the wall time (tests/_clusters.py gives
-# every worker its own clusters).
+# Four workers, whole files each (a file shares its clusters and fixtures), the longest files first
+# (tests/conftest.py, tests/_file_schedule.py): with three, the 2 cores were busy 1.7 of 2 on average, idle while
+# files waited on Slurm (requeues, node-death detection, a stopped controller). tests/_clusters.py gives every
+# worker its own clusters.
 # ACCOUNTING=1 for system-deps: tests/integration/test_forgotten_accounting.py starts a cluster with slurmdbd.
 test: ACCOUNTING = 1
 test: setup lint image-test-deps slurm-root
 	rm -rf $(TEST_TMP) && mkdir -p $(TEST_TMP)
-	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 3 --dist loadfile tests
+	TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 4 --dist loadfile tests
 
 # The CUDA half of the suite (tests/gpu), on a machine with an NVIDIA GPU; CI has none and never collects it.
 test-gpu: venv
