@@ -171,7 +171,7 @@ class SlurmJob(JobIdentity):
     document_shape: ClassVar[str] = "a Slurm job is a mapping of keys (name, nodes, ...)"
     document_source: ClassVar[str] = "job"
 
-    nodes: int = Field(default=1, ge=1)
+    nodes: int = Field(default=1, ge=1, le=slurm_options.MAX_NODES)
     tasks_per_node: int | None = Field(
         default=None, ge=1, description="ranks per node (default: GPUs, else 1)"
     )

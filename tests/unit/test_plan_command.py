@@ -210,13 +210,18 @@ def test_a_reader_that_goes_away_ends_the_command_quietly_as_sigpipe_would() -> 
 
 
 @pytest.mark.timeout(60)
-def test_a_huge_node_count_is_planned_not_hung(capsys: pytest.CaptureFixture[str]) -> None:
-    """--nodes 99999999999: the layouts' degrees come from the world's divisors, found in O(sqrt n) (at O(n) the
-    command ran for hours). The divisors are the same as counting them one by one."""
+def test_a_huge_node_count_is_one_line_not_a_hang(capsys: pytest.CaptureFixture[str]) -> None:
+    """--nodes 99999999999999999999 searched a world's divisors for hours (in O(sqrt n): 2.8e10 of them). A count
+    past any cluster (hpkit.slurm.options.MAX_NODES, a spec's `nodes` bound too) is refused in one line; up to it,
+    the degrees come from the divisors, found as counting them one by one would."""
     from hpkit.plan.search import _divisors
+    from hpkit.slurm.options import MAX_NODES
 
     assert all(_divisors(n) == [d for d in range(1, n + 1) if n % d == 0] for n in range(1, 400))
-    assert _divisors(8 * 99999999999)[:6] == [1, 2, 3, 4, 6, 8]
-    rc = cli(["plan", "8B", "--nodes", "99999999999", "--instance", "p5.48xlarge"])
-    out = capsys.readouterr().out
-    assert rc == 0 and "(799999999992 GPUs, 80 GiB each)" in out, out[:2000]
+    assert _divisors(8 * MAX_NODES)[:6] == [1, 2, 4, 5, 8, 10]
+    for nodes in ("99999999999999999999", str(MAX_NODES + 1)):
+        rc, out, err = plan(capsys, "8B", "--nodes", nodes, "--instance", "p5.48xlarge")
+        assert rc == 1 and out == "" and err.count("\n") == 1, err
+        assert err.strip().endswith(
+            f"--nodes: {nodes} is more than any cluster holds: give at most 1,000,000"
+        ), err

@@ -119,6 +119,7 @@ def error_of(data: dict) -> str:
         ({**BASE, "name": "a b"}, "name", "letters, digits"),
         ({**BASE, "name": "x$(id)"}, "name", "letters, digits"),
         ({**BASE, "time_limit": "1 hour"}, "time_limit", "not a Slurm time"),
+        ({**BASE, "nodes": 10**20}, "nodes", "less than or equal to 1000000"),
         ({**BASE, "partition": "p5;rm"}, "partition", "partition name"),
         ({**BASE, "output_dir": "my logs"}, "output_dir", "without whitespace"),
         ({**BASE, "launcher": "mpirun"}, "launcher", "'torchrun', 'srun' or 'mpi'"),

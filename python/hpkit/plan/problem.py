@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from hpkit.errors import SpecError
 from hpkit.plan.search import SearchResult, search
+from hpkit.slurm.options import MAX_NODES
 
 if TYPE_CHECKING:
     from hpkit.arch.llama.shape import ModelShape
@@ -82,6 +83,8 @@ def resolve(ask: PlanAsk) -> PlanProblem:
             raise SpecError(f"{ask.target}: instance_type: missing: set it in the spec, or give --instance")
     if nodes is None:
         raise SpecError("--nodes: missing: how many nodes the job runs on")
+    if nodes > MAX_NODES:
+        raise SpecError(f"--nodes: {nodes} is more than any cluster holds: give at most {MAX_NODES:,}")
     model = _model(ask, nodes)
     precision = ask.precision or model.precision or "bf16"
     hw, gpu_gib = hardware(instance, precision, ask.network)

@@ -17,6 +17,10 @@ SLURM_TIME = re.compile(
 )
 SLURM_TIME_FORMS = "use minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED"
 
+# The most nodes a job may ask for: more than any Slurm cluster holds (a million GPUs is 125,000 nodes of 8), and few
+# enough that the planner's layout search over a world's divisors stays in seconds (99999999999999999999 ran for hours).
+MAX_NODES = 1_000_000
+
 
 def is_slurm_time(value: str) -> bool:
     return SLURM_TIME.match(value) is not None
