@@ -485,6 +485,21 @@ def test_node_fail_from_slurmctld_alone_names_the_node():
     assert v.evidence[0] == why.Evidence("/c/log/slurmctld.log", 1, log.strip())
 
 
+def test_a_lost_node_cites_each_source_once_so_the_controller_s_record_is_not_crowded_out():
+    # srun printed its line twice in a CI run of test_why_jobs, and the three lines cited then held no slurmctld line.
+    output = NODE_LOST.replace(
+        "srun: error: node1: task 0",
+        "srun: error: Node failure on node2\nsrun: error: Node failure on node2\nsrun: error: node1: task 0",
+    )
+    log = "[2026-11-25T12:00:40.100] Killing JobId=7002 on failed node node2\n"
+    found = scan_slurm_log(log.splitlines(True), "/c/log/slurmctld.log", "7002")
+    v = decide(facts(output, [record("NODE_FAIL", exit_code="0:15")], extra=found, events=NODE_LOST_EVENTS))
+    assert (v.kind, v.node) == (why.NODE_FAILURE, "node2"), v.summary
+    sources = [e.source for e in v.evidence]
+    assert "/c/log/slurmctld.log" in sources and EVENTS in sources, v.evidence
+    assert sum("Node failure on node2" in e.text for e in v.evidence) == 1, v.evidence
+
+
 SLURMD_OOM = """\
 [2026-11-25T11:24:55.808] [19810.0] debug:  StepId=19810.0 memory used:199548928 limit:104857600 B
 [2026-11-25T11:24:55.808] [19810.0] error: StepId=19810.0 exceeded memory limit (199548928 > 104857600), being killed

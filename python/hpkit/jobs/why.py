@@ -359,10 +359,15 @@ def _node_failure(found: _Found, record: SlurmRecord | None, _torchrun: bool | N
     summary = (
         f"node failure: {nodes}" if nodes else "node failure (Slurm says NODE_FAIL; the node is not named)"
     )
+    # Each source's first line: srun may print its "Node failure on" twice, and repeats from the job's output
+    # crowded the controller's own record ("Killing JobId=N on failed node") out of the lines cited.
+    per_source: dict[str, Finding] = {}
+    for f in named:
+        per_source.setdefault(f.evidence[0].source, f)
     return _Call(
         NODE_FAILURE,
         summary + then,
-        _ev(*named[:3], *[f for f in lost if not f.node][:2], requeue),
+        _ev(*list(per_source.values())[:4], *[f for f in lost if not f.node][:2], requeue),
         None,
         nodes,
     )
