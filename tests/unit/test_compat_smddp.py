@@ -53,6 +53,14 @@ def test_launch_rank(env, rank):
     assert launch_rank(env) == rank
 
 
+# The refusal's wait on ranks other than 0 (policy.REFUSAL_WAIT_S), recorded instead of slept: a launcher would end
+# the waiting rank once rank 0 has exited.
+RECORD_SLEEPS = (
+    "import sys, hpkit.compat.smddp.policy as p; "
+    "p.time = type('T', (), {'sleep': staticmethod(lambda s: print(f'waited {s}', file=sys.stderr))}); "
+)
+
+
 def _import_alias(rank: int, spec_path: Path) -> subprocess.Popen:
     env = {
         "PATH": os.environ["PATH"],
@@ -60,7 +68,9 @@ def _import_alias(rank: int, spec_path: Path) -> subprocess.Popen:
         "RANK": str(rank),
         "HPKIT_SPEC": str(spec_path),
     }
-    code = "import smdistributed.dataparallel.torch.torch_smddp as m; print('registered', m.HPKIT_ALIAS)"
+    code = RECORD_SLEEPS + (
+        "import smdistributed.dataparallel.torch.torch_smddp as m; print('registered', m.HPKIT_ALIAS)"
+    )
     return subprocess.Popen(
         [sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -72,8 +82,10 @@ def test_every_rank_stops_at_the_import_and_rank_0_says_why(tmp_path):
     procs = [_import_alias(rank, spec) for rank in (0, 1)]
     (out0, err0), (out1, err1) = (p.communicate(timeout=120) for p in procs)
     assert [p.returncode for p in procs] == [1, 1]
-    assert err0 == err1 == "" and out1 == ""
+    assert out1 == "" and err0 == ""
     assert out0.splitlines() == [out0.strip()] and "collectives.smddp_fallback is false" in out0, out0
+    # Rank 1 waits before it exits, so that its exit does not make the launcher end rank 0 before rank 0 said why.
+    assert err1 == "waited 30.0\n", err1
 
 
 def test_with_the_fallback_the_alias_registers(tmp_path):

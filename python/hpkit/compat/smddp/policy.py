@@ -10,6 +10,7 @@ library itself, which is not installed wherever this alias is imported, so the j
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,6 +20,11 @@ from hpkit.runtime.config import RunConfig
 from hpkit.spec import load_run_config
 
 RANK_VARIABLES = ("RANK", "SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+# How long a refusing rank other than 0 waits before it exits. Rank 0 prints why; a rank that exited first made its
+# launcher end rank 0 before it had (torchrun and srun stop the others when one fails: seen with warm-forked ranks,
+# which reach this check within milliseconds of each other). Rank 0's own exit ends the wait as the launcher stops
+# the job, so a refused job still ends as soon as rank 0 has said why.
+REFUSAL_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -80,4 +86,6 @@ def check(alias_of: str, env: Mapping[str, str] | None = None) -> None:
     if launch_rank(env) == 0:
         print(result.line, flush=True)
     if not result.allowed:
+        if launch_rank(env) != 0:
+            time.sleep(REFUSAL_WAIT_S)
         raise SystemExit(1)
