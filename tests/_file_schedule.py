@@ -34,8 +34,16 @@ class CollectionOrderFileScheduling(LoadFileScheduling):
         self._assign_work_unit(node)
 
 
+# What the subclass leans on: xdist's own scheduler methods (3.5 to 3.8), not its public hooks.
+_USED = ("_pending_of", "_assign_work_unit", "_reschedule", "assigned_work")
+
+
 def make_scheduler(config, log):
-    """conftest's pytest_xdist_make_scheduler: this scheduler for `--dist loadfile`, xdist's own otherwise."""
+    """conftest's pytest_xdist_make_scheduler: this scheduler for `--dist loadfile`, xdist's own otherwise (and
+    where an xdist release no longer has what the subclass uses: the suite then runs in xdist's order)."""
     if config.getoption("dist") != "loadfile":
         return None
-    return CollectionOrderFileScheduling(config, log)
+    scheduler = CollectionOrderFileScheduling(config, log)
+    if not all(hasattr(scheduler, name) for name in _USED):
+        return None
+    return scheduler
