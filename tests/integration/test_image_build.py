@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -23,22 +22,6 @@ from _imds_server import imds_server  # the IMDSv2 stand-in shared with the chec
 pytestmark = pytest.mark.image
 
 RUN_TIMEOUT_S = 300
-
-
-def _exit_status(container, timeout_s: float) -> int:
-    """The container's exit status, polled: podman 4.3's Docker-compatible `wait` (container.wait) keeps a core busy
-    for as long as it waits (22.2 CPU-s of the service's over a 20 s container; polled, 0.4), and the file's waits
-    are minutes on a loaded 2-core machine."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        container.reload()
-        if container.status in ("exited", "dead"):
-            return int(container.attrs["State"]["ExitCode"])
-        if time.monotonic() > deadline:
-            raise TimeoutError(
-                f"container {container.short_id} still {container.status} after {timeout_s:.0f} s"
-            )
-        time.sleep(0.2)
 
 
 def _run(
@@ -65,7 +48,7 @@ def _run(
         detach=True,
     )
     try:
-        status = _exit_status(container, RUN_TIMEOUT_S)
+        status = container.wait(timeout=RUN_TIMEOUT_S)["StatusCode"]
         output = container.logs(stdout=True, stderr=True).decode(errors="replace")
     finally:
         container.remove(force=True)
