@@ -513,9 +513,13 @@ def _first_root(roots: Sequence[Finding], tracebacks: Sequence[Finding]) -> Find
     consequence (a peer's reset connection) goes after the others, whatever the file order: its rank died of
     another's failure. Then the earliest `time` (to the second), then the file order."""
 
+    # One pass over the tracebacks (a 16k-rank job has one block per node and a traceback per rank): the ranks with a
+    # traceback, and those with one that is not a consequence.
+    traced = {t.rank for t in tracebacks if t.rank is not None}
+    caused = {t.rank for t in tracebacks if t.rank is not None and not t.follow_on}
+
     def consequence(root: Finding) -> bool:
-        own = [t for t in tracebacks if t.rank is not None and t.rank == root.rank]
-        return bool(own) and all(t.follow_on for t in own)
+        return root.rank in traced and root.rank not in caused
 
     return min(roots, key=lambda r: (consequence(r), r.when), default=None)
 
