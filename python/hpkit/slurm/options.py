@@ -20,6 +20,9 @@ SLURM_TIME_FORMS = "use minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED"
 # The most nodes a job may ask for: more than any Slurm cluster holds (a million GPUs is 125,000 nodes of 8), and few
 # enough that the planner's layout search over a world's divisors stays in seconds (99999999999999999999 ran for hours).
 MAX_NODES = 1_000_000
+# Slurm keeps a node's task, CPU-per-task and GPU counts in 16 bits, and slurm.conf's MaxTasksPerNode "may not
+# exceed 65533": past it sbatch refuses the script (or the planner searches a world of 10^20 ranks).
+MAX_PER_NODE = 65_533
 
 
 def is_slurm_time(value: str) -> bool:
