@@ -139,6 +139,23 @@ def test_closed_port_is_no_imds_at_once() -> None:
     assert took < 0.5
 
 
+def test_closed_port_reads_the_same_when_the_token_request_ran_out_of_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On a loaded machine the token's half of the budget can pass before its connect even runs (a fresh-clone CI
+    # saw it): the GET that follows is refused, and the finding must still say nothing listens there.
+    request = imds._request
+
+    def token_late(endpoint, method, path, headers, deadline):
+        if method == "PUT":
+            raise imds._Timeout()
+        return request(endpoint, method, path, headers, deadline)
+
+    monkeypatch.setattr(imds, "_request", token_late)
+    found, _ = _probe(closed_port())
+    assert found.mode == imds.NONE and "nothing listens" in found.detail, found
+
+
 def test_disabled_asks_nobody() -> None:
     with imds_server(mode="v2") as (url, server):
         found, _ = _probe(url, AWS_EC2_METADATA_DISABLED="TRUE")

@@ -188,7 +188,7 @@ def probe(env: Mapping[str, str], timeout: float) -> ImdsProbe:
         try:
             instance_type = _get_instance_type(endpoint, None, deadline)
         except _Unreachable as exc:
-            return done(NONE, f"nothing answers at {endpoint.url} ({exc})")
+            return done(NONE, f"nothing listens at {endpoint.url} ({exc})")
         except _Timeout:
             return done(NONE, f"{endpoint.url} accepts connections but did not answer within {timeout:g} s")
         except _Garbage as exc:
