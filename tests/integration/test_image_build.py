@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,27 @@ from _imds_server import imds_server  # the IMDSv2 stand-in shared with the chec
 pytestmark = pytest.mark.image
 
 RUN_TIMEOUT_S = 300
+# podman's states once a container's process has ended: "stopped" (exit code recorded) and, after conmon's clean-up
+# command has run, "exited". Both were seen here; a container whose clean-up does not run stays "stopped".
+ENDED_STATES = ("stopped", "exited", "dead")
+
+
+def _exit_status(container, timeout_s: float) -> int:
+    """The container's exit status, polled. podman 4.3's Docker-compatible `wait` (container.wait) keeps a core
+    busy for as long as it waits (22.2 CPU-s of the service's over a 20 s container; polled, 0.4), and this file's
+    containers run for minutes on a loaded 2-core machine."""
+    deadline = time.monotonic() + timeout_s
+    seen: list[str] = []
+    while True:
+        container.reload()
+        state = container.attrs["State"]
+        if not seen or seen[-1] != state["Status"]:
+            seen.append(state["Status"])
+        if not state["Running"] and state["Status"] in ENDED_STATES:
+            return int(state["ExitCode"])
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"container {container.short_id} not ended after {timeout_s:.0f} s: states {seen}")
+        time.sleep(0.2)
 
 
 def _run(
@@ -48,7 +70,7 @@ def _run(
         detach=True,
     )
     try:
-        status = container.wait(timeout=RUN_TIMEOUT_S)["StatusCode"]
+        status = _exit_status(container, RUN_TIMEOUT_S)
         output = container.logs(stdout=True, stderr=True).decode(errors="replace")
     finally:
         container.remove(force=True)
