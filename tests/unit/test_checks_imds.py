@@ -134,9 +134,11 @@ def test_garbage_answers(mode: str) -> None:
 
 
 def test_closed_port_is_no_imds_at_once() -> None:
-    found, took = _probe(closed_port())
+    # A budget far past the contract: a probe that waited for it instead of taking the refusal would fail, and a
+    # loaded machine still has the contract's room (a 0.5 s bound here was at the edge of one).
+    found, took = _probe(closed_port(), timeout=10.0)
     assert found.mode == imds.NONE and "nothing listens" in found.detail
-    assert took < 0.5
+    assert took < CONTRACT_S
 
 
 def test_closed_port_reads_the_same_when_the_token_request_ran_out_of_time(
