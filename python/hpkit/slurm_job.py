@@ -173,7 +173,10 @@ class SlurmJob(JobIdentity):
 
     nodes: int = Field(default=1, ge=1, le=slurm_options.MAX_NODES)
     tasks_per_node: int | None = Field(
-        default=None, ge=1, le=slurm_options.MAX_PER_NODE, description="ranks per node (default: GPUs, else 1)"
+        default=None,
+        ge=1,
+        le=slurm_options.MAX_PER_NODE,
+        description="ranks per node (default: GPUs, else 1)",
     )
     gpus_per_node: int = Field(default=0, ge=0, le=slurm_options.MAX_PER_NODE)
     cpus_per_task: int | None = Field(default=None, ge=1, le=slurm_options.MAX_PER_NODE)

@@ -42,7 +42,9 @@ def _exit_status(container, timeout_s: float) -> int:
         if not state["Running"] and state["Status"] in ENDED_STATES:
             return int(state["ExitCode"])
         if time.monotonic() > deadline:
-            raise TimeoutError(f"container {container.short_id} not ended after {timeout_s:.0f} s: states {seen}")
+            raise TimeoutError(
+                f"container {container.short_id} not ended after {timeout_s:.0f} s: states {seen}"
+            )
         time.sleep(0.2)
 
 
