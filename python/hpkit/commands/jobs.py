@@ -285,15 +285,14 @@ def _logs(args: argparse.Namespace) -> int:
     info = backend.info(args.job_id)
     if not info.stdout:
         raise SlurmError(f"job {args.job_id} has no output file on record")
-    if not args.follow:
-        try:
-            sys.stdout.write(Path(info.stdout).read_text(encoding="utf-8", errors="replace"))
-        except FileNotFoundError:
-            raise HpkitError(f"{info.stdout} does not exist (yet): is the job still pending?") from None
-        return 0
     from hpkit.jobs.watch import LogFollower
 
     follower = LogFollower()
+    if not args.follow:
+        if not Path(info.stdout).is_file():
+            raise HpkitError(f"{info.stdout} does not exist (yet): is the job still pending?")
+        follower.pump(info)
+        return 0
     follower.remember(info)
     if not info.ended:  # a preempted job that Slurm requeues writes more
         # The same polling as `hpkit wait` (one call per poll, backing off, riding out controller

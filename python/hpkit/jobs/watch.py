@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import codecs
+import os
 import sys
 import time
 from dataclasses import asdict
@@ -142,13 +144,20 @@ class _StatusLine:
             self.stream.flush()
 
 
+# What one read of a job's log takes: a log of many GB (a job attached late, `hpkit logs` of a long run) is copied a
+# chunk at a time, never held whole in memory.
+CHUNK_BYTES = 1 << 20
+
+
 class LogFollower:
-    """Prints what a job's output file gained since the last call."""
+    """Prints what a job's output file gained since the last call, a chunk at a time."""
 
     def __init__(self, stream: TextIO = sys.stdout) -> None:
         self.stream = stream
         self.offset = 0
         self.last: JobInfo | None = None
+        # UTF-8 decoded across chunks: a character cut by a chunk's end is completed by the next read.
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def remember(self, info: JobInfo) -> None:
         self.last = info
@@ -160,18 +169,25 @@ class LogFollower:
             self.pump(self.last)
 
     def pump(self, info: JobInfo) -> None:
+        """Copy what the file holds past the last offset, up to its size now (a fast writer cannot keep this
+        call going). A file shorter than what was read (a requeued job that truncated its output) is read from
+        its start."""
         if not info.stdout:
             return
         try:
-            with open(info.stdout, "rb") as fh:
-                fh.seek(self.offset)
-                chunk = fh.read()
+            handle = open(info.stdout, "rb")  # noqa: SIM115 (closed below)
         except FileNotFoundError:
             return
-        if chunk:
-            self.offset += len(chunk)
-            self.stream.write(chunk.decode("utf-8", errors="replace"))
-            self.stream.flush()
+        with handle:
+            size = os.fstat(handle.fileno()).st_size
+            if size < self.offset:
+                self.offset = 0
+                self.decoder.reset()
+            handle.seek(self.offset)
+            while self.offset < size and (chunk := handle.read(min(CHUNK_BYTES, size - self.offset))):
+                self.offset += len(chunk)
+                self.stream.write(self.decoder.decode(chunk))
+        self.stream.flush()
 
 
 def wait_for(
