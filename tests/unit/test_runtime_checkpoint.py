@@ -47,6 +47,23 @@ def test_latest_pointer_wins_and_falls_back(tmp_path):
     assert find_latest(tmp_path) == newest
 
 
+def test_a_failed_save_says_how_much_room_the_newest_checkpoint_took(tmp_path):
+    # torch.save reports a full disk as "unexpected pos N vs M": the advice must give the user both numbers.
+    from types import SimpleNamespace
+
+    from hpkit.runtime.checkpoints.checkpoint import Checkpointer
+
+    newest = _complete(tmp_path, 20)
+    (newest / "__0_0.distcp").write_bytes(b"\0" * 3 * 2**20)
+    advice = Checkpointer._advice(SimpleNamespace(root=tmp_path, latest=lambda: find_latest(tmp_path)))
+    assert f"the newest complete checkpoint is still {newest}" in advice
+    assert "MiB free now; the newest checkpoint holds 3 MiB)" in advice, advice
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    advice = Checkpointer._advice(SimpleNamespace(root=empty, latest=lambda: None))
+    assert "no checkpoint is complete yet" in advice and "MiB free now)" in advice, advice
+
+
 def test_training_blocks_alone(tmp_path):
     path = tmp_path / "t.yaml"
     path.write_text(

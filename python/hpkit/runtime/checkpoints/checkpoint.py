@@ -352,9 +352,13 @@ class Checkpointer:
             f"the newest complete checkpoint is still {latest}" if latest else "no checkpoint is complete yet"
         )
         try:
-            room = f" ({shutil.disk_usage(self.root).free / 2**20:.0f} MiB free now)"
+            room = f"{shutil.disk_usage(self.root).free / 2**20:.0f} MiB free now"
         except OSError:
             room = ""
+        # A full disk does not always say so: torch.save's writer reports ENOSPC as "unexpected pos N vs M".
+        if latest and (held := _bytes_in(latest)):
+            room = f"{room}{'; ' if room else ''}the newest checkpoint holds {held / 2**20:.0f} MiB"
+        room = f" ({room})" if room else ""
         return f"{kept}. Check that {self.root} is writable and has room{room}, then resubmit to resume"
 
     def _failed(self, tmp: Path, exc: BaseException) -> CheckpointError:
@@ -588,3 +592,12 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _bytes_in(folder: Path) -> int:
+    """The bytes of the files directly in `folder` (a DCP checkpoint is flat); 0 where it cannot be read."""
+    try:
+        with os.scandir(folder) as entries:
+            return sum(e.stat().st_size for e in entries if e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
