@@ -91,6 +91,9 @@ def test_each_task_gets_its_spec_with_its_overrides_and_its_own_files(tmp_path):
     assert expand(with_j, sweep, "job.yaml")[0].spec.run.checkpoint.dir == "ckpt/%j"
 
 
+LRS_400 = "train.lr=" + ",".join(f"{i}e-5" for i in range(1, 401))
+
+
 @pytest.mark.parametrize(
     ("args", "line"),
     [
@@ -120,6 +123,13 @@ def test_each_task_gets_its_spec_with_its_overrides_and_its_own_files(tmp_path):
         (["--sweep-file", "empty.yaml"], "empty.yaml: the sweep has no tasks"),
         (["--sweep-file", "scalar.yaml"], "grid's values are a list"),
         (["--sweep-file", "nodes.yaml"], "sweep task 1 (nodes=2): nodes: cannot be swept"),
+        # Past MAX_TASKS at once, before a task is made: a 400 x 400 grid ran for minutes making 160,000.
+        (
+            ["--sweep", f"train.seed={','.join(map(str, range(400)))}", "--sweep", LRS_400],
+            "the grid has 160,000 tasks, more than a sweep's 10,000",
+        ),
+        (["--sweep-file", "many.yaml"], "many.yaml has 10,001 tasks, more than a sweep's 10,000"),
+        (["--sweep-file", "big-grid.yaml"], "the grid has 160,000 tasks"),
     ],
 )
 def test_bad_sweeps_are_one_line_naming_the_field_before_anything_is_written(tmp_path, args, line):
@@ -128,6 +138,10 @@ def test_bad_sweeps_are_one_line_naming_the_field_before_anything_is_written(tmp
     (tmp_path / "scalar.yaml").write_text("train.lr: 0.1\n")
     (tmp_path / "nodes.yaml").write_text("- {train.lr: 0.1}\n- {nodes: 2}\n")
     (tmp_path / "twice.yaml").write_text("- {train.seed: 1}\n- {train.seed: 1.0}\n")
+    (tmp_path / "many.yaml").write_text("".join(f"- {{train.seed: {i}}}\n" for i in range(10_001)))
+    (tmp_path / "big-grid.yaml").write_text(
+        f"train.seed: {list(range(400))}\ntrain.lr: {list(range(1, 401))}\n"
+    )
     proc = subprocess.run(
         [sys.executable, "-m", "hpkit", "submit", "job.yaml", "--dry-run", *args],
         cwd=tmp_path,

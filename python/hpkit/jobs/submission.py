@@ -76,7 +76,11 @@ def write_new(path: Path, text: str, mode: int = 0o644) -> None:
 def snapshot_text(spec: JobSpec) -> str:
     """The snapshot of a spec that travels with its job, as YAML: what `hpkit train --config` reads back on every
     rank, so it must load as the same spec (tests/unit/test_spec.py loads every shipped spec's back)."""
-    return yaml.safe_dump(spec.document(), sort_keys=False)
+    # libyaml's emitter where PyYAML has it: the pure-Python one took 8 ms a snapshot, 80 s for a 10,000-task sweep.
+    return yaml.dump(spec.document(), Dumper=_DUMPER, sort_keys=False)
+
+
+_DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
 
 
 def job_workdir(job: SlurmJob) -> Path:

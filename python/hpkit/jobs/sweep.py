@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -34,6 +35,11 @@ _RENDERED = frozenset({"name", "output_dir", "resilience"})
 SWEEPABLE = tuple(sorted(set(RunConfig.model_fields) - set(SlurmJob.model_fields) - _RENDERED))
 
 Overrides = dict[str, Any]  # dotted key (train.lr) -> value
+
+# The most tasks one sweep may have. Slurm's MaxArraySize is 1001 unless a cluster raises it (to 4,000,001 at most),
+# every task's overrides are written into the one script (sbatch refuses scripts past 4 MB by default) and every
+# task gets a spec snapshot: a 400 x 400 grid ran for minutes before writing 160,000 files.
+MAX_TASKS = 10_000
 
 
 @dataclass(frozen=True)
@@ -115,7 +121,26 @@ def grid(axes: Sequence[tuple[str, Sequence[Any]]]) -> list[Overrides]:
     for key, values in axes:
         if not values:
             raise SpecError(f"sweep {key}: an empty list of values: give at least one")
+    check_task_count(math.prod(len(values) for _, values in axes), "the grid")
     return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(v for _, v in axes))]
+
+
+def check_task_count(count: int, what: str) -> None:
+    """SpecError past MAX_TASKS, before a task is made or checked."""
+    if count > MAX_TASKS:
+        raise SpecError(
+            f"{what} has {count:,} tasks, more than a sweep's {MAX_TASKS:,} (Slurm's MaxArraySize is 1001 unless "
+            "the cluster raises it): fewer values, or several sweeps"
+        )
+
+
+def _frozen(value: Any) -> Any:
+    """A hashable form of an override's value that compares as the value does (1e-4 == 0.0001, 1 == 1.0)."""
+    if isinstance(value, Mapping):
+        return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return tuple(_frozen(v) for v in value)
+    return value
 
 
 def read_sweep_file(path: str) -> list[Overrides]:
@@ -132,6 +157,7 @@ def read_sweep_file(path: str) -> list[Overrides]:
             axes.append((str(key), values))
         tasks = grid(axes)
     elif isinstance(data, list):
+        check_task_count(len(data), path)
         tasks = []
         for number, entry in enumerate(data):
             if not isinstance(entry, dict):
@@ -202,13 +228,15 @@ def expand(base: Mapping[str, Any], sweep: Sweep, source: str) -> list[SweepTask
         raise SpecError(f"{source}: the sweep has no tasks")
     if sweep.max_parallel is not None and sweep.max_parallel < 1:
         raise SpecError(f"--max-parallel {sweep.max_parallel}: must be 1 or more")
+    check_task_count(len(sweep.tasks), source)
     out: list[SweepTask] = []
+    seen: dict[Any, int] = {}  # each task's overrides, frozen -> its index
     for index, overrides in enumerate(sweep.tasks):
         where = f"{source}: sweep task {index} ({describe(overrides)})"
         if not overrides:
             raise SpecError(f"{where}: no overrides: every task sets at least one field")
         # Equal values, however written (1e-4 and 0.0001), make the same run: a task's compute for nothing.
-        if (same := next((t.index for t in out if t.overrides == overrides), None)) is not None:
+        if (same := seen.setdefault(_frozen(overrides), index)) != index:
             raise SpecError(
                 f"{where}: the same overrides as task {same}: it would train the same run twice; drop the "
                 "repeated value (to repeat a run, give each its own train.seed)"
