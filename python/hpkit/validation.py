@@ -129,7 +129,7 @@ def read_document(path: str | Path) -> Any:
         raise SpecError(f"{path}: cannot read: {exc}") from None
     try:
         # YAML is a superset of JSON, but JSON's own parser gives the better message for JSON files.
-        return json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        document = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except json.JSONDecodeError as exc:
         raise SpecError(f"{path}: line {exc.lineno} is not valid JSON: {exc.msg}") from None
     except yaml.YAMLError as exc:
@@ -142,6 +142,32 @@ def read_document(path: str | Path) -> Any:
             f"{path}: nested too deeply to read (lists or mappings about a thousand levels inside each other): "
             "a spec is a few levels deep"
         ) from None
+    if count_values(document, MAX_VALUES) > MAX_VALUES:
+        raise SpecError(
+            f"{path}: holds more than {MAX_VALUES:,} values once its aliases (*name) are expanded: a spec or a "
+            "sweep holds a few thousand; write the values out, or split the file"
+        )
+    return document
+
+
+# The most values (mappings, lists and scalars, each alias counted where it is used) a document may expand to. YAML's
+# aliases let 15 short lines stand for 387 million strings ("billion laughs"), which the spec's checks then walked
+# for as long as they ran. Past it, the walk stops (values > MAX_VALUES is all it says).
+MAX_VALUES = 1_000_000
+
+
+def count_values(document: Any, limit: int) -> int:
+    """How many values `document` holds, counting each alias where it is used, up to limit + 1."""
+    count, stack = 0, [document]
+    while stack and count <= limit:
+        value = stack.pop()
+        count += 1
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return count
 
 
 def load_document(model: type[ModelT], path: str | Path) -> ModelT:

@@ -498,6 +498,37 @@ def test_a_file_nested_thousands_deep_is_one_line_not_a_recursion_traceback(
         load_document(JobSpec, path)
 
 
+def _laughs(levels: int) -> str:
+    """YAML whose aliases expand to 9**levels strings in a few lines ("billion laughs")."""
+    lines = ['l0: &l0 ["x","x","x","x","x","x","x","x","x"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+def test_yaml_whose_aliases_expand_to_millions_of_values_is_one_line_at_once(tmp_path: Path) -> None:
+    # 387 million strings in 15 lines: the spec's checks walked them for as long as they ran (a dry run was still
+    # going after an hour). The count stops at the bound, so the refusal comes at once.
+    laughs = _laughs(9)
+    path = tmp_path / "laughs.yaml"
+    path.write_text(laughs + "name: job\ncommand: [prog]\nenv: {A: *l8}\n")
+    with pytest.raises(SpecError, match=r"laughs\.yaml: holds more than 1,000,000 values once its aliases"):
+        load_document(JobSpec, path)
+    # A document of the same shape that stays under the bound still reads, aliases and all.
+    small = tmp_path / "small.yaml"
+    small.write_text(_laughs(3) + "name: job\ncommand: [prog]\n")
+    with pytest.raises(SpecError, match=r"small\.yaml: l0: unknown key"):
+        load_document(JobSpec, small)
+    # A sweep's value on the command line is YAML too: past the bound it stays the text it was written as.
+    from hpkit.jobs.sweep import parse_value
+
+    flow = "[&a [x,x,x,x,x,x,x,x,x], " + ", ".join(
+        f"&{chr(98 + i)} [{', '.join([f'*{chr(97 + i)}'] * 9)}]" for i in range(7)
+    )
+    flow += "]"
+    assert parse_value(flow) == flow
+    assert parse_value("[&a [1, 2], *a]") == [[1, 2], [1, 2]]
+
+
 def test_a_config_json_or_network_file_nested_thousands_deep_is_one_line(tmp_path: Path) -> None:
     from hpkit.arch.llama.hf import load_config_json
     from hpkit.plan.problem import inter_node_gbs

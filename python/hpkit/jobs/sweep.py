@@ -28,7 +28,7 @@ from hpkit.errors import SpecError
 from hpkit.runtime.config import RunConfig
 from hpkit.slurm_job import SlurmJob
 from hpkit.spec import JobSpec
-from hpkit.validation import document_fields, parse_document, read_document
+from hpkit.validation import MAX_VALUES, count_values, document_fields, parse_document, read_document
 
 # RunConfig fields the rendered script reads (hpkit.render: the log's name and folder, the supervisor's plan).
 _RENDERED = frozenset({"name", "output_dir", "resilience"})
@@ -93,9 +93,11 @@ def parse_value(text: str) -> Any:
     if _NUMBER.match(text) and not re.match(r"^[+-]?\d+$", text):
         return float(text)
     try:
-        return yaml.safe_load(text) if text else None
+        value = yaml.safe_load(text) if text else None
     except (yaml.YAMLError, RecursionError):  # the spec's validation then names the field
         return text
+    # A flow value's aliases can stand for millions of values, as a file's can (hpkit.validation.MAX_VALUES).
+    return text if count_values(value, MAX_VALUES) > MAX_VALUES else value
 
 
 def parse_axis(text: str) -> tuple[str, list[Any]]:
