@@ -529,6 +529,39 @@ def test_yaml_whose_aliases_expand_to_millions_of_values_is_one_line_at_once(tmp
     assert parse_value("[&a [1, 2], *a]") == [[1, 2], [1, 2]]
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "limit"),
+    [
+        ("num_hidden_layers", 10**20, "10,000"),
+        ("num_hidden_layers", 10**12, "10,000"),
+        ("hidden_size", 10**20, "16,777,216"),
+    ],
+)
+def test_a_config_json_past_any_model_is_one_line_not_an_overflow_traceback(
+    tmp_path: Path, field: str, value: int, limit: str
+) -> None:
+    # 10^20 blocks ended in "OverflowError: Python int too large to convert to C ssize_t" from the planner's stage
+    # placement; 10^12 would have counted parameters block by block for hours.
+    from hpkit.arch.llama.hf import parse_hf_config
+    from hpkit.arch.llama.shape import shape_named
+
+    data = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 14336,
+        "vocab_size": 128256,
+    }
+    with pytest.raises(
+        SpecError, match=rf"^config\.json: {field}: {value} is more than {limit}, past any model"
+    ):
+        parse_hf_config({**data, field: value}, 2048)
+    with pytest.raises(SpecError, match=r"^model: n_layers=1000000000000 is more than 10,000"):
+        shape_named("8B", 2048, n_layers=10**12)
+
+
 def test_a_config_json_or_network_file_nested_thousands_deep_is_one_line(tmp_path: Path) -> None:
     from hpkit.arch.llama.hf import load_config_json
     from hpkit.plan.problem import inter_node_gbs

@@ -123,6 +123,16 @@ def error_of(data: dict) -> str:
         ({**BASE, "tasks_per_node": 10**20}, "tasks_per_node", "less than or equal to 65533"),
         ({**BASE, "cpus_per_task": 65534}, "cpus_per_task", "less than or equal to 65533"),
         ({**BASE, "gpus_per_node": 10**20}, "gpus_per_node", "less than or equal to 65533"),
+        (
+            {**BASE, "model": {"name": "debug", "n_layers": 10**20}},
+            "model.n_layers",
+            "less than or equal to 10000",
+        ),
+        (
+            {**BASE, "model": {"name": "8B", "vocab_size": 10**11}},
+            "model.vocab_size",
+            "less than or equal to 16777216",
+        ),
         ({**BASE, "partition": "p5;rm"}, "partition", "partition name"),
         ({**BASE, "output_dir": "my logs"}, "output_dir", "without whitespace"),
         ({**BASE, "launcher": "mpirun"}, "launcher", "'torchrun', 'srun' or 'mpi'"),

@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from hpkit.arch.families import SHAPE_NAMES, family_of
-from hpkit.arch.llama.shape import ModelShape, shape_named
+from hpkit.arch.llama.shape import MAX_LAYERS, MAX_WIDTH, ModelShape, shape_named
 from hpkit.arch.parallel import ep_problem
 from hpkit.arch.pipeline import Schedule, schedule_problem, stages_problem
 from hpkit.job_identity import JobIdentity
@@ -164,14 +164,20 @@ class MoESpec(StrictModel):
     always-on ones; each token goes to its `top_k` experts. Unset fields keep the shape's (debug-moe) or
     these defaults."""
 
-    experts: int | None = Field(default=None, ge=2, description="routed experts per MoE block")
-    top_k: int | None = Field(default=None, ge=1, description="experts each token goes to (default 2)")
-    shared_experts: int | None = Field(default=None, ge=0, description="experts every token goes through")
+    experts: int | None = Field(default=None, ge=2, le=MAX_WIDTH, description="routed experts per MoE block")
+    top_k: int | None = Field(
+        default=None, ge=1, le=MAX_WIDTH, description="experts each token goes to (default 2)"
+    )
+    shared_experts: int | None = Field(
+        default=None, ge=0, le=MAX_WIDTH, description="experts every token goes through"
+    )
     every: int | None = Field(default=None, ge=1, description="every N-th block is a MoE block (default 1)")
     aux_loss_coef: float | None = Field(
         default=None, ge=0, description="weight of the load-balancing loss (default 0.01; 0 turns it off)"
     )
-    expert_ffn_dim: int | None = Field(default=None, ge=1, description="experts' SwiGLU hidden size")
+    expert_ffn_dim: int | None = Field(
+        default=None, ge=1, le=MAX_WIDTH, description="experts' SwiGLU hidden size"
+    )
 
     @model_validator(mode="after")
     def _top_k_fits(self) -> MoESpec:
@@ -230,13 +236,23 @@ class ModelSpec(StrictModel):
         description="a Hugging Face Llama directory (config.json + *.safetensors): its shape and weights; "
         "a checkpoint to resume from takes precedence",
     )
-    vocab_size: int | None = Field(default=None, ge=2, description="override the shape's vocabulary")
+    vocab_size: int | None = Field(
+        default=None, ge=2, le=MAX_WIDTH, description="override the shape's vocabulary"
+    )
     seq_len: int = Field(default=256, ge=2)
-    dim: int | None = Field(default=None, ge=8, description="override the hidden size")
-    n_layers: int | None = Field(default=None, ge=1, description="override the number of blocks")
-    n_heads: int | None = Field(default=None, ge=1, description="override the number of attention heads")
-    n_kv_heads: int | None = Field(default=None, ge=1, description="override the key/value heads (GQA)")
-    ffn_dim: int | None = Field(default=None, ge=1, description="override the SwiGLU hidden size")
+    dim: int | None = Field(default=None, ge=8, le=MAX_WIDTH, description="override the hidden size")
+    n_layers: int | None = Field(
+        default=None, ge=1, le=MAX_LAYERS, description="override the number of blocks"
+    )
+    n_heads: int | None = Field(
+        default=None, ge=1, le=MAX_WIDTH, description="override the number of attention heads"
+    )
+    n_kv_heads: int | None = Field(
+        default=None, ge=1, le=MAX_WIDTH, description="override the key/value heads (GQA)"
+    )
+    ffn_dim: int | None = Field(
+        default=None, ge=1, le=MAX_WIDTH, description="override the SwiGLU hidden size"
+    )
     moe: MoESpec | None = Field(default=None, description="make the model a mixture of experts (MoESpec)")
     lora: LoraSpec | None = Field(
         default=None,

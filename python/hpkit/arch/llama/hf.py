@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpkit.arch.llama.shape import ModelShape, RopeScaling
+from hpkit.arch.llama.shape import ModelShape, RopeScaling, count_limit
 from hpkit.errors import SpecError
 
 CONFIG_NAME = "config.json"
@@ -63,6 +63,8 @@ def parse_hf_config(data: dict[str, Any], seq_len: int, where: str = "config.jso
             raise refuse(name, "missing: a Llama config.json gives it")
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise refuse(name, f"{value!r} is not a positive integer")
+        if value > (limit := count_limit("n_layers" if name == "num_hidden_layers" else name)):
+            raise refuse(name, f"{value} is more than {limit:,}, past any model this could build")
         return value
 
     model_type = data.get("model_type")

@@ -24,6 +24,31 @@ MOE_DEFAULTS: dict[str, Any] = {
 }
 
 
+# The largest value a shape's counts may take: far past any published model (Llama 3 405B: 126 blocks, dim 16,384,
+# vocab 128,256), and small enough that the counts, which walk the blocks one by one, answer at once (a config.json
+# with 10^20 layers ended in an OverflowError traceback; 10^12 would have run for hours).
+MAX_LAYERS = 10_000
+MAX_WIDTH = 2**24  # every other count: dim, heads, ffn_dim, vocab_size, head_dim, experts, top_k
+_COUNTS = (
+    "dim",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_dim",
+    "vocab_size",
+    "head_dim",
+    "experts",
+    "top_k",
+    "shared_experts",
+    "expert_ffn_dim",
+)
+
+
+def count_limit(field: str) -> int:
+    """The most a shape count may be (MAX_LAYERS for n_layers, else MAX_WIDTH)."""
+    return MAX_LAYERS if field == "n_layers" else MAX_WIDTH
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3's rotary frequency scaling (Hugging Face's rope_type "llama3")."""
@@ -144,6 +169,9 @@ class ModelShape:
 
 def shape_problem(shape: ModelShape) -> str | None:
     """Why the model cannot be built with this shape, naming the field; None when it can."""
+    for field in _COUNTS:
+        if (value := getattr(shape, field)) is not None and value > (limit := count_limit(field)):
+            return f"{field}={value} is more than {limit:,}, past any model this could build"
     if shape.head_dim is None and shape.dim % shape.n_heads:
         return f"dim={shape.dim} is not divisible by n_heads={shape.n_heads}"
     if shape.n_heads % shape.n_kv_heads:
