@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
+from hpkit import json_text
+
 # Event types.
 RUN_STARTED = (
     "run_started"  # nodes, batch_host, max_restarts, budget_left, launcher, hangs_dir, logs, requeued_by
@@ -110,7 +112,7 @@ def read(lines: Iterator[str] | list[str]) -> Iterator[tuple[int, str, dict[str,
     for number, raw in enumerate(lines, 1):
         line = raw.rstrip("\r\n")
         try:
-            event = json.loads(line)
+            event = json_text.loads(line)
         except ValueError:
             continue
         if isinstance(event, dict) and isinstance(event.get("type"), str):

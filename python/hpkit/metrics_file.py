@@ -10,11 +10,11 @@ and leaves a half-written last line for the next call.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
+from hpkit import json_text
 from hpkit.errors import HpkitError
 from hpkit.metrics_records import Event, StartEvent, StepRecord, parse_record
 
@@ -84,7 +84,7 @@ class MetricsReader:
 
     def _add(self, raw: bytes) -> None:
         try:
-            record = json.loads(raw)
+            record = json_text.loads(raw)
         except ValueError:
             raise HpkitError(
                 f"{self.path}:{self._line}: not a JSON record: is this an hpkit metrics file (train.metrics_file)?"

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpkit import json_text
 from hpkit.slurm.hostlist import natural_key
 
 STATUSES = ("PASS", "WARN", "FAIL", "SKIP")
@@ -38,7 +39,7 @@ def parse_node_report(text: str, fallback_node: str) -> NodeReport:
     if not text:
         return NodeReport(fallback_node, error="no output from the check (see its .err file)")
     try:
-        data = json.loads(text)
+        data = json_text.loads(text)
         checks = data["checks"]
     except (ValueError, KeyError, TypeError) as exc:
         first = text.splitlines()[0][:120]
@@ -160,7 +161,7 @@ def _spread(name: str, values: Mapping[str, Any]) -> FactSpread | None:
     majority_nodes = _sorted(n for n, k in keyed.items() if k == top)
     return FactSpread(
         name=name,
-        majority=json.loads(top),
+        majority=json_text.loads(top),
         majority_nodes=majority_nodes,
         differ={n: values[n] for n in _sorted(values) if keyed[n] != top},
         split=top_count == second_count,

@@ -17,6 +17,8 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from hpkit import json_text
+
 
 @dataclass(frozen=True)
 class JobNote:
@@ -54,7 +56,7 @@ def recall(job_id: str, name: str | None = None) -> JobNote | None:
     if not job_id.isdigit():
         return None
     try:
-        data = json.loads((index_dir() / f"{job_id}.json").read_text(encoding="utf-8"))
+        data = json_text.loads((index_dir() / f"{job_id}.json").read_text(encoding="utf-8"))
         note = JobNote(**{k: str(data[k]) for k in ("job_id", "name", "script", "workdir")})
     except (OSError, ValueError, KeyError, TypeError):
         return None

@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from hpkit import json_text
 from hpkit.errors import SpecError
 from hpkit.runtime.config import RunConfig
 from hpkit.slurm_job import SlurmJob
@@ -270,7 +271,7 @@ def read_manifest(path: str) -> list[ManifestTask] | None:
     """The tasks a sweep's file lists, or None when it cannot be read."""
     try:
         with open(path, encoding="utf-8") as handle:
-            data = json.load(handle)
+            data = json_text.loads(handle.read())
         return [ManifestTask(int(t["task"]), dict(t["overrides"]), str(t["spec"])) for t in data["tasks"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None

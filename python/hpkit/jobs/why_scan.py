@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 
-from hpkit import job_events
+from hpkit import job_events, json_text
 from hpkit.jobs.why import (
     CANCEL_RECORD,
     CANCEL_REQUEST,
@@ -433,7 +433,7 @@ def _uid(user: str) -> int | None:
 def scan_hang_verdict(text: str, source: str, restart: int | None = None) -> Finding | None:
     """The watchdog's verdict.json (hpkit.runtime.watchdog.hang_watchdog): culprit, node, top frame, stacks folder."""
     try:
-        data = json.loads(text)
+        data = json_text.loads(text)
     except ValueError:
         return None
     if not isinstance(data, dict) or not isinstance(data.get("line"), str):
@@ -480,7 +480,7 @@ def scan_metrics(lines: Iterable[str], source: str) -> list[Finding]:
     end: Finding | None = None
     for number, raw in enumerate(lines, 1):
         try:
-            data = json.loads(raw)
+            data = json_text.loads(raw)
             record = (
                 parse_record(data) if isinstance(data, dict) and isinstance(data.get("step"), int) else None
             )

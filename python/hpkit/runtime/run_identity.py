@@ -9,7 +9,6 @@ that id to the placeholder `none`, which is no id: a `%j` there must not become 
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -17,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from hpkit import json_text
 from hpkit.job_events import hangs_dir, job_key
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ def sweep_overrides(env: Mapping[str, str] | None = None) -> dict | None:
     if not text:
         return None
     try:
-        value = json.loads(text)
+        value = json_text.loads(text)
     except ValueError:
         return None
     return value if isinstance(value, dict) else None

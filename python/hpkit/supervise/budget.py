@@ -7,10 +7,10 @@ by the run it starts, since the run that was requeued could not). `max_restarts:
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpkit import json_text
 from hpkit.job_events import write_atomically
 
 
@@ -43,7 +43,7 @@ class Budget:
     @classmethod
     def load(cls, path: Path, max_restarts: int) -> Budget:
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json_text.loads(path.read_text(encoding="utf-8"))
             return cls(max_restarts, int(data["used"]), [int(r) for r in data["counted_runs"]])
         except (OSError, ValueError, KeyError, TypeError):
             return cls(max_restarts)

@@ -4,9 +4,9 @@ line, written first)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from hpkit import json_text
 from hpkit.job_events import CULPRIT_NODES, VERDICT_JUDGE, verdict_paths
 
 
@@ -26,7 +26,7 @@ def culprit_nodes(verdict: Path) -> list[str]:
 def verdict_judge(verdict: Path) -> str | None:
     """The node whose watchdog wrote the verdict (its "judge"), or None where the verdict does not say."""
     try:
-        judge = json.loads(verdict.read_text(encoding="utf-8")).get(VERDICT_JUDGE)
+        judge = json_text.loads(verdict.read_text(encoding="utf-8")).get(VERDICT_JUDGE)
     except (OSError, ValueError, AttributeError):
         return None
     return judge if isinstance(judge, str) and judge else None

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from hpkit import smp_params
+from hpkit import json_text, smp_params
 from hpkit.compat.smp.unsupported import SmpExit
 from hpkit.runtime.parallel.parallel_dims import MeshCoords, ParallelDims, make_mesh
 
@@ -74,7 +74,7 @@ def read_config(config: dict[str, Any] | str | os.PathLike | None) -> dict[str, 
             raise bad_config(f"cannot read the SMP config {path}: {exc.strerror}") from None
         source = str(path)
     try:
-        loaded = json.loads(text)
+        loaded = json_text.loads(text)
     except json.JSONDecodeError as exc:
         raise bad_config(f"{source} is not JSON ({exc.msg} at line {exc.lineno}): fix the file") from None
     if not isinstance(loaded, dict):

@@ -22,6 +22,7 @@ from typing import Any
 
 import crc32c
 
+from hpkit import json_text
 from hpkit.runtime.checkpoints.page_cache import StreamingWriteback
 
 RECORD_NAME = "hpkit-commit.json"
@@ -95,7 +96,7 @@ class RecordError(Exception):
 def read_record(directory: Path) -> CommitRecord:
     path = directory / RECORD_NAME
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_text.loads(path.read_text(encoding="utf-8"))
         if data.get("format") != RECORD_FORMAT:
             raise RecordError(f"{path.name}: unknown format {data.get('format')!r}")
         return CommitRecord(
@@ -108,7 +109,7 @@ def read_record(directory: Path) -> CommitRecord:
         )
     except FileNotFoundError:
         raise RecordError(f"no commit record ({RECORD_NAME}): the save never completed") from None
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
         raise RecordError(f"{RECORD_NAME} is unreadable: {type(exc).__name__}: {exc}") from None
 
 

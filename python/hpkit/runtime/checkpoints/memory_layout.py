@@ -16,7 +16,6 @@ Folders are keyed by Slurm's node name, so that the nodes of a development clust
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import shutil
@@ -25,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpkit import json_text
 from hpkit.runtime.checkpoints.checkpoint_record import STEP_DIR
 from hpkit.runtime.watchdog.hang_board import node_local_base
 
@@ -139,7 +139,7 @@ def read_holdings(node_dir: Path) -> list[StepHolding]:
         if not m or not (folder / COMPLETE).exists():
             continue
         try:
-            saved = json.loads((folder / RANKS).read_text(encoding="utf-8"))
+            saved = json_text.loads((folder / RANKS).read_text(encoding="utf-8"))
             names = os.listdir(folder)
         except (OSError, ValueError):
             continue

@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from hpkit import json_text
+
 BOARD_ENV = "HPKIT_WATCH_BOARD"  # another root for the boards (tests; hosts without /dev/shm)
 # Boards left behind by killed jobs are removed by the next job's leader after this long.
 LEFTOVER_S = 24 * 3600.0
@@ -81,7 +83,7 @@ def clear_reports(hangs_dir: Path, env: dict[str, str] | None = None) -> None:
 
 def _read(path: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_text.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None  # being replaced: the next round reads it
     return data if isinstance(data, dict) else None
