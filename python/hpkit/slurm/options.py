@@ -15,7 +15,7 @@ from hpkit.slurm.hostlist import HostlistError, expand
 SLURM_TIME = re.compile(
     r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$"
 )
-SLURM_TIME_FORMS = "use minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED"
+SLURM_TIME_FORMS = "use minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED (at most 4294967293 minutes)"
 
 # The most nodes a job may ask for: more than any Slurm cluster holds (a million GPUs is 125,000 nodes of 8), and few
 # enough that the planner's layout search over a world's divisors stays in seconds (99999999999999999999 ran for hours).
@@ -25,8 +25,28 @@ MAX_NODES = 1_000_000
 MAX_PER_NODE = 65_533
 
 
+# Slurm keeps a time limit in 32-bit minutes, 0xfffffffe and 0xffffffff being "unset" and INFINITE.
+MAX_TIME_MINUTES = 0xFFFFFFFD
+
+
 def is_slurm_time(value: str) -> bool:
-    return SLURM_TIME.match(value) is not None
+    """Slurm's time syntax, within what Slurm can hold (UNLIMITED and INFINITE always)."""
+    if SLURM_TIME.match(value) is None:
+        return False
+    return value in ("UNLIMITED", "INFINITE") or time_minutes(value) <= MAX_TIME_MINUTES
+
+
+def time_minutes(value: str) -> int:
+    """The minutes of a time in Slurm's syntax (SLURM_TIME; not UNLIMITED), seconds rounded up as Slurm does:
+    M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
+    days, _, clock = value.rpartition("-")
+    parts = [int(p) for p in clock.split(":")]
+    if days:
+        hours, minutes, seconds = [*parts, 0, 0][:3]
+        return ((int(days) * 24 + hours) * 60 + minutes) + (1 if seconds else 0)
+    if len(parts) == 3:
+        return parts[0] * 60 + parts[1] + (1 if parts[2] else 0)
+    return parts[0] + (1 if len(parts) == 2 and parts[1] else 0)
 
 
 def _names(text: str) -> frozenset[str]:
