@@ -137,10 +137,16 @@ def _bad_corpus(tmp_path: Path, lines: list[str]) -> str:
     return str(path)
 
 
-def test_a_malformed_json_line_stops_with_file_and_line_and_no_partial_shard(corpus, tmp_path, capsys):
+# A line nested past the JSON parser's recursion limit ended `hpkit data prepare` in a RecursionError traceback.
+@pytest.mark.parametrize(
+    "broken", ['{"text": "unterminated', '{"text": ' + "[" * 20000 + "]" * 20000 + "}"], ids=["torn", "deep"]
+)
+def test_a_malformed_json_line_stops_with_file_and_line_and_no_partial_shard(
+    corpus, tmp_path, capsys, broken
+):
     _, tok, _ = corpus
     good = [json.dumps({"text": d}) for d in DOCS[:40]]
-    bad = _bad_corpus(tmp_path, [*good[:30], '{"text": "unterminated', *good[30:]])
+    bad = _bad_corpus(tmp_path, [*good[:30], broken, *good[30:]])
     out = tmp_path / "out"
     code, stdout, err = _cli(
         capsys, bad, "--tokenizer", str(tok), "--out", str(out), "--shard-tokens", "300", "--workers", "1"

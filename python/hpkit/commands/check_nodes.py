@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hpkit import slurm
+from hpkit import json_text, slurm
 from hpkit.checks import fleet
 from hpkit.errors import HpkitError, SlurmError, SpecError
 from hpkit.slurm import hostlist
@@ -162,7 +162,7 @@ def gather(req: Request, job_id: str, nodes: list[str]) -> tuple[list[fleet.Node
     if req.bandwidth:
         path = req.output_dir / f"pairs-{job_id}.json"
         try:
-            pairs = json.loads(path.read_text(encoding="utf-8"))
+            pairs = json_text.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             pairs = {"nodes": nodes, "rounds": [], "error": f"no bandwidth result in {path}"}
     return reports, pairs

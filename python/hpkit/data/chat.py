@@ -15,12 +15,12 @@ end-of-turn token belongs to no one's answer).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from hpkit import json_text
 from hpkit.data.chat_template import ChatTemplate, TemplateRefused
 from hpkit.errors import HpkitError
 
@@ -227,6 +227,6 @@ def row_labels_positions(rows: np.ndarray, flags: np.ndarray, ignore_index: int)
 
 def load_record(line: str) -> Any:
     try:
-        return json.loads(line)
+        return json_text.loads(line)
     except ValueError as exc:
         raise BadExample(f"not valid JSON ({exc})") from None

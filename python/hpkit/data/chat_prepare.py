@@ -10,7 +10,6 @@ the command again starts over. Conversations are few next to pretraining text, s
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shutil
 import time
@@ -19,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpkit import json_text
 from hpkit.data import sources
 from hpkit.data.chat import BadExample, ChatEncoder, Packer, PackStats, load_record, messages_of
 from hpkit.data.chat_template import load_template
@@ -74,7 +74,7 @@ def prepare_chat(opts: ChatOptions) -> ChatResult:
 
     tok = Tokenizer.from_str(tok_info.json_text)
     special = [
-        t["content"] for t in json.loads(tok_info.json_text).get("added_tokens", []) if t.get("special")
+        t["content"] for t in json_text.loads(tok_info.json_text).get("added_tokens", []) if t.get("special")
     ]
     encoder = ChatEncoder(template, tok, opts.train_on, special)
     pad_text = template.special.get("pad_token")
@@ -123,7 +123,7 @@ def _already_done(out: Path, manifest: dict) -> ChatResult | None:
     index = out / INDEX_NAME
     if not index.is_file():
         return None
-    data = json.loads(index.read_text(encoding="utf-8"))
+    data = json_text.loads(index.read_text(encoding="utf-8"))
     if {k: data.get(k) for k in manifest} != manifest:
         raise HpkitError(
             f"--out {out}: holds a preparation with other inputs or settings: remove it or choose another --out"

@@ -23,6 +23,7 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from hpkit import json_text
 from hpkit.errors import HpkitError
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -130,7 +131,7 @@ def load_template(tokenizer_dir: str | Path) -> ChatTemplate:
     config: dict[str, Any] = {}
     if config_path.is_file():
         try:
-            config = json.loads(config_path.read_text(encoding="utf-8"))
+            config = json_text.loads(config_path.read_text(encoding="utf-8"))
         except ValueError as exc:
             raise HpkitError(f"{config_path}: not valid JSON ({exc})") from None
     special = {name: text for name in SPECIAL_TOKENS if (text := _token_text(config.get(name)))}

@@ -6,11 +6,12 @@ Problems are returned, not raised, so that the main process reports the first on
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
 import numpy as np
+
+from hpkit import json_text
 
 MALFORMED = "malformed"  # not a JSON object on one line: --skip-bad may skip it
 NO_FIELD = "no_field"
@@ -67,7 +68,7 @@ def _text_of(fmt: str, item, field: str) -> tuple[str, tuple[str, str] | None]:
             return "", (NOT_TEXT, f"{field!r} is null")
         return item, None
     try:
-        obj = json.loads(item)
+        obj = json_text.loads(item)
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError both
         return "", (MALFORMED, f"not valid JSON ({exc})")
     if not isinstance(obj, dict):

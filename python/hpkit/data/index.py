@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hpkit import json_text
 from hpkit.errors import HpkitError
 
 INDEX_NAME = "index.json"
@@ -91,7 +92,7 @@ def read_index(directory: str | Path, field: str = "train.data.path") -> Index:
         )
         raise HpkitError(f"{field}: {directory} has no {INDEX_NAME}: {hint}")
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_text.loads(path.read_text(encoding="utf-8"))
         if data.get("format") != FORMAT or data.get("version") not in (VERSION, CHAT_VERSION):
             raise ValueError(f"not an {FORMAT} version {VERSION} or {CHAT_VERSION} index")
         chat = data["chat"] if data["version"] == CHAT_VERSION else None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from hpkit import json_text
 from hpkit.data import encode, sources
 from hpkit.data.index import (
     FORMAT,
@@ -189,9 +190,8 @@ def _finished(out: Path, manifest: dict) -> Result | None:
     index_path = out / INDEX_NAME
     if not index_path.exists():
         return None
-    import json
 
-    data = json.loads(index_path.read_text(encoding="utf-8"))
+    data = json_text.loads(index_path.read_text(encoding="utf-8"))
     diffs = _differences({k: data.get(k) for k in manifest}, manifest)
     if diffs:
         raise _refuse(out, "a finished preparation", diffs)
@@ -201,7 +201,6 @@ def _finished(out: Path, manifest: dict) -> Result | None:
 
 
 def _resume_state(out: Path, manifest: dict) -> _State:
-    import json
 
     state_path = out / STATE_NAME
     if not state_path.exists():
@@ -211,7 +210,7 @@ def _resume_state(out: Path, manifest: dict) -> _State:
             )
         return _State(manifest)
     try:
-        state = _State.from_json(json.loads(state_path.read_text(encoding="utf-8")))
+        state = _State.from_json(json_text.loads(state_path.read_text(encoding="utf-8")))
     except (ValueError, KeyError, TypeError) as exc:
         raise HpkitError(f"{state_path}: unreadable ({exc}): remove {out} to start over") from None
     diffs = _differences(state.manifest, manifest)

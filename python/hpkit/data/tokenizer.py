@@ -6,10 +6,10 @@ Workers rebuild it from the JSON text, so every process tokenises with exactly t
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpkit import json_text
 from hpkit.errors import HpkitError
 
 # Tried, in order, when no tokenizer_config.json / special_tokens_map.json names the EOS token.
@@ -78,7 +78,7 @@ def _read_json(path: Path) -> dict:
     if not path.is_file():
         return {}
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json_text.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
         raise HpkitError(f"{path}: not valid JSON ({exc})") from None
     return data if isinstance(data, dict) else {}

@@ -15,7 +15,6 @@ whole heads from the file costs a few rows; fixing them up afterwards would cost
 from __future__ import annotations
 
 import contextlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hpkit import json_text
 from hpkit.errors import SpecError
 from hpkit.hf.config import LLAMA, HfMapping, HfModel
 from hpkit.models.llama import LlamaConfig, named_parameters_unwrapped
@@ -45,7 +45,7 @@ def tensor_files(directory: str | Path) -> dict[str, Path]:
     where = f"model.init_from: {root}"
     if index.is_file():
         try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = json_text.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SpecError(f"{where}: {INDEX_NAME} is unreadable: {type(exc).__name__}: {exc}") from None
         return {name: root / file for name, file in weight_map.items()}
