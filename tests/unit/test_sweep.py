@@ -130,6 +130,15 @@ LRS_400 = "train.lr=" + ",".join(f"{i}e-5" for i in range(1, 401))
         ),
         (["--sweep-file", "many.yaml"], "many.yaml has 10,001 tasks, more than a sweep's 10,000"),
         (["--sweep-file", "big-grid.yaml"], "the grid has 160,000 tasks"),
+        # YAML reads dates and !!set sets, which JSON cannot show: the task's description ended in a TypeError.
+        (
+            ["--sweep-file", "date.yaml"],
+            'sweep task 0 (train.lr="2024-01-01"): train.lr: Input should be a valid number',
+        ),
+        (
+            ["--sweep-file", "set.yaml"],
+            "sweep task 0 (train.lr=\"{'a'}\"): train.lr: Input should be a valid number",
+        ),
     ],
 )
 def test_bad_sweeps_are_one_line_naming_the_field_before_anything_is_written(tmp_path, args, line):
@@ -138,6 +147,8 @@ def test_bad_sweeps_are_one_line_naming_the_field_before_anything_is_written(tmp
     (tmp_path / "scalar.yaml").write_text("train.lr: 0.1\n")
     (tmp_path / "nodes.yaml").write_text("- {train.lr: 0.1}\n- {nodes: 2}\n")
     (tmp_path / "twice.yaml").write_text("- {train.seed: 1}\n- {train.seed: 1.0}\n")
+    (tmp_path / "date.yaml").write_text("- {train.lr: 2024-01-01}\n")
+    (tmp_path / "set.yaml").write_text("- {train.lr: !!set {a}}\n")
     (tmp_path / "many.yaml").write_text("".join(f"- {{train.seed: {i}}}\n" for i in range(10_001)))
     (tmp_path / "big-grid.yaml").write_text(
         f"train.seed: {list(range(400))}\ntrain.lr: {list(range(1, 401))}\n"

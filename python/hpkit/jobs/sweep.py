@@ -64,7 +64,8 @@ class Sweep:
 def describe(overrides: Mapping[str, Any]) -> str:
     """`train.lr=0.0001 train.seed=1`: how a task's overrides are shown in tables and messages."""
     return " ".join(
-        f"{key}={json.dumps(value) if not isinstance(value, str) else value}"
+        # default=str: YAML also reads dates and (!!set) sets, which JSON has no form for; the validator names them.
+        f"{key}={json.dumps(value, default=str) if not isinstance(value, str) else value}"
         for key, value in overrides.items()
     )
 
@@ -143,6 +144,8 @@ def _frozen(value: Any) -> Any:
         return tuple(sorted((str(k), _frozen(v)) for k, v in value.items()))
     if isinstance(value, list | tuple):
         return tuple(_frozen(v) for v in value)
+    if isinstance(value, set):  # YAML's !!set
+        return frozenset(_frozen(v) for v in value)
     return value
 
 
