@@ -147,3 +147,16 @@ def test_a_preempted_run_is_named_from_the_events_in_either_wording(tmp_path, mo
         assert v.kind == why.PREEMPTED, v
         summaries.append(v.summary)
     assert summaries[0] == summaries[1] and summaries[0].startswith("preempted and requeued (restart 1 of 2)")
+
+
+def test_why_reads_an_overlong_line_only_up_to_its_bound_and_goes_on_after_it(tmp_path, monkeypatch):
+    # A job's output of binary garbage without a newline was read whole, as one line (a GB of memory for a GB of
+    # output); now a line is held up to MAX_LINE_CHARS, its rest skipped, and the lines after it read as usual.
+    from hpkit.jobs import why_gather
+
+    monkeypatch.setattr(why_gather, "MAX_LINE_CHARS", 1000)
+    log = tmp_path / "job.out"
+    log.write_text("x" * 10_500 + "\nTraceback (most recent call last):\n" + "y" * 999 + "\nend\n")
+    lines = list(why_gather._Reader(None).lines(log, "job output"))
+    assert [len(line) for line in lines] == [1000, len("Traceback (most recent call last):\n"), 999 + 1, 4]
+    assert lines[1] == "Traceback (most recent call last):\n" and lines[3] == "end\n"

@@ -72,13 +72,23 @@ class _Reader:
 
         def read() -> Iterator[str]:
             with handle:
-                yield from handle
+                while line := handle.readline(MAX_LINE_CHARS):
+                    yield line
+                    # The rest of an overlong line (a log of binary garbage, a progress bar without newlines) is
+                    # skipped: each line is at most MAX_LINE_CHARS in memory, and what why looks for starts a line.
+                    while len(line) == MAX_LINE_CHARS and not line.endswith("\n"):
+                        line = handle.readline(MAX_LINE_CHARS)
 
         return read()
 
     def text(self, path: Path, what: str) -> str | None:
         lines = self.lines(path, what)
         return None if lines is None else "".join(lines)
+
+
+# The most of one line `why` holds: a GB-sized output without a newline was read whole, as one line. Far past any
+# line hpkit writes (an events line naming 16,000 nodes is about 200 KB).
+MAX_LINE_CHARS = 1 << 24
 
 
 def _last_line(text: str) -> str:
