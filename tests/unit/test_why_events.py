@@ -160,3 +160,23 @@ def test_why_reads_an_overlong_line_only_up_to_its_bound_and_goes_on_after_it(tm
     lines = list(why_gather._Reader(None).lines(log, "job output"))
     assert [len(line) for line in lines] == [1000, len("Traceback (most recent call last):\n"), 999 + 1, 4]
     assert lines[1] == "Traceback (most recent call last):\n" and lines[3] == "end\n"
+
+
+def test_the_last_steps_first_line_is_counted_as_the_scan_reads_lines(tmp_path):
+    # The scan reads universal newlines (a progress bar's lone "\r" ends a line); the step's first line was counted
+    # over "\n" alone, so in a log with "\r"s the scan began in the step before.
+    import os
+    from types import SimpleNamespace
+
+    from hpkit.jobs import why_gather
+
+    log = tmp_path / "job.out"
+    before = "step 1\rstep 2\rstep 3\r\nsrun: error: node2: task 1: Exited with exit code 3\n"
+    log.write_bytes((before + "the last step begins\r\nend\n").encode())
+    events = SimpleNamespace(logs={os.path.realpath(log): len(before.encode())})
+    lines = list(why_gather._Reader(None).lines(log, "job output"))
+    start = why_gather._start_line(log, events)
+    assert lines[start - 1] == "the last step begins\n", (start, lines)
+    # Without a recorded size, or past the file's end (a file cut short), the scan reads it all.
+    assert why_gather._start_line(log, SimpleNamespace(logs={})) == 1
+    assert why_gather._start_line(log, SimpleNamespace(logs={os.path.realpath(log): 10**9})) == 1

@@ -183,16 +183,17 @@ def _start_line(output: Path, events: JobEvents | None) -> int:
     size = events.logs.get(os.path.realpath(output))
     if not size:
         return 1
-    seen = number = 0
+    # Counted as `lines` reads: universal newlines (a lone "\r", as progress bars print, ends a line too) and an
+    # overlong line as one. Counting "\n"-lines alone started the scan early in a log with "\r"s, in the step before.
+    seen, number = 0, 1
     try:
         with open(output, "rb") as handle:
-            for number, raw in enumerate(handle, 1):
-                if seen >= size:
-                    return number
+            while seen < size and (raw := handle.readline(MAX_LINE_CHARS)):
                 seen += len(raw)
+                number += raw.count(b"\r") - raw.endswith(b"\r\n") + raw.endswith(b"\n")
     except OSError:
         return 1
-    return number + 1 if seen >= size else 1
+    return number if seen >= size else 1
 
 
 def _why_not(unreadable: list[str]) -> str:
