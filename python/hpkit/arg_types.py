@@ -13,7 +13,7 @@ import re
 from hpkit.sizes import parse_size
 
 # A job (1234) or a task of a job array (1234_5): what Slurm's commands accept and hpkit's job commands read.
-_JOB_ID = re.compile(r"\d+(_\d+)?")
+_JOB_ID = re.compile(r"\d+(_\d+)?", re.ASCII)  # ASCII: "٣٠" is no Slurm job id
 
 
 def positive_int(text: str) -> int:

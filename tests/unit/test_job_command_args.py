@@ -17,6 +17,10 @@ NOT_AN_ID = "is not a Slurm job id (a number such as 1234), or JOB_TASK for a ta
         (["logs", "12;rm"], f"argument job_id: '12;rm' {NOT_AN_ID}"),
         (["cancel", ""], f"argument job_id: '' {NOT_AN_ID}"),
         (["why", "1_2_3"], f"argument job_id: '1_2_3' {NOT_AN_ID}"),
+        (
+            ["why", "\u0663\u0660"],
+            f"argument job_id: '\u0663\u0660' {NOT_AN_ID}",
+        ),  # Arabic-Indic digits: int() reads them
         (["wait", "1", "x"], f"argument job_id: 'x' {NOT_AN_ID}"),
         (["wait", "1", "--poll", "-1"], "argument --poll: must be greater than 0"),
         (["wait", "1", "--poll", "nan"], "argument --poll: must be a finite number"),

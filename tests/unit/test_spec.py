@@ -120,6 +120,8 @@ def error_of(data: dict) -> str:
         ({**BASE, "name": "x$(id)"}, "name", "letters, digits"),
         ({**BASE, "time_limit": "1 hour"}, "time_limit", "not a Slurm time"),
         ({**BASE, "time_limit": "99999999999999999999"}, "time_limit", "at most 4294967293 minutes"),
+        ({**BASE, "time_limit": "\u0663\u0660"}, "time_limit", "not a Slurm time"),
+        ({**BASE, "mem": "\u0663\u0660G"}, "mem", "not a Slurm size"),
         ({**BASE, "nodes": 10**20}, "nodes", "less than or equal to 1000000"),
         ({**BASE, "tasks_per_node": 10**20}, "tasks_per_node", "less than or equal to 65533"),
         ({**BASE, "cpus_per_task": 65534}, "cpus_per_task", "less than or equal to 65533"),

@@ -17,8 +17,8 @@ from collections.abc import Iterable
 
 from hpkit.errors import SlurmError
 
-_NUMBERED = re.compile(r"^(.*?)(\d+)$")
-_RANGE = re.compile(r"(\d+)(?:-(\d+))?")
+_NUMBERED = re.compile(r"^(.*?)(\d+)$", re.ASCII)
+_RANGE = re.compile(r"(\d+)(?:-(\d+))?", re.ASCII)
 
 
 class HostlistError(SlurmError):

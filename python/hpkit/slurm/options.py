@@ -12,8 +12,9 @@ import re
 from hpkit.slurm.hostlist import HostlistError, expand
 
 # sbatch --time: minutes, MM:SS, HH:MM:SS, D-HH[:MM[:SS]], or no limit.
+# re.ASCII throughout: \d would also take other scripts' digits ("٣٠"), which int() reads and Slurm does not.
 SLURM_TIME = re.compile(
-    r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$"
+    r"^(\d+|\d+:\d{1,2}|\d+:\d{1,2}:\d{1,2}|\d+-\d{1,2}(:\d{1,2}(:\d{1,2})?)?|UNLIMITED|INFINITE)$", re.ASCII
 )
 SLURM_TIME_FORMS = "use minutes, HH:MM:SS, D-HH:MM:SS or UNLIMITED (at most 4294967293 minutes)"
 
@@ -174,14 +175,14 @@ _NOT_JOB_OPTIONS = {
 _TOKEN = re.compile(r"^[^\s\"'#\\\x00-\x1f\x7f]+$")
 _HOSTLIST = re.compile(r"^[A-Za-z0-9._\-\[\],]+$")
 _FEATURES = re.compile(r"^[A-Za-z0-9._\-&|,*\[\]()!:]+$")
-_MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE)
-_GRES_ITEM = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*(:[A-Za-z0-9_.\-]+)?(:\d+)?$")
+_MEM = re.compile(r"^\d+[KMGT]?$", re.IGNORECASE | re.ASCII)
+_GRES_ITEM = re.compile(r"^[A-Za-z][A-Za-z0-9_\-]*(:[A-Za-z0-9_.\-]+)?(:\d+)?$", re.ASCII)
 _JOB = r"\d+(?:_\d+)?"
 _DEP_ITEM = (
     rf"(?:singleton|after(?::{_JOB}(?:\+\d+)?)+"
     rf"|(?:afterany|afterburstbuffer|aftercorr|afternotok|afterok)(?::{_JOB})+)"
 )
-_DEPENDENCY = re.compile(rf"^{_DEP_ITEM}(?:(?:,{_DEP_ITEM})*|(?:\?{_DEP_ITEM})*)$")
+_DEPENDENCY = re.compile(rf"^{_DEP_ITEM}(?:(?:,{_DEP_ITEM})*|(?:\?{_DEP_ITEM})*)$", re.ASCII)
 MAIL_TYPES = (
     "NONE",
     "BEGIN",
@@ -214,7 +215,7 @@ SIGNALS = (
     "STOP",
     "TSTP",
 )
-_SIGNAL = re.compile(r"^(?:([RB]):)?(?:SIG)?([A-Z0-9]+)(?:@(\d+))?$", re.IGNORECASE)
+_SIGNAL = re.compile(r"^(?:([RB]):)?(?:SIG)?([A-Z0-9]+)(?:@(\d+))?$", re.IGNORECASE | re.ASCII)
 
 
 def _token(value: str, what: str = "") -> str:
