@@ -161,7 +161,7 @@ def _spread(name: str, values: Mapping[str, Any]) -> FactSpread | None:
     majority_nodes = _sorted(n for n, k in keyed.items() if k == top)
     return FactSpread(
         name=name,
-        majority=json_text.loads(top),
+        majority=json.loads(top),  # our own json.dumps of the value (keyed above), not a file
         majority_nodes=majority_nodes,
         differ={n: values[n] for n in _sorted(values) if keyed[n] != top},
         split=top_count == second_count,
