@@ -312,6 +312,22 @@ def test_the_job_s_first_failure_is_the_earliest_block_that_is_not_a_consequence
     assert (v.kind, v.rank) == (why.SIGNAL, 1), v.summary
 
 
+def test_the_killed_rank_s_node_is_the_task_whose_exit_says_the_signal_whatever_srun_s_order():
+    # srun reported node2's agent (exit 1: its rank died of the reset connection) before node1's (137: it passed the
+    # SIGKILL on), as in a CI run of test_why_jobs: the verdict named node2 for rank 1, which ran on node1.
+    first, second = (
+        "srun: error: node1: task 0: Exited with exit code 137\n",
+        "srun: error: node2: task 1: Exited with exit code 1\n",
+    )
+    swapped = SIGKILL_TWO_BLOCKS.replace(first + second, second + first)
+    assert swapped != SIGKILL_TWO_BLOCKS
+    v = decide(facts(swapped, [record("FAILED", exit_code="137:0")], torchrun=True))
+    assert (v.kind, v.rank, v.node) == (why.SIGNAL, 1, "node1"), v.summary
+    killed = swapped.replace("task 0: Exited with exit code 137", "task 0: Killed")
+    v = decide(facts(killed, [record("FAILED", exit_code="137:0")], torchrun=True))
+    assert v.node == "node1", v.summary
+
+
 def test_srun_killed_task_is_the_signal_when_srun_started_every_rank():
     text = "hpkit: job 5 (restart 0 of at most 0) on node[1-2], rendezvous x:1\nsrun: error: node2: task 3: Killed\n"
     text += "srun: error: node1: tasks 0-2: Terminated\n"

@@ -456,6 +456,15 @@ def _program(found: _Found, torchrun: bool | None) -> _Call | None:
     first_task = tasks[0] if tasks else None
     if root is None and first_task is not None and not via_torchrun:
         root = first_task  # srun started every rank: its task id is the rank
+    if (
+        root is not None
+        and root.signal
+        and first_task is not None
+        and not _says_signal(first_task, root.signal)
+    ):
+        # srun reports the nodes' task exits in no set order: with torchrun, the node whose agent passes the
+        # signal on (hpkit-torchrun exits 128 + it) is the rank's; its peers' agents exit 1 and may come first.
+        first_task = next((t for t in tasks if _says_signal(t, root.signal)), first_task)
     node = first_task.node if first_task is not None else None
     launcher = _ev(root, first_task if first_task is not root else None)
     if root is not None and root.rank is not None:
@@ -530,6 +539,11 @@ def _exception(tb: Finding, launcher: list[Evidence], node: str | None) -> _Call
     return _Call(
         PROGRAM_ERROR, f"program error{who}: {tb.detail}{where}", [*tb.evidence, *launcher], tb.rank, node
     )
+
+
+def _says_signal(task: Finding, signal: int) -> bool:
+    """srun's line for the task says it ended by `signal` ("Killed", or "Exited with exit code 128+N")."""
+    return task.signal == signal or task.exit_code == 128 + signal
 
 
 def _killed(root: Finding, launcher: list[Evidence], node: str | None) -> _Call:
