@@ -5,10 +5,11 @@ from __future__ import annotations
 import difflib
 import json
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from types import UnionType
+from typing import Annotated, Any, ClassVar, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 
 from hpkit.errors import SpecError
@@ -27,6 +28,28 @@ class StrictModel(BaseModel):
     # its YAML stays flat: hpkit.spec.JobSpec). A problem inside one is named as the user wrote it, without
     # the part's name.
     flat_parts: ClassVar[tuple[str, ...]] = ()
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic reads true as 1 for a number field: `every: true` staged every step, `nodes: yes` asked for one.
+        if isinstance(value, bool) and info.field_name is not None:
+            accepted = _plain_types(cls.model_fields[info.field_name].annotation)
+            if bool not in accepted and accepted & {int, float}:
+                raise ValueError(f"a number, not {str(value).lower()}")
+        return value
+
+
+def _plain_types(annotation: Any) -> set[Any]:
+    """The classes an annotation accepts at its top level (through unions, Optional, Annotated and Literal)."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _plain_types(get_args(annotation)[0])
+    if origin is Literal:
+        return {type(value) for value in get_args(annotation)}
+    if origin in (Union, UnionType):
+        return set().union(*(_plain_types(arg) for arg in get_args(annotation)))
+    return {origin or annotation}
 
 
 def document_fields(model: Any) -> dict[str, FieldInfo]:

@@ -571,3 +571,32 @@ def test_a_config_json_or_network_file_nested_thousands_deep_is_one_line(tmp_pat
         load_config_json(tmp_path, str, "")
     with pytest.raises(SpecError, match=r"--network .*: unreadable: maximum recursion depth"):
         inter_node_gbs(str(tmp_path / "config.json"))
+
+
+@pytest.mark.parametrize(
+    ("document", "line"),
+    [
+        ({"nodes": True}, "spec.yaml: nodes: a number, not true"),
+        ({"train": {"steps": False}}, "spec.yaml: train.steps: a number, not false"),
+        (
+            {"checkpoint": {"dir": "c", "memory": {"every": True}}},
+            "spec.yaml: checkpoint.memory.every: a number, not true",
+        ),
+        ({"train": {"lr": True}}, "spec.yaml: train.lr: a number, not true"),
+    ],
+)
+def test_true_or_false_for_a_number_is_refused_not_read_as_one_or_zero(
+    tmp_path: Path, document: dict, line: str
+) -> None:
+    # pydantic reads true as 1 and false as 0 for a number field: `checkpoint.memory.every: true` staged every step
+    # and `nodes: yes` (YAML 1.1's true) asked for one node, with nothing said.
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({"name": "job", "command": ["prog"], **document}))
+    with pytest.raises(SpecError) as refused:
+        load_document(JobSpec, path)
+    assert line in str(refused.value).replace(str(tmp_path) + "/", "")
+    # A true where the field is a switch still reads.
+    path.write_text(
+        yaml.safe_dump({"name": "job", "command": ["prog"], "checkpoint": {"dir": "c", "async_save": True}})
+    )
+    assert load_document(JobSpec, path).run.checkpoint.async_save is True
