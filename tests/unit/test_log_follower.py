@@ -3,6 +3,7 @@ only what is new, and from the start again when a requeued job truncated the fil
 
 from __future__ import annotations
 
+import contextlib
 import io
 from pathlib import Path
 
@@ -66,4 +67,13 @@ def test_a_missing_log_prints_nothing_until_it_appears(tmp_path: Path) -> None:
     assert out.getvalue() == ""
     log.write_text("started\n")
     follower.pump(_info(log))
+    assert out.getvalue() == "started\n"
+
+
+def test_the_default_stream_is_stdout_as_it_is_when_the_follower_is_made(tmp_path: Path) -> None:
+    log = tmp_path / "run.out"
+    log.write_text("started\n")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        watch.LogFollower().pump(_info(log))
     assert out.getvalue() == "started\n"

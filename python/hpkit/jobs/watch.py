@@ -152,8 +152,10 @@ CHUNK_BYTES = 1 << 20
 class LogFollower:
     """Prints what a job's output file gained since the last call, a chunk at a time."""
 
-    def __init__(self, stream: TextIO = sys.stdout) -> None:
-        self.stream = stream
+    def __init__(self, stream: TextIO | None = None) -> None:
+        # sys.stdout as it is when the follower is made, not when this module was imported (a caller that
+        # redirected stdout since, such as a test's capture, gets the copy).
+        self.stream = stream if stream is not None else sys.stdout
         self.offset = 0
         self.last: JobInfo | None = None
         # UTF-8 decoded across chunks: a character cut by a chunk's end is completed by the next read.
