@@ -131,6 +131,23 @@ def test_a_resume_refuses_other_settings_naming_what_differs(corpus, tmp_path, c
     assert code == 1 and "0000.txt was an input and is not now" in err
 
 
+@pytest.mark.parametrize(
+    "index_text", ['{"format": "hpkit', "[]", '{"shards": 7}'], ids=["torn", "list", "shape"]
+)
+def test_an_unreadable_finished_index_is_one_line_and_nothing_is_removed(
+    corpus, tmp_path, capsys, index_text
+):
+    _root, tok, inputs = corpus
+    out = tmp_path / "out"
+    _prepare(corpus, out)
+    (out / "index.json").write_text(index_text)
+    before = _tree(out)
+    code, _, err = _cli(capsys, *inputs, "--tokenizer", str(tok), "--out", str(out), "--shard-tokens", "700")
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "index.json: unreadable" in err and f"remove {out} to start over" in err
+    assert _tree(out) == before
+
+
 def _bad_corpus(tmp_path: Path, lines: list[str]) -> str:
     path = tmp_path / "bad.jsonl"
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")

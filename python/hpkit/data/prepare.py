@@ -191,13 +191,20 @@ def _finished(out: Path, manifest: dict) -> Result | None:
     if not index_path.exists():
         return None
 
-    data = json_text.loads(index_path.read_text(encoding="utf-8"))
-    diffs = _differences({k: data.get(k) for k in manifest}, manifest)
+    try:
+        data = json_text.loads(index_path.read_text(encoding="utf-8"))
+        diffs = _differences({k: data.get(k) for k in manifest}, manifest)
+        shards = [Shard(s["name"], int(s["tokens"]), s["sha256"]) for s in data["shards"]]
+        result = Result(out, shards, int(data["documents"]), int(data["skipped_bad"]), already_done=True)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        # An index edited by hand or cut short by a full disk: said in one line, and nothing of it removed.
+        raise HpkitError(
+            f"{index_path}: unreadable ({type(exc).__name__}: {exc}): remove {out} to start over"
+        ) from None
     if diffs:
         raise _refuse(out, "a finished preparation", diffs)
     (out / STATE_NAME).unlink(missing_ok=True)
-    shards = [Shard(s["name"], int(s["tokens"]), s["sha256"]) for s in data["shards"]]
-    return Result(out, shards, int(data["documents"]), int(data["skipped_bad"]), already_done=True)
+    return result
 
 
 def _resume_state(out: Path, manifest: dict) -> _State:
