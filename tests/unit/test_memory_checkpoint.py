@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from _gloo import run_ranks
+from _gloo import COLLECTIVE_TIMEOUT_S, run_ranks
 
 _RANK = r"""
 import json, sys
@@ -226,3 +226,68 @@ def test_a_failed_copy_leaves_no_files_of_its_step_in_node_memory_and_the_next_c
     removed (it is never restored from, and each failed step would otherwise hold one more state in RAM); and
     the copy after it runs on a new group, since the broken one stays broken."""
     run_ranks(_a_failed_copy, 2, tmp_path, str(tmp_path / "mem" / "run"))
+
+
+def _one_node_without_room(rank: int, world: int, root: str) -> None:
+    import errno
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from hpkit.runtime.checkpoints import memory_checkpoint
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
+    from hpkit.runtime.config import MemoryCheckpointSpec
+
+    lines: list[str] = []
+    saver = MemoryCheckpointer(MemoryCheckpointSpec(every=1), Path(root), f"n{rank}", log=lines.append)
+    state = {f"own{rank}": torch.ones(1024), "step": torch.tensor(0)}
+    saver.save(1, state)
+    saver.wait()
+    mapped = memory_checkpoint._mapped
+
+    def full(path, size=None):  # n1's node memory is full: a new file gets no pages
+        if size is not None:
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return mapped(path, size)
+
+    if rank == 1:
+        memory_checkpoint._mapped = full
+    started = time.monotonic()
+    saver.save(2, state)
+    saver.wait()
+    took = time.monotonic() - started
+    # Both ranks learn of it at once: n0 did not wait in the transfer or the barrier for the group's timeout.
+    assert took < COLLECTIVE_TIMEOUT_S / 3, took
+    assert saver.last_step == 1, saver.last_step
+    assert sorted(p.name for p in saver.node_dir.iterdir()) == ["step-00000001"]
+    assert not list(saver.node_dir.rglob("*.part")), list(saver.node_dir.rglob("*"))
+    if rank == 0:
+        assert any(
+            "in-memory checkpoint not completed" in line
+            and "no room for the copies on n1: No space left on device" in line
+            for line in lines
+        ), lines
+    memory_checkpoint._mapped = mapped
+    saver.save(3, state)
+    saver.wait()
+    assert saver.last_step == 3, saver.last_step
+    # The group was never broken: the copies go on without a new one.
+    assert not any("a new group" in line for line in lines), lines
+    saver.close(completed=False)
+
+
+def test_one_node_without_room_for_its_copies_fails_the_step_on_every_rank_at_once(tmp_path):
+    run_ranks(_one_node_without_room, 2, tmp_path, str(tmp_path / "mem" / "run"))
+
+
+def test_a_received_file_takes_its_node_memory_up_front(tmp_path):
+    """A sparse file maps fine on a full tmpfs, and the first write past the free pages kills the rank with SIGBUS;
+    reserved when it is made, a full node is an ENOSPC the copies can agree on."""
+    from hpkit.runtime.checkpoints.memory_checkpoint import _mapped
+
+    path = tmp_path / "received"
+    size = 3 << 20
+    buffer = _mapped(path, size)
+    assert buffer.numel() == size
+    assert path.stat().st_blocks * 512 >= size, path.stat().st_blocks

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -53,6 +54,11 @@ from hpkit.runtime.checkpoints.memory_layout import (
     shard_file,
 )
 from hpkit.runtime.config import MemoryCheckpointSpec
+
+
+class CopyRefused(RuntimeError):
+    """Some node had no room for its part of an in-memory step; every rank raises it together."""
+
 
 _TAG = 4417  # p2p tag of the copies, apart from anything training sends
 
@@ -109,6 +115,7 @@ class MemoryCheckpointer:
         # A copy failed before its barrier: the copies' group may be broken for good (gloo's pairs stay closed
         # after a timeout or a lost peer), and every rank's copy failed with it (the barrier needs them all).
         self._renew_group = False
+        self._local_failure: OSError | None = None  # this node could not write its part of the step
         self.last_step: int | None = None  # newest step complete on every node
         self.dirty = False  # a restore's load failed part-way: the state may be partly overwritten
         self.state_bytes = 0  # this rank's file, as last saved
@@ -229,7 +236,8 @@ class MemoryCheckpointer:
             self.copy_s = time.perf_counter() - start
         except BaseException as exc:
             self._failure = exc
-            self._renew_group = not agreed
+            # Refused room is agreed by every rank on a working group; anything else may have broken it.
+            self._renew_group = not agreed and not isinstance(exc, CopyRefused)
             if self.is_node_leader:
                 # A step that did not complete is never restored from: its files would stay in node memory,
                 # beyond host_copies, one more state each time (every later copy failed where gloo's pairs broke).
@@ -256,7 +264,11 @@ class MemoryCheckpointer:
             dist.broadcast_object_list(blob, src=0, group=self.group)
             data = blob[0]
         if writes:
-            _write_whole(folder / METADATA, data)
+            try:
+                _write_whole(folder / METADATA, data)
+            except OSError as exc:  # this node's memory full: agreed on with the copies' own room, below
+                self._local_failure = exc
+                return
         self._metadata_digest, self._metadata_file = digest, folder / METADATA
 
     def _exchange(self, sends: list[tuple[int, Path]], receives: list[tuple[int, Path]]) -> None:
@@ -281,7 +293,7 @@ class MemoryCheckpointer:
         for work in works:
             work.wait()
         parts = [_part(path) for _, path in receives]
-        buffers = [_mapped(part, int(size.item())) for part, size in zip(parts, sizes, strict=True)]
+        buffers = self._room_for(parts, [int(size.item()) for size in sizes])
         works = [
             dist.isend(data, peer, group=self.group, tag=_TAG + 1)
             for (peer, _), data in zip(sends, payloads, strict=True)
@@ -295,6 +307,31 @@ class MemoryCheckpointer:
         del payloads, buffers  # unmapped before the files are renamed (or removed)
         for part, (_, path) in zip(parts, receives, strict=True):
             os.replace(part, path)
+
+    def _room_for(self, parts: list[Path], sizes: list[int]) -> list[torch.Tensor]:
+        """The files this rank receives, their node memory taken up front; every rank agrees whether every node
+        found room (and wrote the step's metadata) before any byte travels. A node whose memory is full fails
+        here alone: without the agreement its peers waited in the transfer and the barrier until the group's
+        timeout (minutes of training stalled at the next save), or a mapped file with no page left behind it
+        killed the rank with SIGBUS."""
+        failure, self._local_failure = self._local_failure, None
+        buffers: list[torch.Tensor] = []
+        if failure is None:
+            try:
+                buffers = [_mapped(part, size) for part, size in zip(parts, sizes, strict=True)]
+            except OSError as exc:
+                failure = exc
+        ok = torch.tensor([int(failure is None)])
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if ok.item():
+            return buffers
+        del buffers
+        for part in parts:
+            part.unlink(missing_ok=True)
+        said: list[Any] = [None] * self.world_size
+        mine = None if failure is None else f"{self.node}: {failure.strerror or failure}"
+        dist.all_gather_object(said, mine, group=self.group)
+        raise CopyRefused("no room for the copies on " + "; ".join(dict.fromkeys(s for s in said if s)))
 
     # ----------------------------------------------------------------------------------------------
     # Restore
@@ -329,10 +366,17 @@ class MemoryCheckpointer:
         dist.all_gather_object(node_files, set(os.listdir(folder)), group=self.group)
         by_node = {self.rank_nodes[r]: files for r, files in enumerate(node_files)}
         transfers = plan_transfers(dict(enumerate(needs)), by_node, self.rank_nodes)
-        self._exchange(
-            [(t.dest, folder / t.file) for t in transfers if t.source == self.rank],
-            [(t.source, folder / t.file) for t in transfers if t.dest == self.rank],
-        )
+        try:
+            self._exchange(
+                [(t.dest, folder / t.file) for t in transfers if t.source == self.rank],
+                [(t.source, folder / t.file) for t in transfers if t.dest == self.rank],
+            )
+        except CopyRefused as exc:  # every rank raised it together
+            if self.rank == 0:
+                self._log(
+                    f"hpkit train: warning: in-memory step {plan.step} not restored ({exc}); resuming from checkpoint.dir"
+                )
+            return None
         dist.barrier(group=self.group)
         problem = None
         try:
@@ -425,6 +469,14 @@ def _mapped(path: Path, size: int | None = None) -> torch.Tensor:
     else:
         with path.open("wb") as f:
             f.truncate(size)
+            if size:
+                # The pages taken now: on a full tmpfs a sparse file maps fine and the first write past the
+                # free pages kills the process with SIGBUS; reserved, it is ENOSPC here.
+                try:
+                    os.posix_fallocate(f.fileno(), 0, size)
+                except OSError as exc:
+                    if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system that cannot reserve
+                        raise
         shared = True
     if size == 0:  # nothing to map
         return torch.empty(0, dtype=torch.uint8)
