@@ -1,4 +1,5 @@
-"""HPKIT_TEST_CPU_REPORT=FILE: each test file's CPU seconds, its processes and daemons included, appended to FILE.
+"""HPKIT_TEST_CPU_REPORT=FILE: each test file's CPU seconds, its processes and daemons included, appended to FILE
+(and each test's to FILE.tests).
 
 A line per file, tab-separated: the file, its CPU seconds, its start and end (Unix time, wall clock) and the xdist
 worker that ran it ("main" without xdist). The wall times show the run's timeline: which files ran side by side,
@@ -40,6 +41,8 @@ class CpuReport:
         self.module: str | None = None
         self.mark, self.started = self.used_s(), time.time()
         self.worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        self.tests_report = report.with_name(report.name + ".tests")
+        self.test_mark = self.mark
 
     def used_s(self) -> float:
         text = (self.group / self.usage).read_text()
@@ -62,6 +65,14 @@ class CpuReport:
         module = nodeid.split("::", 1)[0]
         if module != self.module:
             self.switch(module)
+        self.test_mark = self.used_s()
+
+    def pytest_runtest_logfinish(self, nodeid: str, location: tuple) -> None:
+        # A test's own line (set-up, call and teardown, its module fixtures' with the first and last test), in
+        # FILE.tests: where a file's seconds go.
+        now = self.used_s()
+        with self.tests_report.open("a") as out:
+            out.write(f"{nodeid}\t{now - self.test_mark:.1f}\t{self.worker}\n")
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         self.switch(None)
