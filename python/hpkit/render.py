@@ -227,7 +227,7 @@ def supervise_plan(spec: JobSpec) -> str:
         # only for hpkit train with its watchdog on, since serving it imports torch (memory in the batch step).
         watch_store=job.launcher in ("srun", "mpi") and resilience.hang.enabled and runs_hpkit_train(job),
         ranks_ready=runs_hpkit_train(job),
-        warm=zygote_command(job, spec.warm_starts),
+        warm=zygote_command(job, spec.warm_starts, spec.run.resilience.warm_preload),
     ).to_json()
 
 
@@ -248,16 +248,17 @@ def warm_client_words(job: SlurmJob, warm: bool) -> list[str]:
     return [user_command(job)[0], "-m", "hpkit.warm.client", "--"]
 
 
-def zygote_command(job: SlurmJob, warm: bool) -> str:
+def zygote_command(job: SlurmJob, warm: bool, more: tuple[str, ...] = ()) -> str:
     """The command of the supervisor's background step that keeps a zygote (hpkit.warm.zygote) on every node of
     the allocation, spares included, as shell text; "" when ranks start cold. It preloads what the
-    rank's command imports first: torch, and for hpkit train hpkit's runtime."""
+    rank's command imports first: torch, for hpkit train hpkit's runtime, then `more` (resilience.warm_preload)."""
     if not warm:
         return ""
     # torchrun's agent is forked too (hpkit.torchrun_agent, launch_words): its imports first.
     preload = ["torch", "torch.distributed.run", "hpkit.torchrun_agent", "hpkit.run_script"]
     if runs_hpkit_train(job):
         preload += ["hpkit.cli", "hpkit.commands.train", "hpkit.runtime.run"]
+    preload += [name for name in more if name not in preload]
     # The compat shim goes first on the ranks' PYTHONPATH (compat_step), which an interpreter reads as it starts: the
     # zygote starts with it too, or it would refuse every rank (hpkit.warm.protocol.STARTUP_VARS).
     wrapper = task_wrapper([step] if (step := compat_step(job)) else [])

@@ -125,8 +125,20 @@ class JobSpec(StrictModel):
 
     @model_validator(mode="after")
     def _warm_start_applies(self) -> JobSpec:
-        if self.run.resilience.warm_start and (problem := warm_start_problem(self.job)):
+        resilience = self.run.resilience
+        if resilience.warm_start and (problem := warm_start_problem(self.job)):
             raise ValueError(f"resilience.warm_start: {problem}, or drop warm_start")
+        if resilience.warm_preload and not self.warm_starts:
+            why = (
+                "warm_start: false"
+                if resilience.warm_start is False
+                else warm_start_problem(self.job)
+                or "warm starts are off on GPU nodes unless warm_start: true"
+            )
+            raise ValueError(
+                f"resilience.warm_preload: the ranks start cold in this job ({why}), so nothing would preload "
+                "them; start them warm, or drop warm_preload"
+            )
         return self
 
     @property

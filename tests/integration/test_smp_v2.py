@@ -34,6 +34,7 @@ STEPS = 4
 # The checkpoint job is given many steps, so that it is still training when it is killed after its step-2 save.
 KILLED_MAX_STEPS = 40
 STEP_LINE = re.compile(r'^(\{"step": .*\})$', re.M)
+PRELOAD = ("transformers.models.llama.modeling_llama", "transformers.models.mixtral.modeling_mixtral")
 
 
 def _estimator(parameters: dict) -> dict:
@@ -73,6 +74,8 @@ def _imported_spec(tmp_path: Path, env: dict[str, str], parameters: dict, name: 
     spec["gpus_per_node"] = 0
     spec["tasks_per_node"] = 2
     spec["env"] = {**spec.get("env", {}), "OMP_NUM_THREADS": "1"}
+    # Each node's warm process imports the script's models once (3-4 CPU-s a rank here), not each rank.
+    spec["resilience"] = {**spec.get("resilience", {}), "warm_preload": list(PRELOAD)}
     return spec
 
 
@@ -202,6 +205,10 @@ def test_v2_script_matches_one_process(slurm_cluster, tmp_path, plain, request, 
     assert "Traceback" not in checked, log
     # The compat shim is on the zygotes' PYTHONPATH too (warm starts, on by default without GPUs): ranks fork.
     assert "warm start refused" not in log and re.search(r"warm start on \S+: rank \d", log), log
+    # resilience.warm_preload: the zygotes imported the models before they forked the ranks.
+    assert "cannot preload" not in log and re.search(
+        rf"warm: \S+ ready in .*,{re.escape(PRELOAD[1])} imported", log
+    ), log
 
     ranks = _layouts(layout_dir)
     assert sorted(ranks) == [0, 1, 2, 3], log

@@ -449,3 +449,51 @@ def test_warm_start_where_it_cannot_apply_is_one_line(change: dict, words: str) 
         parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
     assert words in str(info.value)
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_warm_preload_adds_its_modules_to_the_zygotes_preload_once() -> None:
+    spec = {
+        **WARM_SPEC,
+        "resilience": {
+            "warm_start": True,
+            "warm_preload": ["transformers.models.llama.modeling_llama", "torch", "numpy"],
+        },
+    }
+    script = render(parse_document(JobSpec, spec))
+    plan = json.loads(shlex.split(re.search(r"--plan ('.*?'|\S+) --step", script).group(1))[0])
+    assert shlex.split(plan["warm"])[-1] == "--preload=" + (
+        "torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli,hpkit.commands.train,"
+        "hpkit.runtime.run,transformers.models.llama.modeling_llama,numpy"
+    ), plan["warm"]
+
+
+@pytest.mark.parametrize(
+    ("change", "words"),
+    [
+        (
+            {"resilience": {"warm_preload": ["transformers,torch"]}},
+            "resilience.warm_preload: 'transformers,torch' is not a module name",
+        ),
+        ({"resilience": {"warm_preload": ["a b"]}}, "resilience.warm_preload: 'a b' is not a module name"),
+        ({"resilience": {"warm_preload": ["tråd"]}}, "resilience.warm_preload: 'tråd' is not a module name"),
+        ({"resilience": {"warm_preload": "transformers"}}, "resilience.warm_preload: "),
+        (
+            {"resilience": {"warm_start": False, "warm_preload": ["transformers"]}},
+            "resilience.warm_preload: the ranks start cold in this job (warm_start: false)",
+        ),
+        (
+            {"gpus_per_node": 8, "resilience": {"warm_preload": ["transformers"]}},
+            "resilience.warm_preload: the ranks start cold in this job (warm starts are off on GPU nodes unless "
+            "warm_start: true)",
+        ),
+        (
+            {"launcher": "srun", "resilience": {"warm_preload": ["transformers"]}},
+            "resilience.warm_preload: the ranks start cold in this job (ranks are forked warm under launcher",
+        ),
+    ],
+)
+def test_warm_preload_that_cannot_apply_is_one_line(change: dict, words: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
+    assert words in str(info.value)
+    assert len(str(info.value).splitlines()) == 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import posixpath
+import re
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -21,6 +22,9 @@ from hpkit.smp_params import DEGREE_ALIASES
 from hpkit.validation import StrictModel, check_no_control_chars
 
 SPEC_ENV = "HPKIT_SPEC"
+# resilience.warm_preload: what the zygote's --preload takes (comma-joined, so no comma or space in a name).
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", re.ASCII)
+MAX_WARM_PRELOAD = 64
 
 
 def _whole_number(value: Any) -> bool:
@@ -577,6 +581,16 @@ class ResilienceSpec(StrictModel):
             "(gpus_per_node: 0); set true to have it on GPU nodes"
         ),
     )
+    warm_preload: tuple[str, ...] = Field(
+        default=(),
+        max_length=MAX_WARM_PRELOAD,
+        description=(
+            "more modules the warm process imports before it forks ranks (warm_start), such as "
+            "transformers.models.llama.modeling_llama for a script built on Hugging Face models: every rank, a "
+            "restarted one or a spare's too, finds them imported. A module that cannot be imported there is named "
+            "in the job's log, and the ranks import it themselves"
+        ),
+    )
     requeue_on_failure: bool | None = Field(
         default=None,
         description=(
@@ -584,6 +598,17 @@ class ResilienceSpec(StrictModel):
             "(default: on when max_restarts > 0); a program that fails on healthy nodes is never requeued"
         ),
     )
+
+    @field_validator("warm_preload")
+    @classmethod
+    def _module_names(cls, names: tuple[str, ...]) -> tuple[str, ...]:
+        for name in names:
+            if not MODULE_NAME.fullmatch(name):
+                raise ValueError(
+                    f"{name!r} is not a module name: dotted Python names, such as "
+                    "transformers.models.llama.modeling_llama"
+                )
+        return names
 
     @model_validator(mode="after")
     def _requeue_needs_a_budget(self) -> ResilienceSpec:
