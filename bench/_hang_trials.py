@@ -25,6 +25,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class Trial:
     verdict_at: float = 0.0
     log: str = ""
     clean_verdict: bool = False  # a hang was called during the clean seconds before the fault
+    beats: dict | None = None  # every rank's newest report as the SIGSTOP faults were injected
 
     @property
     def expected(self) -> list[int]:
@@ -97,12 +99,19 @@ def skewed(seconds: float) -> dict[str, str]:
     return {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": f"{seconds:+.0f}s", "FAKETIME_NO_CACHE": "1"}
 
 
+# How a rank is started, given its command and its node's environment (which it may add to): unchanged, or, from
+# the tests, forked by a zygote (tests/integration/_torchrun.warm). A forked rank is no descendant of its agent:
+# what stops a whole node finds it by the pid its reports give.
+RankCommand = Callable[[list[str], dict[str, str]], list[str]]
+
+
 def launch(
     out: Path,
     min_s: float,
     env_extra: dict[str, str],
     checkpoint_every: int | None = None,
     node_env: dict[str, dict[str, str]] | None = None,
+    rank_command: RankCommand | None = None,
 ):
     """Start both agents; returns their Popen objects (each the leader of its own process group).
     `node_env` adds variables to one node's agent and ranks (a skewed clock)."""
@@ -114,8 +123,12 @@ def launch(
     for i, node in enumerate(NODES):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i)]
         cmd += ["--nproc-per-node", str(PER_NODE), "--master-addr", "127.0.0.1", "--master-port", str(port)]
-        cmd += ["-m", "hpkit", "train", "--config", str(config)]
         env = run_env(out, SLURMD_NODENAME=node, **env_extra, **(node_env or {}).get(node, {}))
+        rank = [sys.executable, "-m", "hpkit", "train", "--config", str(config)]
+        if rank_command is None:
+            cmd += rank[1:]
+        else:
+            cmd += ["--no-python", "--", *rank_command(rank, env)]
         log = open(out / f"{node}.log", "w")  # noqa: SIM115 (closed with the process)
         agents.append(
             subprocess.Popen(
@@ -173,6 +186,7 @@ def run_trial(
     timeout_s: float = 240,
     node_env: dict[str, dict[str, str]] | None = None,
     clean_s: float = 0.0,
+    rank_command: RankCommand | None = None,
 ) -> Trial:
     """One drill. `clean_s`: seconds of clean training, once every rank has reached the step before the fault,
     before a SIGSTOP fault is injected; `trial.clean_verdict` says whether a hang was called meanwhile."""
@@ -185,7 +199,14 @@ def run_trial(
     elif trial.fault == "sigstop-in-save":
         env["HPKIT_FAULT"] = f"slow_save:seconds={SAVE_HOLD_S},step={FAULT_STEP}"
     in_save = trial.fault == "sigstop-in-save"
-    agents = launch(out, min_s, env, checkpoint_every=FAULT_STEP if in_save else None, node_env=node_env)
+    agents = launch(
+        out,
+        min_s,
+        env,
+        checkpoint_every=FAULT_STEP if in_save else None,
+        node_env=node_env,
+        rank_command=rank_command,
+    )
     deadline = time.time() + timeout_s
     try:
         if in_save:
@@ -228,8 +249,13 @@ def run_trial(
             if trial.fault == "sigstop":
                 pids = [seen[trial.target]["pid"]]
             else:
-                pids = _tree(agents[trial.target].pid)
-            trial.injected_at = time.time()
+                # The agent and what it started, and the node's ranks wherever they were forked.
+                pids = list(
+                    dict.fromkeys(
+                        [*_tree(agents[trial.target].pid), *(seen[r]["pid"] for r in trial.expected)]
+                    )
+                )
+            trial.injected_at, trial.beats = time.time(), seen
             for pid in pids:
                 os.kill(pid, signal.SIGSTOP)
         found = _wait_verdict(out, deadline)

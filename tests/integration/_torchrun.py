@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from hpkit.rendezvous import free_local_ports
-from hpkit.warm.protocol import SOCKET_ENV, startup_env
+from hpkit.warm.protocol import SOCKET_ENV
+from hpkit.warm.protocol import startup_env as product_startup_env
 
 REPO = Path(__file__).resolve().parents[2]
 COLD_ENV = "HPKIT_TEST_COLD"
@@ -42,6 +43,13 @@ ZYGOTE_READY_S = 180
 # (PR_SET_PDEATHSIG follows the parent thread, not the process): one started by run_together's pool was SIGKILLed
 # when the pool ended, and every later launch with its start-up variables ran cold for the rest of the session.
 _STARTER = ThreadPoolExecutor(1, thread_name_prefix="zygote-starter")
+
+
+def startup_env(env: dict[str, str]) -> dict[str, str]:
+    """What a zygote of these tests must start with: hpkit.warm.protocol's start-up variables and libfaketime's
+    (the hang drills' skewed node preloads it; it reads FAKETIME as the process starts, so a rank forked from a
+    zygote started without it would find its clock jumping later, not set from its start)."""
+    return product_startup_env(env) | {k: v for k, v in env.items() if k.startswith("FAKETIME")}
 
 
 def torch_env(tmp: Path) -> dict[str, str]:

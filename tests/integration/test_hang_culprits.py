@@ -26,6 +26,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from _torchrun import warm
+
 from _hang_trials import SAVE_HOLD_S, Trial, run_trial, skewed
 
 pytestmark = pytest.mark.dist
@@ -47,7 +49,9 @@ def drills(tmp_path_factory) -> dict[str, Trial]:
     }
     with ThreadPoolExecutor(len(wanted)) as pool:
         futures = {
-            k: pool.submit(run_trial, t, root / k, MIN_S, 300, node_env=SKEW, clean_s=clean)
+            k: pool.submit(
+                run_trial, t, root / k, MIN_S, 300, node_env=SKEW, clean_s=clean, rank_command=warm
+            )
             for k, (t, clean) in wanted.items()
         }
         return {k: f.result() for k, f in futures.items()}
@@ -101,6 +105,11 @@ def test_a_frozen_judge_is_named_by_the_standby(drills):
 def test_a_node_whose_clock_runs_30_s_ahead_raises_no_hang_and_its_stopped_rank_is_named(drills):
     trial = drills["skewed-rank"]
     assert not trial.clean_verdict, "a hang was called during clean training"
+    # nodeB's ranks (forked by a zygote that started with libfaketime's variables, as a cold rank starts with them)
+    # report from other clocks than nodeA's: each report's `at` is its rank's monotonic clock, which libfaketime's
+    # +30 s moves at least that far (it was 1.8e9 s against nodeA's 2.6e4, cold and forked alike).
+    at = {int(r): b["at"] for r, b in trial.beats.items()}
+    assert min(abs(at[b] - at[a]) for a in (0, 1) for b in (2, 3)) > 25, at
     verdict = trial.verdict
     assert verdict is not None, trial.log[-5000:]
     assert verdict["reason"] == "stopped" and verdict["culprits"] == [3], verdict
