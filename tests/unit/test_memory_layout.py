@@ -107,6 +107,11 @@ def test_a_step_whose_copies_are_all_lost_names_the_ranks_and_nodes():
     plan = choose_step(4, holdings, rank_nodes)
     assert plan.step is None and (plan.lost_step, plan.lost, plan.lost_nodes) == (15, [2, 3], ["b"])
     assert "rank(s) 2,3" in plan.line() and "only on b" in plan.line()
+    # What the run falls back to: checkpoint.dir where it has one; without one it starts again, and says so.
+    assert plan.line(rank_nodes, persistent=True).endswith("all lost; resuming from checkpoint.dir instead")
+    assert plan.line(rank_nodes, persistent=False).endswith(
+        "all lost; no checkpoint.dir to resume from (checkpoint.dir unset): training starts again from step 0"
+    )
 
 
 def test_a_step_of_another_world_size_is_not_used():

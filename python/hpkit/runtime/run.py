@@ -465,7 +465,8 @@ def _memory_checkpointer(
         return None
     anchor = paths.checkpoint_dir or paths.metrics_file
     root = memory_root() / run_key(anchor, identity.run_id)
-    return MemoryCheckpointer(spec, root, node_name(), log=say, rack=_rack())
+    persistent = paths.checkpoint_dir is not None
+    return MemoryCheckpointer(spec, root, node_name(), log=say, rack=_rack(), persistent=persistent)
 
 
 def _rack() -> str | None:

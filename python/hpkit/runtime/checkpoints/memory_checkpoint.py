@@ -83,8 +83,10 @@ class MemoryCheckpointer:
         node: str,
         log: Callable[[str], None] = print,
         rack: str | None = None,
+        persistent: bool = True,
     ) -> None:
         self.spec = spec
+        self.persistent = persistent  # the run has a checkpoint.dir to fall back to
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.node = node
@@ -129,13 +131,19 @@ class MemoryCheckpointer:
         dist.barrier(group=self.group)
 
     def describe(self) -> str:
+        # Without checkpoint.dir nothing persists: a state lost with its partner's copy is lost for good.
+        alone = (
+            ""
+            if self.persistent
+            else "; no checkpoint.dir: a state lost with its copy restarts the run from step 0"
+        )
         if not self.partners:
-            return f"in-memory checkpoints every {self.spec.every} step(s) in {self.root} (one node: no partner copies)"
+            return f"in-memory checkpoints every {self.spec.every} step(s) in {self.root} (one node: no partner copies){alone}"
         pairs = ", ".join(f"{n}->{'+'.join(ps)}" for n, ps in list(self.partners.items())[:4])
         more = ", ..." if len(self.partners) > 4 else ""
         return (
             f"in-memory checkpoints every {self.spec.every} step(s) in {self.root}: each rank's state also on a "
-            f"partner node ({pairs}{more}); at the peak {self.spec.host_copies} state-sized copies per rank in RAM"
+            f"partner node ({pairs}{more}); at the peak {self.spec.host_copies} state-sized copies per rank in RAM{alone}"
         )
 
     # ----------------------------------------------------------------------------------------------
@@ -352,7 +360,7 @@ class MemoryCheckpointer:
         if plan.step is None:
             if self.rank == 0 and (plan.lost_step is not None or newer_than is not None):
                 # Nothing held at all after training began: every node that held a copy is gone.
-                self._log(f"hpkit train: {plan.line(self.rank_nodes)}; resuming from checkpoint.dir instead")
+                self._log(f"hpkit train: {plan.line(self.rank_nodes, self.persistent)}")
             return None
         if newer_than is not None and plan.step <= newer_than:
             return None

@@ -167,9 +167,18 @@ class RestorePlan:
     lost_step: int | None = None
     lost_nodes: list[str] = field(default_factory=list)  # where those ranks' copies were
 
-    def line(self, live_nodes: Sequence[str] = ()) -> str:
+    def line(self, live_nodes: Sequence[str] = (), persistent: bool | None = None) -> str:
+        """Why no in-memory step is restored; with `persistent` (whether the run has a checkpoint.dir), also
+        what the run resumes from instead."""
         if self.step is not None:
             return ""
+        if persistent is not None:
+            instead = (
+                "resuming from checkpoint.dir instead"
+                if persistent
+                else "no checkpoint.dir to resume from (checkpoint.dir unset): training starts again from step 0"
+            )
+            return f"{self.line(live_nodes)}; {instead}"
         if self.lost_step is None:
             live = ", ".join(dict.fromkeys(live_nodes))
             return (
