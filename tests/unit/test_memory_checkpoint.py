@@ -281,6 +281,50 @@ def test_one_node_without_room_for_its_copies_fails_the_step_on_every_rank_at_on
     run_ranks(_one_node_without_room, 2, tmp_path, str(tmp_path / "mem" / "run"))
 
 
+def _restore_without_room_for_the_metadata(rank: int, world: int, root: str) -> None:
+    import errno
+    import time
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+
+    from hpkit.runtime.checkpoints import memory_checkpoint
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
+    from hpkit.runtime.checkpoints.memory_layout import METADATA
+    from hpkit.runtime.config import MemoryCheckpointSpec
+
+    lines: list[str] = []
+    saver = MemoryCheckpointer(MemoryCheckpointSpec(every=1), Path(root), f"n{rank}", log=lines.append)
+    state = {f"own{rank}": torch.ones(1024), "step": torch.tensor(0)}
+    saver.save(1, state)
+    saver.wait()
+    dist.barrier()
+    if rank == 1:  # n1 lost its copy of the metadata, and its node memory is full: it cannot write it again
+
+        def full(path, data):
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+        next(saver.node_dir.glob("step-*")).joinpath(METADATA).unlink()
+        memory_checkpoint._write_whole = full
+    dist.barrier()
+    started = time.monotonic()
+    assert saver.restore(state, None) is None
+    took = time.monotonic() - started
+    assert took < COLLECTIVE_TIMEOUT_S / 3, took  # n0 did not wait for n1 in a barrier until the timeout
+    if rank == 0:
+        assert any(
+            "in-memory step 1 not restored (no room for the copies on n1: No space left on device); "
+            "resuming from checkpoint.dir instead" in line
+            for line in lines
+        ), lines
+    saver.close(completed=False)
+
+
+def test_a_restore_that_cannot_write_the_metadata_on_one_node_falls_back_on_every_rank_at_once(tmp_path):
+    run_ranks(_restore_without_room_for_the_metadata, 2, tmp_path, str(tmp_path / "mem" / "run"))
+
+
 def test_a_received_file_takes_its_node_memory_up_front(tmp_path):
     """A sparse file maps fine on a full tmpfs, and the first write past the free pages kills the rank with SIGBUS;
     reserved when it is made, a full node is an ENOSPC the copies can agree on."""

@@ -46,6 +46,7 @@ from hpkit.runtime.checkpoints.memory_layout import (
     RANKS,
     RestorePlan,
     choose_step,
+    fallback_words,
     holders,
     partner_nodes,
     plan_transfers,
@@ -329,13 +330,22 @@ class MemoryCheckpointer:
                 buffers = [_mapped(part, size) for part, size in zip(parts, sizes, strict=True)]
             except OSError as exc:
                 failure = exc
+        try:
+            self._agree_on_room(failure)
+        except CopyRefused:
+            del buffers
+            for part in parts:
+                part.unlink(missing_ok=True)
+            raise
+        return buffers
+
+    def _agree_on_room(self, failure: OSError | None) -> None:
+        """Every rank learns whether any node failed to write its part (a collective: every rank calls it); where
+        one did, CopyRefused naming the nodes is raised on every rank. One flag travels when all went well."""
         ok = torch.tensor([int(failure is None)])
         dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         if ok.item():
-            return buffers
-        del buffers
-        for part in parts:
-            part.unlink(missing_ok=True)
+            return
         said: list[Any] = [None] * self.world_size
         mine = None if failure is None else f"{self.node}: {failure.strerror or failure}"
         dist.all_gather_object(said, mine, group=self.group)
@@ -365,24 +375,12 @@ class MemoryCheckpointer:
         if newer_than is not None and plan.step <= newer_than:
             return None
         folder = self.node_dir / step_dir_name(plan.step)
-        self._fetch_metadata(folder, plan)
-        metadata = dcp.FileSystemReader(folder).read_metadata()
-        loadable = without_absent_optional_keys(state, metadata)
-        needs: list[Any] = [None] * self.world_size
-        dist.all_gather_object(needs, sorted(files_to_read(loadable, metadata)), group=self.group)
-        node_files: list[Any] = [None] * self.world_size
-        dist.all_gather_object(node_files, set(os.listdir(folder)), group=self.group)
-        by_node = {self.rank_nodes[r]: files for r, files in enumerate(node_files)}
-        transfers = plan_transfers(dict(enumerate(needs)), by_node, self.rank_nodes)
         try:
-            self._exchange(
-                [(t.dest, folder / t.file) for t in transfers if t.source == self.rank],
-                [(t.source, folder / t.file) for t in transfers if t.dest == self.rank],
-            )
+            loadable, transfers = self._fetch_files(folder, plan, state)
         except CopyRefused as exc:  # every rank raised it together
             if self.rank == 0:
                 self._log(
-                    f"hpkit train: warning: in-memory step {plan.step} not restored ({exc}); resuming from checkpoint.dir"
+                    f"hpkit train: warning: in-memory step {plan.step} not restored ({exc}); {fallback_words(self.persistent)}"
                 )
             return None
         dist.barrier(group=self.group)
@@ -398,7 +396,7 @@ class MemoryCheckpointer:
             self.dirty = True
             if self.rank == 0:
                 self._log(
-                    f"hpkit train: warning: in-memory step {plan.step} did not load ({bad[0]}); resuming from checkpoint.dir"
+                    f"hpkit train: warning: in-memory step {plan.step} did not load ({bad[0]}); {fallback_words(self.persistent)}"
                 )
             return None
         self.last_step = plan.step
@@ -409,6 +407,26 @@ class MemoryCheckpointer:
                 "nothing read from checkpoint.dir"
             )
         return plan.step
+
+    def _fetch_files(
+        self, folder: Path, plan: RestorePlan, state: dict[str, Any]
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """The step's metadata, then the files this rank's load reads, on this rank's node: what of `state` the
+        step holds, and the transfers made."""
+        self._fetch_metadata(folder, plan)
+        metadata = dcp.FileSystemReader(folder).read_metadata()
+        loadable = without_absent_optional_keys(state, metadata)
+        needs: list[Any] = [None] * self.world_size
+        dist.all_gather_object(needs, sorted(files_to_read(loadable, metadata)), group=self.group)
+        node_files: list[Any] = [None] * self.world_size
+        dist.all_gather_object(node_files, set(os.listdir(folder)), group=self.group)
+        by_node = {self.rank_nodes[r]: files for r, files in enumerate(node_files)}
+        transfers = plan_transfers(dict(enumerate(needs)), by_node, self.rank_nodes)
+        self._exchange(
+            [(t.dest, folder / t.file) for t in transfers if t.source == self.rank],
+            [(t.source, folder / t.file) for t in transfers if t.dest == self.rank],
+        )
+        return loadable, transfers
 
     def _name_lost_nodes(self, plan: RestorePlan, holdings: dict[int, Any], mine: list[Any]) -> None:
         """The nodes that held the lost ranks' states, from the saved map of the lowest rank whose node holds the
@@ -423,13 +441,18 @@ class MemoryCheckpointer:
         plan.lost_nodes = sorted({saved[0][r] for r in plan.lost}) if saved[0] else []
 
     def _fetch_metadata(self, folder: Path, plan: RestorePlan) -> None:
+        """The step's metadata on every node; CopyRefused on every rank where some node had no room for it."""
         have = (folder / METADATA).exists()
         blob: list[Any] = [(folder / METADATA).read_bytes() if self.rank == plan.metadata_from else None]
         dist.broadcast_object_list(blob, src=plan.metadata_from, group=self.group)
-        folder.mkdir(parents=True, exist_ok=True)
-        if not have and self.is_node_leader:
-            _write_whole(folder / METADATA, blob[0])
-        dist.barrier(group=self.group)
+        failure = None
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            if not have and self.is_node_leader:
+                _write_whole(folder / METADATA, blob[0])
+        except OSError as exc:
+            failure = exc
+        self._agree_on_room(failure)
 
     def forget_after(self, step: int) -> None:
         """Once the run knows the step it resumes from: remove what an earlier attempt left that this attempt's

@@ -157,6 +157,13 @@ class Transfer:
     file: str
 
 
+def fallback_words(persistent: bool) -> str:
+    """What a run resumes from when no in-memory step is restored: its checkpoint.dir, or, without one, nothing."""
+    if persistent:
+        return "resuming from checkpoint.dir instead"
+    return "no checkpoint.dir to resume from (checkpoint.dir unset): training starts again from step 0"
+
+
 @dataclass
 class RestorePlan:
     """What every rank agrees on before any loads: the step, or why there is none."""
@@ -173,12 +180,7 @@ class RestorePlan:
         if self.step is not None:
             return ""
         if persistent is not None:
-            instead = (
-                "resuming from checkpoint.dir instead"
-                if persistent
-                else "no checkpoint.dir to resume from (checkpoint.dir unset): training starts again from step 0"
-            )
-            return f"{self.line(live_nodes)}; {instead}"
+            return f"{self.line(live_nodes)}; {fallback_words(persistent)}"
         if self.lost_step is None:
             live = ", ".join(dict.fromkeys(live_nodes))
             return (
