@@ -258,7 +258,7 @@ def zygote_command(job: SlurmJob, warm: bool, more: tuple[str, ...] = ()) -> str
     preload = ["torch", "torch.distributed.run", "hpkit.torchrun_agent", "hpkit.run_script"]
     if runs_hpkit_train(job):
         preload += ["hpkit.cli", "hpkit.commands.train", "hpkit.runtime.run"]
-    preload += [name for name in more if name not in preload]
+    more = tuple(name for name in dict.fromkeys(more) if name not in preload)
     # The compat shim goes first on the ranks' PYTHONPATH (compat_step), which an interpreter reads as it starts: the
     # zygote starts with it too, or it would refuse every rank (hpkit.warm.protocol.STARTUP_VARS).
     wrapper = task_wrapper([step] if (step := compat_step(job)) else [])
@@ -272,6 +272,7 @@ def zygote_command(job: SlurmJob, warm: bool, more: tuple[str, ...] = ()) -> str
                     "-m",
                     "hpkit.warm.zygote",
                     f"--preload={','.join(preload)}",
+                    *([f"--preload-more={','.join(more)}"] if more else []),
                 )
             ),
         ]

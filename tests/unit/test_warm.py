@@ -461,10 +461,11 @@ def test_warm_preload_adds_its_modules_to_the_zygotes_preload_once() -> None:
     }
     script = render(parse_document(JobSpec, spec))
     plan = json.loads(shlex.split(re.search(r"--plan ('.*?'|\S+) --step", script).group(1))[0])
-    assert shlex.split(plan["warm"])[-1] == "--preload=" + (
-        "torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli,hpkit.commands.train,"
-        "hpkit.runtime.run,transformers.models.llama.modeling_llama,numpy"
-    ), plan["warm"]
+    assert shlex.split(plan["warm"])[-2:] == [
+        "--preload=torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli,hpkit.commands.train,"
+        "hpkit.runtime.run",
+        "--preload-more=transformers.models.llama.modeling_llama,numpy",
+    ], plan["warm"]
 
 
 @pytest.mark.parametrize(
@@ -497,3 +498,46 @@ def test_warm_preload_that_cannot_apply_is_one_line(change: dict, words: str) ->
         parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
     assert words in str(info.value)
     assert len(str(info.value).splitlines()) == 1
+
+
+def test_a_job_module_that_leaves_a_thread_running_makes_ranks_start_cold_with_one_line(
+    tmp_path: Path,
+) -> None:
+    """resilience.warm_preload's modules come after hpkit's own: a thread one of them leaves running would be missing
+    in every forked rank (a fork copies the forking thread only), so the zygote says so and refuses every fork."""
+    # A native thread, no Python one (a Python thread is refused by its own check): faulthandler's watchdog.
+    (tmp_path / "starts_a_pool.py").write_text(
+        "import faulthandler\nfaulthandler.dump_traceback_later(3600)\n"
+    )
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("HPKIT_", "SLURM"))}
+    env = {**base, "PYTHONPATH": str(tmp_path), protocol.SOCKET_ENV: str(tmp_path / "own" / "z.sock")}
+    proc = subprocess.Popen(
+        [PY, "-m", "hpkit.warm.zygote", "--preload", "json", "--preload-more", "starts_a_pool"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        said = proc.stdout.readline()
+        assert said.startswith("hpkit: warm: preloading starts_a_pool left 1 more thread(s) running"), said
+        assert "take the module that starts them out of resilience.warm_preload" in said
+        assert "ready" in proc.stdout.readline()
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        (tmp_path / "rank.py").write_text("print('ran')\n")
+        rank = subprocess.run(
+            [PY, "-m", "hpkit.warm.client", "--", PY, str(tmp_path / "rank.py")],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert rank.returncode == 0 and rank.stdout == "ran\n", rank.stderr
+        # It ran cold, and said why.
+        assert "warm start refused" in rank.stderr and "more than its imports left" in rank.stderr, (
+            rank.stderr
+        )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)

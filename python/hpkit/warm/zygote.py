@@ -98,10 +98,12 @@ def cuda_initialised() -> bool:
 
 
 class Zygote:
-    def __init__(self, path: Path, say: Callable[[str], None], node: str = ""):
+    def __init__(self, path: Path, say: Callable[[str], None], node: str = "", threads: int | None = None):
         self.path, self.say, self.node = path, say, node
         self.env = dict(os.environ)  # what this interpreter started with (protocol.STARTUP_VARS)
-        self.threads = native_threads()  # what the preload left: forks may not find more
+        # What the preload left: forks may not find more (main: what hpkit's own preload left, so that threads a
+        # user's warm_preload started refuse every fork).
+        self.threads = native_threads() if threads is None else threads
         self.ranks: dict[int, _Rank] = {}  # by the connection's descriptor
         self.stopping = False
         self.started = 0
@@ -476,6 +478,11 @@ def preload(modules: list[str], say: Callable[[str], None]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hpkit.warm.zygote")
     parser.add_argument("--preload", default="", help="modules to import before serving, comma-separated")
+    parser.add_argument(
+        "--preload-more",
+        default="",
+        help="the job's own modules to import after those (resilience.warm_preload), comma-separated",
+    )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     path = socket_path(os.environ)
     if path is None:
@@ -491,8 +498,19 @@ def main(argv: list[str] | None = None) -> int:
 
     began = time.monotonic()
     preload([m for m in args.preload.split(",") if m], say)
-    zygote = Zygote(path, say, node)
-    zygote.serve(ready_line(node, time.monotonic() - began, args.preload, zygote.threads))
+    left = native_threads()
+    more = [m for m in args.preload_more.split(",") if m]
+    preload(more, say)
+    if native_threads() > left:
+        # A fork copies only the forking thread: a thread of the job's own modules (a pool, a watcher) would be
+        # missing in every rank, and any lock it held at the fork held forever. hpkit's own imports are known.
+        say(
+            f"hpkit: warm: preloading {','.join(more)} left {native_threads() - left} more thread(s) running, which a "
+            "fork would not copy: ranks start cold; take the module that starts them out of resilience.warm_preload"
+        )
+    zygote = Zygote(path, say, node, threads=left)
+    preloaded = ",".join(m for m in (args.preload, args.preload_more) if m)
+    zygote.serve(ready_line(node, time.monotonic() - began, preloaded, zygote.threads))
     return 0
 
 
