@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 
 from pydantic import model_validator
 
+from hpkit.errors import SpecError
 from hpkit.job_identity import JobIdentity
 from hpkit.runtime.config import (
     CheckpointSpec,
@@ -38,6 +39,7 @@ from hpkit.validation import StrictModel, parse_document, read_document
 __all__ = [
     "COMPAT_LAYERS",
     "HYPERPOD_LOG_DIR",
+    "SNAPSHOT_HEADER",
     "VAR_LOG_MOUNT",
     "CheckpointSpec",
     "CollectivesSpec",
@@ -190,12 +192,36 @@ def load_run_config(path: str | Path) -> RunConfig:
     return load_parts(path)[1]
 
 
+# The first line of the snapshot `hpkit submit` writes for a job (hpkit.jobs.submission.snapshot_text): a reader
+# that meets a key it does not know in such a file knows that no user wrote it.
+SNAPSHOT_HEADER = (
+    "# written by hpkit submit: the job's spec as every rank reads it back (hpkit train --config)\n"
+)
+
+
 def load_parts(path: str | Path) -> tuple[SlurmJob | None, RunConfig]:
     """A training file's Slurm job and run configuration: both parts of a whole job spec, or (None, the run
     configuration) for a file of bare training blocks; for readers inside a job that need the spec's Slurm
     fields too (its command, its smp_parameters)."""
     data = read_document(path)
-    if isinstance(data, dict) and "name" in data and not set(data) <= set(RunConfig.model_fields):
-        spec = parse_document(JobSpec, data, str(path))
-        return spec.job, spec.run
-    return None, parse_document(RunConfig, data, str(path))
+    try:
+        if isinstance(data, dict) and "name" in data and not set(data) <= set(RunConfig.model_fields):
+            spec = parse_document(JobSpec, data, str(path))
+            return spec.job, spec.run
+        return None, parse_document(RunConfig, data, str(path))
+    except SpecError as exc:
+        if ": unknown key;" in str(exc) and _is_snapshot(path):
+            raise SpecError(
+                f"{exc}\n{path}: hpkit submit wrote this file with keys this hpkit does not know: the hpkit where "
+                "the job runs (in its image or environment) is older than the one that submitted it; install the "
+                "same hpkit in both"
+            ) from None
+        raise
+
+
+def _is_snapshot(path: str | Path) -> bool:
+    try:
+        with open(path, encoding="utf-8") as handle:
+            return handle.readline() == SNAPSHOT_HEADER
+    except (OSError, UnicodeDecodeError):
+        return False

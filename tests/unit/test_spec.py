@@ -342,3 +342,27 @@ def test_a_shipped_specs_snapshot_reads_back_as_the_same_spec(path, tmp_path) ->
     snapshot.write_text(snapshot_text(spec))
     assert load_document(JobSpec, snapshot) == spec
     assert load_run_config(snapshot) == spec.run
+
+
+def test_a_snapshot_with_keys_this_hpkit_does_not_know_says_the_versions_differ(tmp_path) -> None:
+    """A job's ranks read the snapshot `hpkit submit` wrote. An image built with an older hpkit than the login
+    node's meets a key it does not know, which no user wrote: the error says what to do about that, not only which
+    key. A file a user wrote gets the plain line."""
+    spec = load_document(JobSpec, REPO / "slurm/jobs/demo.yaml")
+    newer = snapshot_text(spec).replace("\nresilience:\n", "\nresilience:\n  a_later_field: true\n", 1)
+    assert newer.startswith("# written by hpkit submit") and "a_later_field" in newer
+    snapshot = tmp_path / "snapshot.yaml"
+    snapshot.write_text(newer)
+    with pytest.raises(SpecError) as refused:
+        load_run_config(snapshot)
+    first, second = str(refused.value).splitlines()
+    assert "resilience.a_later_field: unknown key" in first
+    assert second == (
+        f"{snapshot}: hpkit submit wrote this file with keys this hpkit does not know: the hpkit where the job runs "
+        "(in its image or environment) is older than the one that submitted it; install the same hpkit in both"
+    )
+    written = tmp_path / "mine.yaml"
+    written.write_text(newer.split("\n", 1)[1])  # the same keys, without the line hpkit submit writes first
+    with pytest.raises(SpecError) as refused:
+        load_run_config(written)
+    assert len(str(refused.value).splitlines()) == 1

@@ -23,7 +23,7 @@ from hpkit.oci import check_container
 from hpkit.render import ArrayPlan, render
 from hpkit.slurm import Backend, get_backend, slurm_version
 from hpkit.slurm_job import SlurmJob, oci_launcher_problem
-from hpkit.spec import JobSpec
+from hpkit.spec import SNAPSHOT_HEADER, JobSpec
 from hpkit.validation import load_document, read_document
 
 
@@ -77,7 +77,7 @@ def snapshot_text(spec: JobSpec) -> str:
     """The snapshot of a spec that travels with its job, as YAML: what `hpkit train --config` reads back on every
     rank, so it must load as the same spec (tests/unit/test_spec.py loads every shipped spec's back)."""
     # libyaml's emitter where PyYAML has it: the pure-Python one took 8 ms a snapshot, 80 s for a 10,000-task sweep.
-    return yaml.dump(spec.document(), Dumper=_DUMPER, sort_keys=False)
+    return SNAPSHOT_HEADER + yaml.dump(spec.document(), Dumper=_DUMPER, sort_keys=False)
 
 
 _DUMPER = getattr(yaml, "CSafeDumper", yaml.SafeDumper)
