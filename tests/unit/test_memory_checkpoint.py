@@ -180,7 +180,8 @@ def test_host_memory_of_the_copies_is_what_the_planner_predicts(tmp_path):
         )
 
 
-def _a_failed_copy(rank: int, world: int, root: str) -> None:
+def _saved_step_1(rank: int, root: str):
+    """A rank's in-memory checkpointer on node n<rank>, with step 1 saved and copied: (saver, state, log lines)."""
     from pathlib import Path
 
     import torch
@@ -193,10 +194,19 @@ def _a_failed_copy(rank: int, world: int, root: str) -> None:
     state = {f"own{rank}": torch.ones(1024), "step": torch.tensor(0)}
     saver.save(1, state)
     saver.wait()
+    return saver, state, lines
+
+
+def _a_failed_copy(rank: int, world: int, root: str) -> None:
+    import torch
+
+    saver, state, lines = _saved_step_1(rank, root)
 
     working = saver._exchange
 
-    def broken(sends, receives):  # a timed-out or closed gloo pair: it raises, and the group stays unusable
+    def broken(
+        sends, receives, failure=None
+    ):  # a timed-out or closed gloo pair: it raises, and the group stays unusable
         torch.distributed.destroy_process_group(saver.group)
         raise RuntimeError("Connection closed by peer")
 
@@ -231,19 +241,10 @@ def test_a_failed_copy_leaves_no_files_of_its_step_in_node_memory_and_the_next_c
 def _one_node_without_room(rank: int, world: int, root: str) -> None:
     import errno
     import time
-    from pathlib import Path
-
-    import torch
 
     from hpkit.runtime.checkpoints import memory_checkpoint
-    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
-    from hpkit.runtime.config import MemoryCheckpointSpec
 
-    lines: list[str] = []
-    saver = MemoryCheckpointer(MemoryCheckpointSpec(every=1), Path(root), f"n{rank}", log=lines.append)
-    state = {f"own{rank}": torch.ones(1024), "step": torch.tensor(0)}
-    saver.save(1, state)
-    saver.wait()
+    saver, state, lines = _saved_step_1(rank, root)
     mapped = memory_checkpoint._mapped
 
     def full(path, size=None):  # n1's node memory is full: a new file gets no pages
@@ -284,21 +285,13 @@ def test_one_node_without_room_for_its_copies_fails_the_step_on_every_rank_at_on
 def _restore_without_room_for_the_metadata(rank: int, world: int, root: str) -> None:
     import errno
     import time
-    from pathlib import Path
 
-    import torch
     import torch.distributed as dist
 
     from hpkit.runtime.checkpoints import memory_checkpoint
-    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
     from hpkit.runtime.checkpoints.memory_layout import METADATA
-    from hpkit.runtime.config import MemoryCheckpointSpec
 
-    lines: list[str] = []
-    saver = MemoryCheckpointer(MemoryCheckpointSpec(every=1), Path(root), f"n{rank}", log=lines.append)
-    state = {f"own{rank}": torch.ones(1024), "step": torch.tensor(0)}
-    saver.save(1, state)
-    saver.wait()
+    saver, state, lines = _saved_step_1(rank, root)
     dist.barrier()
     if rank == 1:  # n1 lost its copy of the metadata, and its node memory is full: it cannot write it again
 

@@ -118,7 +118,6 @@ class MemoryCheckpointer:
         # A copy failed before its barrier: the copies' group may be broken for good (gloo's pairs stay closed
         # after a timeout or a lost peer), and every rank's copy failed with it (the barrier needs them all).
         self._renew_group = False
-        self._local_failure: OSError | None = None  # this node could not write its part of the step
         self.last_step: int | None = None  # newest step complete on every node
         self.dirty = False  # a restore's load failed part-way: the state may be partly overwritten
         self.state_bytes = 0  # this rank's file, as last saved
@@ -218,11 +217,13 @@ class MemoryCheckpointer:
         try:
             upload.result()
             start = time.perf_counter()
-            self._share_metadata(folder)
+            unwritten = self._share_metadata(folder)
             own = folder / shard_file(self.rank)
             self.state_bytes = own.stat().st_size
             self._exchange(
-                [(h, own) for h in self.send_to], [(s, folder / shard_file(s)) for s in self.receive_from]
+                [(h, own) for h in self.send_to],
+                [(s, folder / shard_file(s)) for s in self.receive_from],
+                unwritten,
             )
             # Every copy is in place on every node before any node calls the step complete.
             dist.barrier(group=self.group)
@@ -252,7 +253,7 @@ class MemoryCheckpointer:
                 # beyond host_copies, one more state each time (every later copy failed where gloo's pairs broke).
                 shutil.rmtree(folder, ignore_errors=True)
 
-    def _share_metadata(self, folder: Path) -> None:
+    def _share_metadata(self, folder: Path) -> OSError | None:
         """Rank 0 wrote the step's metadata on its node; every node keeps one (any node may be the one left). With
         DCP's cached plans it rarely changes between steps: then only its digest travels, and each node copies its
         previous step's, so a step's cost does not grow with the metadata (which grows with the world)."""
@@ -275,12 +276,17 @@ class MemoryCheckpointer:
         if writes:
             try:
                 _write_whole(folder / METADATA, data)
-            except OSError as exc:  # this node's memory full: agreed on with the copies' own room, below
-                self._local_failure = exc
-                return
+            except OSError as exc:  # this node's memory full: agreed on with the copies' own room (_room_for)
+                return exc
         self._metadata_digest, self._metadata_file = digest, folder / METADATA
+        return None
 
-    def _exchange(self, sends: list[tuple[int, Path]], receives: list[tuple[int, Path]]) -> None:
+    def _exchange(
+        self,
+        sends: list[tuple[int, Path]],
+        receives: list[tuple[int, Path]],
+        failure: OSError | None = None,
+    ) -> None:
         """Point-to-point copies of whole files: sizes first, then the bytes, every send and receive posted
         before any is waited on (no order between pairs can deadlock). Two files between one pair of ranks
         travel in the order both sides list them (gloo keeps the order of one pair's messages of one tag).
@@ -288,7 +294,8 @@ class MemoryCheckpointer:
         Each file is sent from its own pages in node memory and received straight into the file it becomes
         (both mapped), so no copy of a state passes through the process: the host memory of a save is the
         node folder and the staging copy (`MemoryCheckpointSpec.host_copies`), not three more copies of a
-        state as buffers."""
+        state as buffers. `failure`: this node could not write its earlier part of the step (the metadata); every
+        rank learns of it with the room for the files (_room_for)."""
         payloads = [_mapped(path) for _, path in sends]
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in receives]
         works = [
@@ -302,7 +309,7 @@ class MemoryCheckpointer:
         for work in works:
             work.wait()
         parts = [_part(path) for _, path in receives]
-        buffers = self._room_for(parts, [int(size.item()) for size in sizes])
+        buffers = self._room_for(parts, [int(size.item()) for size in sizes], failure)
         works = [
             dist.isend(data, peer, group=self.group, tag=_TAG + 1)
             for (peer, _), data in zip(sends, payloads, strict=True)
@@ -317,13 +324,12 @@ class MemoryCheckpointer:
         for part, (_, path) in zip(parts, receives, strict=True):
             os.replace(part, path)
 
-    def _room_for(self, parts: list[Path], sizes: list[int]) -> list[torch.Tensor]:
+    def _room_for(self, parts: list[Path], sizes: list[int], failure: OSError | None) -> list[torch.Tensor]:
         """The files this rank receives, their node memory taken up front; every rank agrees whether every node
         found room (and wrote the step's metadata) before any byte travels. A node whose memory is full fails
         here alone: without the agreement its peers waited in the transfer and the barrier until the group's
         timeout (minutes of training stalled at the next save), or a mapped file with no page left behind it
         killed the rank with SIGBUS."""
-        failure, self._local_failure = self._local_failure, None
         buffers: list[torch.Tensor] = []
         if failure is None:
             try:
