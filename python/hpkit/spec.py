@@ -33,7 +33,7 @@ from hpkit.slurm_job import (
     SlurmJob,
     python_program_start,
 )
-from hpkit.validation import StrictModel, parse_document, read_document
+from hpkit.validation import UNKNOWN_KEY, StrictModel, parse_document, read_document
 
 # The training blocks live with the runtime's configuration; they are part of every job spec.
 __all__ = [
@@ -210,7 +210,7 @@ def load_parts(path: str | Path) -> tuple[SlurmJob | None, RunConfig]:
             return spec.job, spec.run
         return None, parse_document(RunConfig, data, str(path))
     except SpecError as exc:
-        if ": unknown key;" in str(exc) and _is_snapshot(path):
+        if f": {UNKNOWN_KEY};" in str(exc) and _is_snapshot(path):
             raise SpecError(
                 f"{exc}\n{path}: hpkit submit wrote this file with keys this hpkit does not know: the hpkit where "
                 "the job runs (in its image or environment) is older than the one that submitted it; install the "

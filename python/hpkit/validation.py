@@ -69,6 +69,8 @@ def check_no_control_chars(value: str, what: str) -> str:
 
 
 REQUIRED = "this field is required"
+# How a key no model declares is named (describe_error); hpkit.spec.load_parts looks for it in a snapshot's errors.
+UNKNOWN_KEY = "unknown key"
 
 
 def describe_error(
@@ -87,7 +89,7 @@ def describe_error(
         known = known_fields(model, path[:-1])
         hint = difflib.get_close_matches(loc[-1], known, n=1)
         suggestion = f"did you mean '{hint[0]}'? " if hint else ""
-        return f"{field}: unknown key; {suggestion}known keys here: {', '.join(known)}"
+        return f"{field}: {UNKNOWN_KEY}; {suggestion}known keys here: {', '.join(known)}"
     if err["type"] == "missing":
         return f"{field}: missing: {missing}"
     msg = err["msg"].removeprefix("Value error, ")
