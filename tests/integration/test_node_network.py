@@ -33,6 +33,7 @@ from test_resilience import events_of, job_events, job_log, losses, submit, trai
 
 from _clusters import slot
 from hpkit import devcluster
+from hpkit.netbench.pairs import CONFIRM_TRIES
 from hpkit.slurm import CliBackend, JobState
 
 pytestmark = pytest.mark.cluster
@@ -369,6 +370,10 @@ def test_a_slow_link_is_named_by_the_pairwise_check_and_the_straggler_detector_a
     bandwidth = report["bandwidth"]
     assert bandwidth["slow"] == [SLOW], (slow_link["rate"], bandwidth, checked.stderr[-2000:])
     assert report["exclude"] == [SLOW] and checked.returncode == 1, report["exclude"]
+    # The slow node was measured again, alone, as many times as a flagged node is, and stayed flagged.
+    (pairs,) = (slow_link["work"] / "check").glob("pairs-*.json")
+    again = json.loads(pairs.read_text())["confirm"]
+    assert sum(SLOW in entry["nodes"] for entry in again) == CONFIRM_TRIES, again
     # Every node has ib0 first and NCCL would take it: the check says so, naming eth0, and excludes no node for it.
     assert report["checks"]["socket-ifname"]["WARN"] == list(NODES), report["checks"]
     for node in NODES:

@@ -11,7 +11,7 @@ from _imds_server import closed_port
 
 from hpkit.checks import fleet
 from hpkit.commands import check, check_nodes
-from hpkit.netbench.pairs import best_per_node, round_robin
+from hpkit.netbench.pairs import best_per_node, confirmations, round_robin
 from hpkit.slurm.hostlist import compress, natural_key
 
 
@@ -146,6 +146,28 @@ def test_best_pair_per_node() -> None:
         ],
     }
     assert best_per_node(doc) == {"a": 8.0, "b": 9.0, "c": 9.0, "d": 1.0}
+    # A second look counts like any round.
+    doc["confirm"] = [{"nodes": ["b", "d"], "busbw_gbps": 7.5, "wrong": 0}]
+    assert best_per_node(doc) == {"a": 8.0, "b": 9.0, "c": 9.0, "d": 7.5}
+
+
+def test_flagged_nodes_are_measured_again_alone_against_the_fastest_node_the_rounds_do_not_flag() -> None:
+    names = ["a", "b", "c", "d"]
+
+    def entry(x: str, y: str, gbps: float) -> dict:
+        return {"nodes": [x, y], "busbw_gbps": gbps, "wrong": 0}
+
+    # d is slow in both its pairings; b's best is c's: b and c are 9, the median 8.5.
+    doc = {"nodes": names, "rounds": [[entry("a", "d", 1.0), entry("b", "c", 9.0)], [entry("a", "c", 8.0)]]}
+    assert confirmations(names, doc, 0.5) == [(1, 3)]  # d (rank 3) with b, the first of the fastest
+    # Two flagged: each with the same partner, in rank order; the fleet's fraction decides who is flagged.
+    doc["rounds"].append([entry("b", "d", 2.0)])
+    assert confirmations(names, doc, 0.95) == [(0, 1), (1, 3)]
+    # A second look that clears d leaves nothing to measure.
+    doc["confirm"] = [entry("b", "d", 8.8)]
+    assert confirmations(names, doc, 0.5) == []
+    # Nothing measured, or everyone flagged: no partner to measure against.
+    assert confirmations(names, {"nodes": names, "rounds": []}, 0.5) == []
 
 
 def test_sysroot_from_the_environment_moves_every_probe(
