@@ -254,8 +254,9 @@ def zygote_command(job: SlurmJob, warm: bool, more: tuple[str, ...] = ()) -> str
     rank's command imports first: torch, for hpkit train hpkit's runtime, then `more` (resilience.warm_preload)."""
     if not warm:
         return ""
-    # torchrun's agent is forked too (hpkit.torchrun_agent, launch_words): its imports first.
-    preload = ["torch", "torch.distributed.run", "hpkit.torchrun_agent", "hpkit.run_script"]
+    # Under torchrun its agent is forked too (hpkit.torchrun_agent, launch_words): its imports first.
+    agent = ["torch.distributed.run", "hpkit.torchrun_agent"] if job.launcher == "torchrun" else []
+    preload = ["torch", *agent, "hpkit.run_script"]
     if runs_hpkit_train(job):
         preload += ["hpkit.cli", "hpkit.commands.train", "hpkit.runtime.run"]
     more = tuple(name for name in dict.fromkeys(more) if name not in preload)

@@ -171,8 +171,13 @@ class JobSpec(StrictModel):
 def warm_start_problem(job: SlurmJob) -> str | None:
     """Why the job's ranks cannot be forked warm (hpkit.warm.protocol.python_target says which commands a zygote
     starts), or None."""
-    if job.launcher != "torchrun" or job.container is not None:
-        return "ranks are forked warm under launcher: torchrun without a container; use that launcher"
+    # launcher: mpi's ranks wire up through the step's PMIx server, which a rank forked outside the step has
+    # never been tried against.
+    if job.launcher == "mpi" or job.container is not None:
+        return (
+            "ranks are forked warm under launcher: torchrun or srun, without a container; use one of those "
+            "launchers"
+        )
     if python_program_start(job.command) != 1:
         return (
             "the command must be a Python program without interpreter options (python SCRIPT or python -m "

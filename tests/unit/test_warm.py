@@ -397,6 +397,14 @@ def test_warm_start_renders_the_client_before_agent_and_rank_and_the_zygote_in_t
     assert "hpkit.warm" not in cold and '"warm"' not in cold
 
 
+def test_under_srun_each_task_is_a_client_and_the_zygote_leaves_torchrun_out() -> None:
+    script = render(parse_document(JobSpec, {**WARM_SPEC, "launcher": "srun"}))
+    client_words = "/opt/venv/bin/python -m hpkit.warm.client -- /opt/venv/bin/python"
+    assert f"hpkit-task {client_words} -m hpkit.run_script -m hpkit train" in script
+    assert "hpkit.torchrun_agent" not in script
+    assert "--preload=torch,hpkit.run_script,hpkit.cli,hpkit.commands.train,hpkit.runtime.run" in script
+
+
 def test_a_compat_jobs_zygote_starts_with_the_shim_on_its_pythonpath_as_the_ranks_do() -> None:
     """The compat shim goes on each rank's PYTHONPATH, read as the interpreter starts: a zygote without it would
     refuse every rank (warm start refused: PYTHONPATH differs)."""
@@ -414,7 +422,8 @@ def test_a_compat_jobs_zygote_starts_with_the_shim_on_its_pythonpath_as_the_rank
         ({"gpus_per_node": 8, "instance_type": "p5.48xlarge"}, False),  # the zygote step's GPUs: unchecked
         ({"gpus_per_node": 8, "resilience": {"warm_start": True}}, True),
         ({"resilience": {"warm_start": False}}, False),
-        ({"launcher": "srun"}, False),
+        ({"launcher": "srun"}, True),
+        ({"launcher": "mpi"}, False),
         ({"container": {"image": "img.sqsh"}}, False),
         # the zygote would refuse an interpreter option
         ({"command": ["/opt/venv/bin/python", "-u", "-m", "hpkit", "train"]}, False),
@@ -431,7 +440,10 @@ def test_warm_start_left_out_is_on_where_it_can_be_in_a_job_without_gpus(change:
 @pytest.mark.parametrize(
     ("change", "words"),
     [
-        ({"launcher": "srun"}, "resilience.warm_start: ranks are forked warm under launcher: torchrun"),
+        (
+            {"launcher": "mpi"},
+            "resilience.warm_start: ranks are forked warm under launcher: torchrun or srun",
+        ),
         ({"container": {"image": "img.sqsh"}}, "resilience.warm_start: ranks are forked warm under launcher"),
         ({"command": ["hpkit", "train"]}, "resilience.warm_start: the command must be a Python program"),
         (
@@ -488,7 +500,7 @@ def test_warm_preload_adds_its_modules_to_the_zygotes_preload_once() -> None:
             "warm_start: true)",
         ),
         (
-            {"launcher": "srun", "resilience": {"warm_preload": ["transformers"]}},
+            {"launcher": "mpi", "resilience": {"warm_preload": ["transformers"]}},
             "resilience.warm_preload: the ranks start cold in this job (ranks are forked warm under launcher",
         ),
     ],
