@@ -171,13 +171,10 @@ class JobSpec(StrictModel):
 def warm_start_problem(job: SlurmJob) -> str | None:
     """Why the job's ranks cannot be forked warm (hpkit.warm.protocol.python_target says which commands a zygote
     starts), or None."""
-    # launcher: mpi's ranks wire up through the step's PMIx server, which a rank forked outside the step has
-    # never been tried against.
-    if job.launcher == "mpi" or job.container is not None:
-        return (
-            "ranks are forked warm under launcher: torchrun or srun, without a container; use one of those "
-            "launchers"
-        )
+    # Every launcher's ranks can be: torchrun's agent, or srun's task (launcher srun, and mpi, whose forked ranks
+    # still wire up through the step's PMIx server: test_mpi_jobs), starts the client in the rank's place.
+    if job.container is not None:
+        return "ranks are forked warm only outside a container; drop the container"
     if python_program_start(job.command) != 1:
         return (
             "the command must be a Python program without interpreter options (python SCRIPT or python -m "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -33,6 +34,9 @@ def test_mpi4py_point_to_point_broadcast_gather_across_two_nodes(slurm_cluster, 
         for r in (json.loads(line[4:]) for line in unlabelled(log).splitlines() if line.startswith("mpi {"))
     }
     assert sorted(records) == [0, 1, 2, 3], log
+    # Each rank was forked by its node's zygote (warm starts, on by default without GPUs), and still wired up through
+    # the step's PMIx server.
+    assert len(re.findall(r"warm start on node\d: rank \d \(attempt 0\) forked as process", log)) == 4, log
     assert {r["size"] for r in records.values()} == {4}
     assert [records[r]["node"] for r in range(4)] == ["node1", "node1", "node2", "node2"]
     assert records[1]["received"] == [0, 1, 2]

@@ -423,7 +423,7 @@ def test_a_compat_jobs_zygote_starts_with_the_shim_on_its_pythonpath_as_the_rank
         ({"gpus_per_node": 8, "resilience": {"warm_start": True}}, True),
         ({"resilience": {"warm_start": False}}, False),
         ({"launcher": "srun"}, True),
-        ({"launcher": "mpi"}, False),
+        ({"launcher": "mpi"}, True),
         ({"container": {"image": "img.sqsh"}}, False),
         # the zygote would refuse an interpreter option
         ({"command": ["/opt/venv/bin/python", "-u", "-m", "hpkit", "train"]}, False),
@@ -441,10 +441,9 @@ def test_warm_start_left_out_is_on_where_it_can_be_in_a_job_without_gpus(change:
     ("change", "words"),
     [
         (
-            {"launcher": "mpi"},
-            "resilience.warm_start: ranks are forked warm under launcher: torchrun or srun",
+            {"container": {"image": "img.sqsh"}},
+            "resilience.warm_start: ranks are forked warm only outside a container",
         ),
-        ({"container": {"image": "img.sqsh"}}, "resilience.warm_start: ranks are forked warm under launcher"),
         ({"command": ["hpkit", "train"]}, "resilience.warm_start: the command must be a Python program"),
         (
             {"command": ["python3", "-c", "pass"]},
@@ -500,8 +499,8 @@ def test_warm_preload_adds_its_modules_to_the_zygotes_preload_once() -> None:
             "warm_start: true)",
         ),
         (
-            {"launcher": "mpi", "resilience": {"warm_preload": ["transformers"]}},
-            "resilience.warm_preload: the ranks start cold in this job (ranks are forked warm under launcher",
+            {"container": {"image": "img.sqsh"}, "resilience": {"warm_preload": ["transformers"]}},
+            "resilience.warm_preload: the ranks start cold in this job (ranks are forked warm only outside",
         ),
     ],
 )

@@ -576,7 +576,7 @@ class ResilienceSpec(StrictModel):
         description=(
             "fork each rank from a per-node process of the job that has already imported torch and hpkit "
             "(hpkit.warm), spares included: every step, a restarted one or a swapped-in spare's too, skips the "
-            "interpreter's start and its imports; needs launcher torchrun or srun, no container and a Python command "
+            "interpreter's start and its imports; needs no container and a Python command "
             "(python SCRIPT or python -m MODULE). Left out: on where it can be, for a job without GPUs "
             "(gpus_per_node: 0); set true to have it on GPU nodes"
         ),
