@@ -15,6 +15,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import os
+import re
 import select
 import shlex
 import shutil
@@ -23,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, ClassVar
@@ -39,6 +41,8 @@ PRELOAD = (
     "hpkit.runtime.loop.trainer"
 )
 ZYGOTE_READY_S = 180
+# A zygote's line for each process it forks (hpkit.warm.zygote): the forked process's pid, then its client's.
+FORKED = re.compile(r"forked as process (\d+) for process (\d+)")
 # The one thread that starts zygotes, alive as long as this process. A zygote dies with the thread that started it
 # (PR_SET_PDEATHSIG follows the parent thread, not the process): one started by run_together's pool was SIGKILLed
 # when the pool ended, and every later launch with its start-up variables ran cold for the rest of the session.
@@ -79,6 +83,8 @@ class _Zygote:
     MAX_ZYGOTES = 3
     lock = threading.Lock()
     running: ClassVar[dict[tuple, _Zygote | None]] = {}
+    # client pid -> (the pid forked for it, when its line was read), from every zygote's lines.
+    forked: ClassVar[dict[int, tuple[int, float]]] = {}
 
     def __init__(self, proc: subprocess.Popen[str], folder: Path):
         self.proc, self.folder = proc, folder
@@ -139,8 +145,14 @@ class _Zygote:
             zygote.stop()
             return None
         # Its later lines (a line per process forked) are read off, so its pipe never fills.
-        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        threading.Thread(target=cls._read_forks, args=(proc.stdout,), daemon=True).start()
         return zygote
+
+    @classmethod
+    def _read_forks(cls, stream) -> None:
+        for line in stream:
+            if found := FORKED.search(line):
+                cls.forked[int(found.group(2))] = (int(found.group(1)), time.monotonic())
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -165,6 +177,29 @@ def warm(cmd: list[str], env: dict[str, str]) -> list[str]:
         return cmd
     env[SOCKET_ENV] = str(path)
     return [sys.executable, "-m", "hpkit.warm.client", "--", *cmd]
+
+
+def rank_pid(client: subprocess.Popen, since: float, timeout: float = 60) -> int:
+    """The pid of the process a launch through `warm` runs: the one its node's zygote forked for `client`, or the
+    client's own where it started cold (it exec'ed the command). `since`: the monotonic time before `client` was
+    started, so that a line about an earlier process with the same pid is not taken for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _Zygote.forked.get(client.pid)
+        if found is not None and found[1] >= since:
+            return found[0]
+        try:
+            cmdline = Path(f"/proc/{client.pid}/cmdline").read_bytes()
+        except OSError:
+            return client.pid  # gone before a fork
+        # Empty, or this process's own: still inside its exec (Popen can return while the child is mid-execve: its
+        # name was still pytest's, its cmdline empty), neither client nor command yet.
+        execed = cmdline not in (b"", Path("/proc/self/cmdline").read_bytes())
+        if (execed and b"hpkit.warm.client" not in cmdline) or client.poll() is not None:
+            return client.pid  # cold (exec'ed the command), or gone before a fork
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no zygote forked a process for client {client.pid} in {timeout:.0f} s")
+        time.sleep(0.01)
 
 
 def torchrun_command(args: list[str], nproc: int, env: dict[str, str], *options: str) -> list[str]:

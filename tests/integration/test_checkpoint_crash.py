@@ -1,6 +1,6 @@
 """Checkpoints under SIGKILL and corruption: a resume always starts from a complete checkpoint.
 
-Saves every step. A 2-rank run is killed (every rank at once, as a node crash would) at the moment a
+Saves every step. A 2-rank run is killed (both ranks, back to back, as a node crash would) at the moment a
 save is in progress: when its `.tmp` directory appears, when shard files appear in it, when DCP's
 `.metadata` lands in it. Each restart must resume from the newest checkpoint committed before its
 kill, and every run's losses, not only the last one's, must equal those of a run never interrupted.
@@ -8,6 +8,7 @@ kill, and every run's losses, not only the last one's, must equal those of a run
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -18,6 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import _torchrun
 import pytest
 import yaml
 from _dirwatch import DirWatch
@@ -70,9 +72,10 @@ def clean_env() -> dict[str, str]:
 
 
 def launch(cfg: Path) -> subprocess.Popen:
+    env = clean_env()
     return subprocess.Popen(
-        [sys.executable, "-m", "hpkit", "train", "--config", str(cfg)],
-        env=clean_env(),
+        _torchrun.warm([sys.executable, "-m", "hpkit", "train", "--config", str(cfg)], env),
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -81,9 +84,11 @@ def launch(cfg: Path) -> subprocess.Popen:
 
 @dataclass
 class Run:
-    """Two ranks in one process group (so one killpg takes both down at once), rank 0's output in a file."""
+    """Two ranks, each forked by this test process's zygote (_torchrun.warm) behind a client that exits as it does,
+    or started cold; rank 0's output in a file."""
 
-    procs: list[subprocess.Popen]
+    procs: list[subprocess.Popen]  # what this process started: each rank's client, or the rank itself
+    ranks: list[int]  # the ranks' own pids (_torchrun.rank_pid)
     log: Path
 
     def output(self) -> str:
@@ -91,6 +96,12 @@ class Run:
 
     def wait(self, timeout: float) -> list[int]:
         return [proc.wait(timeout=timeout) for proc in self.procs]
+
+    def kill(self) -> None:
+        """SIGKILL both ranks themselves, back to back (a client dies of it after its rank)."""
+        for pid in self.ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _listens(pid: int, port: int) -> bool:
@@ -113,26 +124,12 @@ def _listens(pid: int, port: int) -> bool:
     return any(int(r[1].split(":")[1], 16) == port and r[3] == "0A" and r[9] in inodes for r in rows)
 
 
-# Rank 1's `hpkit train`, its imports (torch, the trainer: most of a rank's start-up) done at once, while rank 0
-# starts, and the command itself run once the file HPKIT_TEST_GO names exists (rank 0 listens on its port).
-RANK_1 = """
-import os, sys, time
-import torch.distributed.checkpoint
-import hpkit.runtime.run
-from hpkit.cli import main
-while not os.path.exists(os.environ["HPKIT_TEST_GO"]):
-    time.sleep(0.02)
-raise SystemExit(main())
-"""
-
-
 def launch_2_ranks(cfg: Path, log: Path) -> Run:
-    """Rank 0 first, on a free port; rank 1 connects once rank 0's store listens there (it imports meanwhile).
-    Another test on this host may take the port between choosing and binding it: then rank 0 stops with
-    EADDRINUSE and a new port is tried (it is not the fault under test)."""
-    for attempt in range(5):
-        port, procs = free_local_ports(), []
-        go = log.with_suffix(f".go{attempt}")
+    """Rank 0 first, on a free port; rank 1 once rank 0's store listens there. Another test on this host may take
+    the port between choosing and binding it: then rank 0 stops with EADDRINUSE and a new port is tried (it is not
+    the fault under test)."""
+    for _ in range(5):
+        port, procs, ranks = free_local_ports(), [], []
         for rank in range(2):
             env = clean_env()
             env.update(
@@ -142,31 +139,22 @@ def launch_2_ranks(cfg: Path, log: Path) -> Run:
                 LOCAL_WORLD_SIZE="2",
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port),
-                HPKIT_TEST_GO=str(go),
             )
-            group = procs[0].pid if procs else 0  # rank 0 leads a new group, rank 1 joins it
-            argv = ["-m", "hpkit"] if rank == 0 else ["-c", RANK_1]
+            cmd = _torchrun.warm([sys.executable, "-m", "hpkit", "train", "--config", str(cfg)], env)
+            since = time.monotonic()
             with log.with_suffix(f".rank{rank}").open("w") as out:
-                procs.append(
-                    subprocess.Popen(
-                        [sys.executable, *argv, "train", "--config", str(cfg)],
-                        env=env,
-                        stdout=out,
-                        stderr=subprocess.STDOUT,
-                        process_group=group,
-                    )
-                )
-        deadline = time.monotonic() + 120
-        while procs[0].poll() is None and not _listens(procs[0].pid, port):
-            if time.monotonic() > deadline:
-                os.killpg(procs[0].pid, signal.SIGKILL)  # rank 1 would wait for its go forever
-                raise AssertionError("rank 0 never listened on its port")
-            time.sleep(0.05)
-        if procs[0].poll() is None:
-            go.touch()
-            return Run(procs, log.with_suffix(".rank0"))
-        procs[1].kill()
-        procs[1].wait()
+                procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT))
+            ranks.append(_torchrun.rank_pid(procs[-1], since))
+            if rank == 1:
+                return Run(procs, ranks, log.with_suffix(".rank0"))
+            deadline = time.monotonic() + 120
+            while procs[0].poll() is None and not _listens(ranks[0], port):
+                if time.monotonic() > deadline:
+                    Run(procs, ranks, log).kill()
+                    raise AssertionError("rank 0 never listened on its port")
+                time.sleep(0.05)
+            if procs[0].poll() is not None:
+                break  # rank 0 ended before it listened: the port, or not
         output = log.with_suffix(".rank0").read_text()
         assert "EADDRINUSE" in output or "in use" in output, output
     raise AssertionError(f"no free port held for rank 0 in 5 tries:\n{output}")
@@ -219,7 +207,7 @@ def kill_during_save(run: Run, root: Path, nth: int, phase: str, timeout: float 
                         watch.add(target)  # its files from now on; those before are seen by `reached`
             if target is not None:
                 if reached(target):
-                    os.killpg(run.procs[0].pid, signal.SIGKILL)
+                    run.kill()
                     break
                 if not target.is_dir():  # committed before it reached the phase: take the next save
                     target = None
