@@ -7,6 +7,7 @@ runs are compared sample by sample, not only through their losses.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -83,28 +84,33 @@ def _losses(tmp: Path, tag: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in map(json.loads, lines) if "loss" in r}
 
 
-def _launch_2_ranks(cfg: Path, tmp: Path, digests: Path) -> list[subprocess.Popen]:
-    """Two ranks without an agent, in one process group (one killpg takes both down at once)."""
+def _launch_2_ranks(cfg: Path, tmp: Path, digests: Path) -> tuple[list[subprocess.Popen], list[int]]:
+    """Two ranks without an agent, forked by this test process's zygote where they can be (_torchrun.warm): what
+    was started (each rank's client, or the rank), and the ranks' own pids (_torchrun.rank_pid) to kill."""
     port = free_local_ports()
     procs: list[subprocess.Popen] = []
+    pids: list[int] = []
     for rank in range(2):
         env = _torchrun.torch_env(tmp / "tmp")
         env.update(
             RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), HPKIT_DATA_DIGESTS=str(digests),
         )  # fmt: skip
+        cmd = _torchrun.warm([sys.executable, "-m", "hpkit", "train", "--config", str(cfg)], env)
+        since = time.monotonic()
         with (tmp / f"killed.rank{rank}.log").open("w") as out:
             procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "hpkit", "train", "--config", str(cfg)],
-                    env=env,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    cwd=_torchrun.REPO,
-                    process_group=procs[0].pid if procs else 0,
-                )
+                subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=_torchrun.REPO)
             )
-    return procs
+        pids.append(_torchrun.rank_pid(procs[-1], since))
+    return procs, pids
+
+
+def _kill(pids: list[int]) -> None:
+    """SIGKILL both ranks, back to back (a client dies of it after its rank)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -128,17 +134,17 @@ def runs(tmp_path_factory):
         (tmp / "ckpt-k").mkdir()
         with DirWatch() as watch:
             watch.add(tmp / "ckpt-k")
-            procs = _launch_2_ranks(spec_k, tmp, digests["k"])
+            procs, pids = _launch_2_ranks(spec_k, tmp, digests["k"])
             deadline = time.monotonic() + 300
             try:
                 while time.monotonic() < deadline and all(p.poll() is None for p in procs):
                     if any(name == "step-00000004" for _, name, _ in watch.events(1.0)):
-                        os.killpg(procs[0].pid, signal.SIGKILL)
+                        _kill(pids)
                         break
             finally:
                 for p in procs:
                     if p.poll() is None:
-                        os.killpg(procs[0].pid, signal.SIGKILL)
+                        _kill(pids)
                     p.wait(timeout=60)
         return [p.returncode for p in procs]
 
