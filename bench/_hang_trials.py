@@ -99,10 +99,25 @@ def skewed(seconds: float) -> dict[str, str]:
     return {"LD_PRELOAD": FAKETIME_LIB, "FAKETIME": f"{seconds:+.0f}s", "FAKETIME_NO_CACHE": "1"}
 
 
-# How a rank is started, given its command and its node's environment (which it may add to): unchanged, or, from
-# the tests, forked by a zygote (tests/integration/_torchrun.warm). A forked rank is no descendant of its agent:
-# what stops a whole node finds it by the pid its reports give.
-RankCommand = Callable[[list[str], dict[str, str]], list[str]]
+@dataclass(frozen=True)
+class Forked:
+    """How the tests start a drill's agents and ranks: forked by a zygote (tests/integration/_torchrun), not cold.
+    A forked process is no descendant of what started it: what stops a whole node finds the agent by `pid` and the
+    ranks by the pids their reports give."""
+
+    # A `sys.executable ...` command, given its node's environment (which it may add to), as started forked.
+    command: Callable[[list[str], dict[str, str]], list[str]]
+    # The process forked for a started command (the Popen; the monotonic time before it was started).
+    pid: Callable[[subprocess.Popen, float], int]
+
+
+@dataclass
+class Agent:
+    """A node's torchrun agent: what was started (the leader of its own process group), and the agent's own pid
+    (the same, or the process forked for it)."""
+
+    proc: subprocess.Popen
+    pid: int
 
 
 def launch(
@@ -111,9 +126,9 @@ def launch(
     env_extra: dict[str, str],
     checkpoint_every: int | None = None,
     node_env: dict[str, dict[str, str]] | None = None,
-    rank_command: RankCommand | None = None,
-):
-    """Start both agents; returns their Popen objects (each the leader of its own process group).
+    forked: Forked | None = None,
+) -> list[Agent]:
+    """Start both agents (and, through them, the ranks), cold or `forked`.
     `node_env` adds variables to one node's agent and ranks (a skewed clock)."""
     out.mkdir(parents=True, exist_ok=True)
     clear_reports(out / "hangs")  # a killed earlier drill in this folder left its node-local reports
@@ -125,16 +140,16 @@ def launch(
         cmd += ["--nproc-per-node", str(PER_NODE), "--master-addr", "127.0.0.1", "--master-port", str(port)]
         env = run_env(out, SLURMD_NODENAME=node, **env_extra, **(node_env or {}).get(node, {}))
         rank = [sys.executable, "-m", "hpkit", "train", "--config", str(config)]
-        if rank_command is None:
+        if forked is None:
             cmd += rank[1:]
         else:
-            cmd += ["--no-python", "--", *rank_command(rank, env)]
+            cmd = forked.command([*cmd, "--no-python", "--", *forked.command(rank, env)], env)
         log = open(out / f"{node}.log", "w")  # noqa: SIM115 (closed with the process)
-        agents.append(
-            subprocess.Popen(
-                cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
+        since = time.monotonic()
+        proc = subprocess.Popen(
+            cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
+        agents.append(Agent(proc, proc.pid if forked is None else forked.pid(proc, since)))
     return agents
 
 
@@ -160,14 +175,14 @@ def _tree(pid: int) -> list[int]:
     return out
 
 
-def stop_all(agents) -> None:
+def stop_all(agents: list[Agent]) -> None:
     for agent in agents:
-        for pid in _tree(agent.pid):
+        for pid in dict.fromkeys([*_tree(agent.proc.pid), *_tree(agent.pid)]):
             for sig in (signal.SIGKILL, signal.SIGCONT):
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
     for agent in agents:
-        agent.wait(timeout=30)
+        agent.proc.wait(timeout=30)
 
 
 def _wait_verdict(out: Path, deadline: float) -> Path | None:
@@ -186,7 +201,7 @@ def run_trial(
     timeout_s: float = 240,
     node_env: dict[str, dict[str, str]] | None = None,
     clean_s: float = 0.0,
-    rank_command: RankCommand | None = None,
+    forked: Forked | None = None,
 ) -> Trial:
     """One drill. `clean_s`: seconds of clean training, once every rank has reached the step before the fault,
     before a SIGSTOP fault is injected; `trial.clean_verdict` says whether a hang was called meanwhile."""
@@ -205,7 +220,7 @@ def run_trial(
         env,
         checkpoint_every=FAULT_STEP if in_save else None,
         node_env=node_env,
-        rank_command=rank_command,
+        forked=forked,
     )
     deadline = time.time() + timeout_s
     try:
@@ -243,16 +258,22 @@ def run_trial(
                 time.sleep(clean_s)
                 # Any hang folder, or an agent gone, is a false alarm.
                 trial.clean_verdict = any((out / "hangs").glob("*-step*")) or any(
-                    a.poll() is not None for a in agents
+                    a.proc.poll() is not None for a in agents
                 )
                 seen = beats(out)
             if trial.fault == "sigstop":
                 pids = [seen[trial.target]["pid"]]
             else:
-                # The agent and what it started, and the node's ranks wherever they were forked.
+                # The agent and what it started (its client's too, where it was forked), and the node's ranks
+                # wherever they were forked.
+                agent = agents[trial.target]
                 pids = list(
                     dict.fromkeys(
-                        [*_tree(agents[trial.target].pid), *(seen[r]["pid"] for r in trial.expected)]
+                        [
+                            *_tree(agent.proc.pid),
+                            *_tree(agent.pid),
+                            *(seen[r]["pid"] for r in trial.expected),
+                        ]
                     )
                 )
             trial.injected_at, trial.beats = time.time(), seen

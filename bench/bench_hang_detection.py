@@ -65,7 +65,7 @@ def clean_run(seconds: float, min_s: float, root: Path) -> dict:
     for h in hogs:
         h.start()
     try:
-        while time.time() < stop_at and all(a.poll() is None for a in agents):
+        while time.time() < stop_at and all(a.proc.poll() is None for a in agents):
             time.sleep(1)
         seen = beats(out)
     finally:
@@ -75,7 +75,7 @@ def clean_run(seconds: float, min_s: float, root: Path) -> dict:
     hangs = [p.name for p in (out / "hangs").glob("*-step*")]
     saves = len(list((out / "ckpt").glob("step-*"))) if (out / "ckpt").exists() else 0
     steps = min((b["step"] for b in seen.values()), default=0)
-    died = [a.returncode for a in agents if a.returncode not in (None, -9)]
+    died = [a.proc.returncode for a in agents if a.proc.returncode not in (None, -9)]
     return {
         "seconds": seconds,
         "steps": steps,

@@ -26,9 +26,9 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from _torchrun import warm
+from _torchrun import rank_pid, warm
 
-from _hang_trials import SAVE_HOLD_S, Trial, run_trial, skewed
+from _hang_trials import SAVE_HOLD_S, Forked, Trial, run_trial, skewed
 
 pytestmark = pytest.mark.dist
 
@@ -50,7 +50,14 @@ def drills(tmp_path_factory) -> dict[str, Trial]:
     with ThreadPoolExecutor(len(wanted)) as pool:
         futures = {
             k: pool.submit(
-                run_trial, t, root / k, MIN_S, 300, node_env=SKEW, clean_s=clean, rank_command=warm
+                run_trial,
+                t,
+                root / k,
+                MIN_S,
+                300,
+                node_env=SKEW,
+                clean_s=clean,
+                forked=Forked(warm, rank_pid),
             )
             for k, (t, clean) in wanted.items()
         }
