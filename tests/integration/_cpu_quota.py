@@ -1,18 +1,13 @@
 """A real slow rank, made by the kernel: a CPU quota on one process's cgroup.
 
-    python _cpu_quota.py PID_DIR -- COMMAND...
-
-runs as each Slurm task: it writes its pid to PID_DIR/task-<SLURM_PROCID>.pid and execs COMMAND (the pid
-stays the same). Once training has started, the test calls `limit(name, pid, percent)`, which moves that
-process (all its threads) into a new cgroup allowed `percent` of one CPU (cgroup v1 cpu.cfs_quota_us, or
-v2 cpu.max), and `remove(name)` after the job. Limiting after start-up, not before, keeps the slow rank's
-`import torch` from taking minutes. Needs root and the cpu controller.
+Once training has started, the test calls `limit(name, pid, percent)` with a rank's pid (its hang-watchdog
+reports give it), which moves that process (all its threads) into a new cgroup allowed `percent` of one CPU
+(cgroup v1 cpu.cfs_quota_us, or v2 cpu.max), and `remove(name)` after the job. Limiting after start-up, not
+before, keeps the slow rank's start from taking minutes. Needs root and the cpu controller.
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from pathlib import Path
 
 V1 = Path("/sys/fs/cgroup/cpu")
@@ -50,15 +45,3 @@ def remove(name: str) -> None:
     base = root()
     if base is not None and (base / name).exists():
         (base / name).rmdir()
-
-
-def main(argv: list[str]) -> None:
-    pid_dir, sep, *command = argv
-    assert sep == "--" and command, __doc__
-    task = os.environ["SLURM_PROCID"]
-    (Path(pid_dir) / f"task-{task}.pid").write_text(f"{os.getpid()}\n")
-    os.execvp(command[0], command)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

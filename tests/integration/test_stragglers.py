@@ -25,11 +25,11 @@ from _cpu_quota import root as cgroup_root
 from prometheus_client.parser import text_string_to_metric_families
 from test_resilience import submit
 
+from hpkit.runtime.watchdog.hang_board import reports_of
 from hpkit.slurm import CliBackend, JobState, wait
 
 pytestmark = [pytest.mark.cluster, pytest.mark.dist]
 
-HERE = Path(__file__).resolve().parent
 MODEL = {
     "name": "debug",
     "dim": 64,
@@ -78,9 +78,6 @@ def spec(
         "parallelism": {"dp_shard": 4},
         "model": MODEL,
         "train": train,
-        # The slow run's ranks exec hpkit train from a wrapper (_cpu_quota.py), cold whatever starts the wrapper:
-        # a zygote per node would import torch for nothing. The control starts as the slow run does.
-        "resilience": {"warm_start": False},
     }
 
 
@@ -113,14 +110,11 @@ def test_a_rank_under_a_cpu_quota_is_named_once_with_its_node(slurm_cluster, tmp
         pytest.skip("no cgroup cpu controller to slow a rank with (needs root and cgroup v1 cpu or v2 cpu)")
     # The pytest process in the name: another checkout running this test on the host has the same tmp_path name.
     cgroup = f"hpkit-straggler-{os.getpid()}-{tmp_path.name}"
-    pids = tmp_path / "pids"
-    pids.mkdir()
-    wrapped = [sys.executable, str(HERE / "_cpu_quota.py"), str(pids), "--", *TRAIN]
     factor = max(FLOOR, MARGIN * control.work_spread())
     step_bound = max(1.3, MARGIN * control.step_spread())
     print(f"control: work spread {control.work_spread():.2f}, step spread {control.step_spread():.2f}")
     print(f"slow run: straggler factor {factor:.2f}, step-time bound {step_bound:.2f}")
-    job_id = submit(spec("slow", tmp_path, 16, wrapped, stragglers=factor), tmp_path, slurm_cluster)
+    job_id = submit(spec("slow", tmp_path, 16, TRAIN, stragglers=factor), tmp_path, slurm_cluster)
     metrics = tmp_path / "slow.jsonl"
     try:
         # Slow rank 3 down once training runs (its first step is logged), not during start-up.
@@ -128,7 +122,10 @@ def test_a_rank_under_a_cpu_quota_is_named_once_with_its_node(slurm_cluster, tmp
         while not [r for r in records(metrics, None) if "loss" in r] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert records(metrics, None), "training did not start"
-        limit_cgroup(cgroup, int((pids / "task-3.pid").read_text()), QUOTA)
+        # Rank 3's own process, wherever it was forked (warm starts): the pid its hang-watchdog reports give.
+        while 3 not in reports_of(tmp_path / "logs" / "hangs") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        limit_cgroup(cgroup, reports_of(tmp_path / "logs" / "hangs")[3]["pid"], QUOTA)
         info, log = finish(job_id)
     finally:
         time.sleep(0.5)  # the rank's process may still be leaving its cgroup
