@@ -123,9 +123,10 @@ def test_a_rank_under_a_cpu_quota_is_named_once_with_its_node(slurm_cluster, tmp
             time.sleep(0.1)
         assert records(metrics, None), "training did not start"
         # Rank 3's own process, wherever it was forked (warm starts): the pid its hang-watchdog reports give.
-        while 3 not in reports_of(tmp_path / "logs" / "hangs") and time.monotonic() < deadline:
+        while 3 not in (reports := reports_of(tmp_path / "logs" / "hangs")) and time.monotonic() < deadline:
             time.sleep(0.1)
-        limit_cgroup(cgroup, reports_of(tmp_path / "logs" / "hangs")[3]["pid"], QUOTA)
+        assert 3 in reports, f"rank 3 never reported (its pid is the quota's target): ranks {sorted(reports)}"
+        limit_cgroup(cgroup, reports[3]["pid"], QUOTA)
         info, log = finish(job_id)
     finally:
         time.sleep(0.5)  # the rank's process may still be leaving its cgroup
