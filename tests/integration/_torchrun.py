@@ -13,6 +13,7 @@ namespace (run_two_agents), start cold.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import os
 import re
@@ -184,6 +185,7 @@ def rank_pid(client: subprocess.Popen, since: float, timeout: float = 60) -> int
     client's own where it started cold (it exec'ed the command). `since`: the monotonic time before `client` was
     started, so that a line about an earlier process with the same pid is not taken for it."""
     deadline = time.monotonic() + timeout
+    own = Path("/proc/self/cmdline").read_bytes()
     while True:
         found = _Zygote.forked.get(client.pid)
         if found is not None and found[1] >= since:
@@ -194,12 +196,20 @@ def rank_pid(client: subprocess.Popen, since: float, timeout: float = 60) -> int
             return client.pid  # gone before a fork
         # Empty, or this process's own: still inside its exec (Popen can return while the child is mid-execve: its
         # name was still pytest's, its cmdline empty), neither client nor command yet.
-        execed = cmdline not in (b"", Path("/proc/self/cmdline").read_bytes())
+        execed = cmdline not in (b"", own)
         if (execed and b"hpkit.warm.client" not in cmdline) or client.poll() is not None:
             return client.pid  # cold (exec'ed the command), or gone before a fork
         if time.monotonic() > deadline:
             raise AssertionError(f"no zygote forked a process for client {client.pid} in {timeout:.0f} s")
         time.sleep(0.01)
+
+
+def sigkill(pids: list[int]) -> None:
+    """SIGKILL each process back to back (rank_pid's: a warm client dies of it after its rank); one already gone
+    is passed over."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def torchrun_command(args: list[str], nproc: int, env: dict[str, str], *options: str) -> list[str]:

@@ -8,7 +8,6 @@ kill, and every run's losses, not only the last one's, must equal those of a run
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -98,10 +97,8 @@ class Run:
         return [proc.wait(timeout=timeout) for proc in self.procs]
 
     def kill(self) -> None:
-        """SIGKILL both ranks themselves, back to back (a client dies of it after its rank)."""
-        for pid in self.ranks:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        """SIGKILL both ranks themselves, back to back."""
+        _torchrun.sigkill(self.ranks)
 
 
 def _listens(pid: int, port: int) -> bool:

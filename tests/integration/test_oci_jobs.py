@@ -178,7 +178,7 @@ def jobs(cluster, bundle: Path, var_log_marker: Path, tmp_path_factory) -> tuple
     marker = var_log_marker.name
     ran = {}
     ran["in"] = _submit(cluster, _spec(jobs, "in", container=container, ckpt="ckpt-in", marker=marker))
-    ran["out"] = _submit(cluster, _spec(jobs, "out", container=None, ckpt="ckpt-out", marker=marker))
+    ran["out"] = _submit(cluster, _spec(jobs, "out", container=None, ckpt="ckpt-out"))
     # Each resumes the other's step-4 checkpoint and trains to step 6.
     shutil.copytree(jobs / "ckpt-out", jobs / "ckpt-in-from-out")
     shutil.copytree(jobs / "ckpt-in", jobs / "ckpt-out-from-in")

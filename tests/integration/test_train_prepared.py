@@ -7,9 +7,7 @@ runs are compared sample by sample, not only through their losses.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -106,13 +104,6 @@ def _launch_2_ranks(cfg: Path, tmp: Path, digests: Path) -> tuple[list[subproces
     return procs, pids
 
 
-def _kill(pids: list[int]) -> None:
-    """SIGKILL both ranks, back to back (a client dies of it after its rank)."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("prepared")
@@ -139,12 +130,12 @@ def runs(tmp_path_factory):
             try:
                 while time.monotonic() < deadline and all(p.poll() is None for p in procs):
                     if any(name == "step-00000004" for _, name, _ in watch.events(1.0)):
-                        _kill(pids)
+                        _torchrun.sigkill(pids)
                         break
             finally:
                 for p in procs:
                     if p.poll() is None:
-                        _kill(pids)
+                        _torchrun.sigkill(pids)
                     p.wait(timeout=60)
         return [p.returncode for p in procs]
 

@@ -1,7 +1,7 @@
 """`python -m hpkit.warm.client -- COMMAND...`: COMMAND, started warm by the node's zygote (hpkit.warm.zygote)
 where one answers, else exactly as `exec COMMAND`.
 
-The launcher (torchrun's agent) starts this in the rank's place. It connects to the zygote of its job on its node
+The launcher (torchrun's agent, or srun's task under launcher srun or mpi) starts this in the rank's place. It connects to the zygote of its job on its node
 over a unix socket, hands it the command, its environment, its folder, its CPUs (affinity) and its stdin, stdout and stderr (the
 descriptors themselves), then stands for the rank: every signal it receives goes to the rank, and it exits
 with the rank's exit status, or dies of the signal that killed the rank. The zygote SIGKILLs the rank when this
