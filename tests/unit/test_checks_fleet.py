@@ -151,23 +151,58 @@ def test_best_pair_per_node() -> None:
     assert best_per_node(doc) == {"a": 8.0, "b": 9.0, "c": 9.0, "d": 7.5}
 
 
-def test_flagged_nodes_are_measured_again_alone_against_the_fastest_node_the_rounds_do_not_flag() -> None:
+def entry(x: str, y: str, gbps: float, wrong: int = 0) -> dict:
+    return {"nodes": [x, y], "busbw_gbps": gbps, "wrong": wrong}
+
+
+def test_flagged_nodes_are_measured_again_at_once_each_with_a_fast_partner_of_its_own() -> None:
     names = ["a", "b", "c", "d"]
-
-    def entry(x: str, y: str, gbps: float) -> dict:
-        return {"nodes": [x, y], "busbw_gbps": gbps, "wrong": 0}
-
     # d is slow in both its pairings; b's best is c's: b and c are 9, the median 8.5.
     doc = {"nodes": names, "rounds": [[entry("a", "d", 1.0), entry("b", "c", 9.0)], [entry("a", "c", 8.0)]]}
-    assert confirmations(names, doc, 0.5) == [(1, 3)]  # d (rank 3) with b, the first of the fastest
-    # Two flagged: each with the same partner, in rank order; the fleet's fraction decides who is flagged.
+    assert confirmations(names, doc, 0.5) == [[(1, 3)]]  # d (rank 3) with b, the first of the fastest
+    # Two flagged (the fleet's fraction decides who): one round, a with b and d with c, not both with b.
     doc["rounds"].append([entry("b", "d", 2.0)])
-    assert confirmations(names, doc, 0.95) == [(0, 1), (1, 3)]
+    assert confirmations(names, doc, 0.95) == [[(0, 1), (2, 3)]]
     # A second look that clears d leaves nothing to measure.
     doc["confirm"] = [entry("b", "d", 8.8)]
     assert confirmations(names, doc, 0.5) == []
     # Nothing measured, or everyone flagged: no partner to measure against.
     assert confirmations(names, {"nodes": names, "rounds": []}, 0.5) == []
+
+
+def test_a_bad_rack_is_measured_again_in_one_round_not_one_round_per_node() -> None:
+    names = [f"node{i}" for i in range(2000)]
+    slow = set(range(0, 2000, 20))  # 100 nodes, spread over the fleet
+    # Each rank paired with its neighbour; a pair is as fast as its slower node, the fast ones all different.
+    rounds = [
+        [
+            entry(names[r], names[r + 1], 0.1 if {r, r + 1} & slow else 10.0 + r / 1000)
+            for r in range(0, 2000, 2)
+        ]
+    ]
+    doc = {"nodes": names, "rounds": rounds}
+    flagged = {names[r] for r in slow} | {names[r + 1] for r in slow}  # a slow node's partner reads slow too
+    (looks,) = confirmations(names, doc, 0.5)
+    measured = [rank for pair in looks for rank in pair]
+    assert len(measured) == len(set(measured)) == 2 * len(flagged), "a node in two pairs of one round"
+    assert {names[r] for pair in looks for r in pair} >= flagged
+    partners = {r for pair in looks for r in pair if names[r] not in flagged}
+    fastest = sorted((r for r in range(2000) if names[r] not in flagged), reverse=True)[: len(flagged)]
+    assert partners == set(fastest)  # the fastest unflagged nodes, one each
+
+
+def test_more_flagged_nodes_than_partners_take_as_many_rounds_as_it_takes() -> None:
+    names = ["a", "b", "c", "d", "e"]
+    # c, d and e never gave a right answer (flagged: never measured); a and b are the only partners.
+    doc = {
+        "nodes": names,
+        "rounds": [[entry("a", "b", 9.0), entry("c", "d", 9.0, wrong=1)], [entry("a", "e", 8.0, wrong=1)]],
+    }
+    looks = confirmations(names, doc, 0.5)
+    assert looks == [[(0, 2), (1, 3)], [(0, 4)]]
+    for pairs in looks:
+        ranks = [rank for pair in pairs for rank in pair]
+        assert len(ranks) == len(set(ranks))
 
 
 def test_sysroot_from_the_environment_moves_every_probe(

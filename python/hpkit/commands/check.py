@@ -10,6 +10,8 @@ from pathlib import Path
 
 from hpkit.arg_types import byte_size, positive_float, positive_int
 from hpkit.checks.context import PROFILES, Context, Roots
+from hpkit.checks.fleet import DEFAULT_BANDWIDTH_FRACTION
+from hpkit.netbench.pairs import DEFAULT_ROUNDS, DEFAULT_SIZE
 
 USAGE_EXIT = 2
 # Where a node's checks read the system from, when not /: a site (or a Slurm TaskProlog) may point one
@@ -100,15 +102,23 @@ def build_parser(prog: str) -> argparse.ArgumentParser:
     fleet.add_argument(
         "--bandwidth-threshold",
         type=_fraction,
-        default=0.5,
+        default=DEFAULT_BANDWIDTH_FRACTION,
         metavar="F",
-        help="flag nodes whose best pair reaches less than F x the median busbw (0.5)",
+        help=f"flag nodes whose best pair reaches less than F x the median busbw ({DEFAULT_BANDWIDTH_FRACTION})",
     )
     fleet.add_argument(
-        "--bandwidth-rounds", type=positive_int, default=3, metavar="R", help="pairings to run (3)"
+        "--bandwidth-rounds",
+        type=positive_int,
+        default=DEFAULT_ROUNDS,
+        metavar="R",
+        help=f"pairings to run ({DEFAULT_ROUNDS})",
     )
     fleet.add_argument(
-        "--bandwidth-size", type=byte_size, default=16 << 20, metavar="BYTES", help="all_reduce size (16M)"
+        "--bandwidth-size",
+        type=byte_size,
+        default=DEFAULT_SIZE,
+        metavar="BYTES",
+        help=f"all_reduce size ({DEFAULT_SIZE})",
     )
     fleet.add_argument(
         "--output-dir",

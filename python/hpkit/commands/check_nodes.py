@@ -17,8 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hpkit import json_text, slurm
+from hpkit.arg_types import byte_size
 from hpkit.checks import fleet
 from hpkit.errors import HpkitError, SlurmError, SpecError
+from hpkit.netbench.pairs import DEFAULT_ROUNDS, DEFAULT_SIZE
 from hpkit.slurm import hostlist
 from hpkit.slurm.hostlist import compress, natural_key
 from hpkit.slurm_job import SlurmJob
@@ -38,8 +40,8 @@ class Request:
     wait_timeout_s: float
     python: str = sys.executable
     bandwidth: bool = False
-    rounds: int = 3
-    size_bytes: int = 16 << 20
+    rounds: int = DEFAULT_ROUNDS
+    size_bytes: int = byte_size(DEFAULT_SIZE)
     fraction: float = fleet.DEFAULT_BANDWIDTH_FRACTION
 
 
@@ -257,7 +259,7 @@ def print_report(g: Gathered, out=None) -> None:
             write(f"\npairwise bandwidth: no figures at all; see {g.files}/pairs-{g.job_id}.err\n")
         median = f"{bw.median_gbps:.3f} GB/s" if bw.median_gbps is not None else "n/a"
         write(
-            f"\npairwise all_reduce busbw (each node's best pair; a node below the line measured again, alone): "
+            f"\npairwise all_reduce busbw (each node's best pair; a node below the line measured again): "
             f"median {median}, flagged below {bw.fraction:g} x median\n"
         )
         for node, value in sorted(bw.busbw_gbps.items(), key=lambda kv: natural_key(kv[0])):

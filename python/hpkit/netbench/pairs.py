@@ -5,10 +5,10 @@ group, then each round splits it into pairs (a round-robin tournament: no pair r
 times all_reduce on its own subgroup while the other pairs do the same, as a training job's traffic would
 load the fabric. A slow node drags down each pair it is in; a good node paired with it once still has
 fast rounds with its other partners, which is why a node's figure is its best pair's (see
-hpkit.checks.fleet). A node that the rounds would flag is measured again, alone, against the fastest node they
-do not flag (`confirmations`, at most CONFIRM_TRIES times): a node that was only unlucky in every round (its
-host busy whenever it measured) is cleared, and a slow one is named on more than one look. Rank 0 prints one
-JSON document; the other ranks print nothing.
+hpkit.checks.fleet). The nodes the rounds would flag are measured again, all at once, each with a partner of
+its own among the fastest nodes they do not flag (`confirmations`, at most CONFIRM_TRIES times): a node that was
+only unlucky in every round (its host busy whenever it measured) is cleared, and a slow one is named on more than
+one look. Rank 0 prints one JSON document; the other ranks print nothing.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ Pair = tuple[int, int]
 # Looks again at a flagged node: on a 2-core host under a test suite's load, a healthy node read 5x below its
 # peers in all four of its pairings (at two moments) and was named beside the slow one.
 CONFIRM_TRIES = 2
+# The defaults of `hpkit check --all-nodes --bandwidth` and of this module's own command line.
+DEFAULT_ROUNDS = 3
+DEFAULT_SIZE = "16M"
 
 
 def round_robin(n: int, rounds: int) -> list[list[Pair]]:
@@ -51,26 +54,47 @@ def round_robin(n: int, rounds: int) -> list[list[Pair]]:
     return [distinct[r % len(distinct)] for r in range(rounds)]
 
 
-def confirmations(names: Sequence[str], document: dict, fraction: float) -> list[Pair]:
-    """The pairs to measure next, one at a time: every node that `document`'s figures flag (the fleet's own rule,
-    hpkit.checks.fleet.bandwidth_outliers), each with the fastest node they do not flag. None when nothing is
-    flagged, or no node is left to measure against."""
+def confirmations(names: Sequence[str], document: dict, fraction: float) -> list[list[Pair]]:
+    """The second looks to take next, as rounds of pairs measured at once: every node that `document`'s figures
+    flag (the fleet's own rule, hpkit.checks.fleet.bandwidth_outliers) with a partner of its own among the nodes
+    they do not flag, the fastest first. No node is in two pairs of a round, so a look is not slowed by another
+    look; and since a measured node is flagged below a fraction of the median, fewer nodes are flagged than are
+    left as partners: one round, however many nodes a bad rack holds (one look after another was a world-wide
+    round each). Empty when nothing is flagged, or no node is left to measure against."""
     best = best_per_node(document)
-    flagged = set(bandwidth_outliers(best, fraction).slow)
-    healthy = [rank for rank, name in enumerate(names) if name not in flagged and best.get(name) is not None]
+    slow = set(bandwidth_outliers(best, fraction).slow)
+    flagged = [rank for rank, name in enumerate(names) if name in slow]
+    healthy = sorted(
+        (rank for rank, name in enumerate(names) if name not in slow and best.get(name) is not None),
+        key=lambda rank: -(best[names[rank]] or 0.0),
+    )
     if not flagged or not healthy:
         return []
-    partner = max(healthy, key=lambda rank: best[names[rank]] or 0.0)
-    return [(min(rank, partner), max(rank, partner)) for rank, name in enumerate(names) if name in flagged]
+    # More flagged nodes than partners (only where many were never measured, whose pairs all failed): as many
+    # rounds as it takes.
+    batches = [flagged[start : start + len(healthy)] for start in range(0, len(flagged), len(healthy))]
+    return [
+        sorted(
+            (min(rank, partner), max(rank, partner))
+            for rank, partner in zip(batch, healthy[: len(batch)], strict=True)
+        )
+        for batch in batches
+    ]
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hpkit.netbench.pairs", description="Pairwise all_reduce bandwidth, one task per node."
     )
-    parser.add_argument("--rounds", type=positive_int, default=3, help="pairings to run (default 3)")
     parser.add_argument(
-        "--size", type=byte_size, default=byte_size("16M"), help="all_reduce size (default 16M)"
+        "--rounds",
+        type=positive_int,
+        default=DEFAULT_ROUNDS,
+        help=f"pairings to run (default {DEFAULT_ROUNDS})",
+    )
+    # A string default goes through `type`, as a user's value would.
+    parser.add_argument(
+        "--size", type=byte_size, default=DEFAULT_SIZE, help=f"all_reduce size (default {DEFAULT_SIZE})"
     )
     parser.add_argument("--iters", type=positive_int, default=10, help="timed iterations (default 10)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed iterations first (default 2)")
@@ -79,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=DEFAULT_BANDWIDTH_FRACTION,
         metavar="F",
-        help="measure again, alone, each node below F x the median (hpkit check's --bandwidth-threshold)",
+        help="measure again the nodes below F x the median, each with a partner of its own "
+        "(hpkit check's --bandwidth-threshold)",
     )
     return parser
 
@@ -126,14 +151,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             document["rounds"].append(measured_round(pairs))
         for _ in range(CONFIRM_TRIES):
             # Rank 0 decides, so that every rank creates the same groups in the same order.
-            todo: list[list[Pair] | None] = [
+            todo: list[list[list[Pair]] | None] = [
                 confirmations(names, document, args.confirm_below) if rank == 0 else None
             ]
             dist.broadcast_object_list(todo, src=0)
             if not todo[0]:
                 break
-            for pair in todo[0]:
-                document["confirm"].extend(measured_round([pair]))
+            for pairs in todo[0]:
+                document["confirm"].extend(measured_round(pairs))
         if rank == 0:
             json.dump(
                 {"op": "all_reduce", "size_bytes": args.size, "backend": backend, **document},
