@@ -102,6 +102,16 @@ def test_a_rank_that_stopped_is_named_before_every_rank_has_reported():
     assert verdict.step == 5 and "held up step 6" in verdict.line()
 
 
+def test_the_step_named_is_the_earliest_a_live_rank_is_in():
+    # Ranks need not finish the same step at once (a pipeline's first stage runs ahead of its last): node1's ranks
+    # have finished step 6, node2's step 5, and rank 3 sleeps before step 6's all-reduce. Step 6 is held up.
+    beats = [beat(r, step=6 if r < 2 else 5, collectives=41) for r in range(4)]
+    beats[3] = beat(3, collectives=40)
+    verdict = decide(beats, min_s=10, factor=10, world=4)
+    assert verdict is not None and verdict.culprits == [3]
+    assert verdict.step == 5 and "held up step 6" in verdict.line()
+
+
 def test_attempts_differ_across_restarts_and_agree_across_ranks():
     a = attempt_id({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1"})
     assert a == attempt_id({"SLURM_JOB_ID": "7", "SLURM_RESTART_COUNT": "1", "RANK": "3"})

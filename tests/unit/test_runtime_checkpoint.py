@@ -13,6 +13,7 @@ from hpkit.runtime.checkpoints.checkpoint_record import (
     FileDigest,
     digest_file,
     read_record,
+    verify_files,
     write_record,
 )
 from hpkit.runtime.config import RunConfig
@@ -195,6 +196,20 @@ def _flip(path: Path, count: int = 64) -> None:
     for i in range(middle, middle + count):
         data[i] ^= 0xFF
     path.write_bytes(bytes(data))
+
+
+def test_a_file_the_load_reads_that_the_record_does_not_name_is_a_problem(tmp_path):
+    # A load verifies the files it will read (checkpoint.files_to_read): one written after the commit, or one
+    # the record left out, is read by nobody's promise.
+    (tmp_path / "__0_0.distcp").write_bytes(b"shard")
+    (tmp_path / "__1_0.distcp").write_bytes(b"other")
+    record = CommitRecord(
+        step=3, files={"__0_0.distcp": digest_file(tmp_path / "__0_0.distcp")}, world_size=2, created=0.0
+    )
+    assert verify_files(tmp_path, record, ["__0_0.distcp"]) == []
+    assert verify_files(tmp_path, record, ["__0_0.distcp", "__1_0.distcp"]) == [
+        "__1_0.distcp: not in the commit record"
+    ]
 
 
 def test_ckpt_verify_and_ls_name_each_bad_file(tmp_path, repo, capsys):

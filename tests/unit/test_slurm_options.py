@@ -188,7 +188,16 @@ def test_a_time_limit_past_slurms_32_bit_minutes_is_not_a_slurm_time():
     # script the dry run had written.
     from hpkit.slurm.options import MAX_TIME_MINUTES, is_slurm_time, time_minutes
 
-    forms = {"30": 30, "30:01": 31, "1:00:00": 60, "2-3": 3060, "2-03:04": 3064, "2-03:04:05": 3065, "0": 0}
+    forms = {
+        "30": 30,
+        "30:01": 31,
+        "1:00:00": 60,
+        "1:00:30": 61,
+        "2-3": 3060,
+        "2-03:04": 3064,
+        "2-03:04:05": 3065,
+        "0": 0,
+    }
     assert {value: time_minutes(value) for value in forms} == forms
     assert is_slurm_time(str(MAX_TIME_MINUTES)) and is_slurm_time("UNLIMITED") and is_slurm_time("INFINITE")
     assert not is_slurm_time(str(MAX_TIME_MINUTES + 1))
