@@ -377,6 +377,16 @@ def test_spares_are_taken_in_order_and_the_batch_host_is_the_last(tmp_path):
     assert "--nodelist=node3,node2" in cluster.started[1][0]
 
 
+def test_the_batch_host_is_a_spare_where_slurm_puts_it_first(tmp_path):
+    # Slurm's batch host is usually the allocation's first node: it still goes last, behind the steps' nodes.
+    cluster = FakeCluster([StepScript(exit=0)], nodes=["node1", "node2", "node3"])
+    out = supervise(tmp_path, cluster, batch_host="node1", spare_nodes=1)
+    assert out.exit == 0
+    started = of(out, ev.RUN_STARTED)[0]
+    assert (started["step_nodes"], started["spares"]) == (["node2", "node3"], ["node1"])
+    assert "--nodelist=node2,node3" in cluster.started[0][0]
+
+
 def test_a_verdict_judged_on_a_node_that_does_not_answer_swaps_only_that_node(tmp_path):
     # node1's link cut, and node1 held the watchdog's store: its judge saw node2 go silent and named it (issue 44's
     # cut-link bench). The probe finds node1 alone unanswering: node2 is healthy, keeps its place, is not replaced.
