@@ -117,6 +117,8 @@ LRS_400 = "train.lr=" + ",".join(f"{i}e-5" for i in range(1, 401))
             "sweep task 2 (train.lr=0.0001): the same overrides as task 0",
         ),
         (["--sweep-file", "twice.yaml"], "sweep task 1 (train.seed=1.0): the same overrides as task 0"),
+        # The same fields in another order are the same run.
+        (["--sweep-file", "reordered.yaml"], "the same overrides as task 0"),
         (["--sweep", "train.steps.x=1"], "train.steps.x: train.steps is a value, not a block with fields"),
         (["--sweep", "train.lr=1", "--max-parallel", "0"], "--max-parallel 0: must be 1 or more"),
         (["--max-parallel", "2"], "--max-parallel: applies to a sweep only"),
@@ -147,6 +149,9 @@ def test_bad_sweeps_are_one_line_naming_the_field_before_anything_is_written(tmp
     (tmp_path / "scalar.yaml").write_text("train.lr: 0.1\n")
     (tmp_path / "nodes.yaml").write_text("- {train.lr: 0.1}\n- {nodes: 2}\n")
     (tmp_path / "twice.yaml").write_text("- {train.seed: 1}\n- {train.seed: 1.0}\n")
+    (tmp_path / "reordered.yaml").write_text(
+        "- {train.seed: 1, train.lr: 0.1}\n- {train.lr: 0.1, train.seed: 1}\n"
+    )
     (tmp_path / "date.yaml").write_text("- {train.lr: 2024-01-01}\n")
     (tmp_path / "set.yaml").write_text("- {train.lr: !!set {a}}\n")
     (tmp_path / "many.yaml").write_text("".join(f"- {{train.seed: {i}}}\n" for i in range(10_001)))
