@@ -105,6 +105,14 @@ def test_one_case_by_hand() -> None:
     assert (row.every_steps, row.interval_steps) == (10, 100)
 
 
+def test_on_few_nodes_each_nodes_own_link_to_the_file_system_binds() -> None:
+    # 0.84 TB over 4 nodes: 4 x 12.5 GB/s = 50 GB/s, below the file system's 98.4 GB/s, sets both the write and
+    # the read; from 8 nodes on (100 GB/s) the file system's aggregate does.
+    assert DEFAULT.checkpoint_s(4) == pytest.approx(0.84e12 / (50e9 * 0.91))
+    assert DEFAULT.fs_restore_s(4) == pytest.approx(0.84e12 / 50e9)
+    assert DEFAULT.checkpoint_s(8) == pytest.approx(0.84e12 / (98.4e9 * 0.91))
+
+
 def test_the_command_prints_both_modes_at_three_scales_and_the_target(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
