@@ -188,6 +188,28 @@ def test_transformers5_rope_parameters_are_read(tmp_path: Path) -> None:
     assert "rope_parameters" in saved or "rope_scaling" in saved
 
 
+@pytest.mark.parametrize("model_type", ["llama", "mixtral"])
+def test_fields_a_config_leaves_out_take_transformers_own_defaults(model_type: str) -> None:
+    # A trimmed or hand-written config.json must build the model transformers builds from it; the families'
+    # defaults differ (Mixtral: 8 KV heads, rope_theta 1e6, eps 1e-5), and every default was Llama's.
+    from transformers import AutoConfig
+
+    from hpkit.arch.llama.hf import HF_DEFAULTS, HF_FAMILIES
+
+    assert set(HF_DEFAULTS) == set(HF_FAMILIES)
+    given = {"hidden_size": 256, "num_attention_heads": 16, "num_hidden_layers": 2, "intermediate_size": 512}
+    given |= {"vocab_size": 1000} | (
+        {"num_local_experts": 4, "num_experts_per_tok": 2} if model_type == "mixtral" else {}
+    )
+    theirs = AutoConfig.for_model(model_type, **given)
+    ours = parse_hf_config({"model_type": model_type, **given}, SEQ)
+    rope = getattr(theirs, "rope_parameters", None) or {"rope_theta": theirs.rope_theta}
+    assert ours.cfg.n_kv_heads == theirs.num_key_value_heads
+    assert ours.cfg.rope_theta == rope["rope_theta"]
+    assert ours.cfg.norm_eps == theirs.rms_norm_eps
+    assert ours.tied == theirs.tie_word_embeddings
+
+
 def test_a_missing_directory_and_a_missing_tensor_are_one_line_each(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match=r"config.json: no such file: point init_from at"):
         read_hf_config(tmp_path / "nowhere", SEQ)
