@@ -24,12 +24,22 @@ HF_FAMILIES = {"llama": "llama", "mixtral": "moe"}
 # Carried from the source config into the checkpoint record and back into an export's config.json:
 # they mean nothing to training but everything to generation.
 PASSTHROUGH = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
-# What transformers' LlamaConfig and MixtralConfig take for a field a config.json leaves out (None: the number of
-# attention heads), so that a trimmed or hand-written config builds the model transformers builds from it. The
-# families differ: Mixtral's defaults are grouped-query attention with 8 KV heads, rope_theta 1e6 and eps 1e-5.
-HF_DEFAULTS: dict[str, dict[str, float | int | None]] = {
-    "llama": {"num_key_value_heads": None, "rope_theta": 10000.0, "rms_norm_eps": 1e-6},
-    "mixtral": {"num_key_value_heads": 8, "rope_theta": 1e6, "rms_norm_eps": 1e-5},
+
+
+@dataclass(frozen=True)
+class HfDefaults:
+    """What transformers' config class of a model_type takes for a field a config.json leaves out, so that a
+    trimmed or hand-written config builds the model transformers builds from it."""
+
+    n_kv_heads: int | None  # num_key_value_heads; None: the number of attention heads
+    rope_theta: float
+    rms_norm_eps: float
+
+
+# The families differ: Mixtral's defaults are grouped-query attention with 8 KV heads, rope_theta 1e6 and eps 1e-5.
+HF_DEFAULTS = {
+    "llama": HfDefaults(n_kv_heads=None, rope_theta=10000.0, rms_norm_eps=1e-6),
+    "mixtral": HfDefaults(n_kv_heads=8, rope_theta=1e6, rms_norm_eps=1e-5),
 }
 
 
@@ -93,14 +103,14 @@ def parse_hf_config(data: dict[str, Any], seq_len: int, where: str = "config.jso
     dim = integer("hidden_size")
     n_heads = integer("num_attention_heads")
     defaults = HF_DEFAULTS[model_type]
-    n_kv_heads = integer("num_key_value_heads", defaults["num_key_value_heads"] or n_heads)
+    n_kv_heads = integer("num_key_value_heads", defaults.n_kv_heads or n_heads)
     head_dim = integer("head_dim") if data.get("head_dim") is not None else dim // n_heads
     if n_heads % n_kv_heads:
         raise refuse("num_key_value_heads", f"{n_kv_heads} does not divide num_attention_heads={n_heads}")
     if head_dim % 2:
         raise refuse("head_dim", f"{head_dim} is odd: rotary embeddings rotate pairs")
-    theta, scaling = _rope(data, refuse, defaults["rope_theta"])
-    eps = data.get("rms_norm_eps", defaults["rms_norm_eps"])
+    theta, scaling = _rope(data, refuse, defaults.rope_theta)
+    eps = data.get("rms_norm_eps", defaults.rms_norm_eps)
     if not isinstance(eps, (int, float)) or eps <= 0:
         raise refuse("rms_norm_eps", f"{eps!r} is not a positive number")
     tied = data.get("tie_word_embeddings", False)
@@ -142,7 +152,7 @@ def _mixtral_moe(
     return replace(shape, experts=experts, top_k=top_k, shared_experts=0, every=1, aux_loss_coef=float(coef))
 
 
-def _rope(data: dict[str, Any], refuse: Any, default_theta: Any) -> tuple[float, RopeScaling | None]:
+def _rope(data: dict[str, Any], refuse: Any, default_theta: float) -> tuple[float, RopeScaling | None]:
     # transformers 5 nests everything in rope_parameters; 4 has rope_theta beside rope_scaling
     # (whose type key was once `type`, later `rope_type`).
     if isinstance(data.get("rope_parameters"), dict):
