@@ -110,6 +110,23 @@ fi
 if alive "$dir/run/slurmctld.pid" && [[ $(cat "$dir/etc/accounting" 2>/dev/null || echo 0) != "$accounting" ]]; then
   die "the cluster in $dir runs with ACCOUNTING=$(cat "$dir/etc/accounting" 2>/dev/null || echo 0), not $accounting: stop it first (make cluster-down)"
 fi
+# A port another process already listens on (most often a cluster left running by a test run that was killed: its
+# daemons outlive it) made slurmctld or a slurmd exit at once, with "Address already in use" only in its log.
+# Checked before anything starts: one line naming the port, who holds it and the fix. (With NET=netns the slurmds
+# listen in their own namespaces, so only the controller's port can collide.)
+taken() {
+  local holder pid
+  holder=$(ss -ltnpH "sport = :$1" 2>/dev/null | head -n 1)
+  [[ -n $holder ]] || return 0
+  pid=$(grep -o 'pid=[0-9]*' <<<"$holder" | head -n 1 | cut -d= -f2)
+  die "port $1 ($2) is taken${pid:+ by pid $pid: $(ps -o args= -p "$pid" 2>/dev/null | cut -c1-200)}; stop what holds it (a cluster's folder: slurm/dev/down.sh with HPKIT_DEV_CLUSTER_DIR set to it), or choose another HPKIT_DEV_PORT"
+}
+if ! alive "$dir/run/slurmctld.pid"; then taken "$port" slurmctld; fi
+if [[ $net == loopback ]]; then
+  for ((i = 1; i <= nodes; i++)); do
+    alive "$dir/run/slurmd-node$i.pid" || taken $((port + i)) "slurmd of node$i"
+  done
+fi
 mkdir -p "$dir"/{etc,state,run,log,munge,spool,tmp}
 chmod 0755 "$dir/munge"
 conf=$dir/etc/slurm.conf

@@ -69,3 +69,28 @@ def test_bad_settings_are_refused_with_the_fix(repo, tmp_path):
     assert proc.returncode == 1
     assert proc.stderr.strip() == "cluster-up: NODES must be a positive integer, not 'two'"
     assert not (tmp_path / "c").exists()
+
+
+def test_a_port_another_process_holds_is_named_with_its_holder_before_anything_starts(repo, tmp_path):
+    # A cluster left running by a killed test run holds its ports, and a new cluster on them failed with "Address
+    # already in use" only in slurmctld's log. Here this test's own listener holds node2's port.
+    import socket
+
+    state = tmp_path / "c"
+    env = devcluster.client_env(state, *slot("dev-cluster"), nodes=2, cpus=1)
+    port = int(env["HPKIT_DEV_PORT"]) + 2
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("0.0.0.0", port))
+        holder.listen()
+        try:
+            proc = run(repo / "slurm/dev/up.sh", env)
+            assert proc.returncode == 1, proc.stdout
+            line = proc.stderr.strip()
+            assert line.startswith(
+                f"cluster-up: port {port} (slurmd of node2) is taken by pid {os.getpid()}: "
+            ), line
+            assert "choose another HPKIT_DEV_PORT" in line and "\n" not in line, line
+            assert pids(state) == {}, "something started before the check"
+        finally:
+            run(repo / "slurm/dev/down.sh", env)
