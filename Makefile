@@ -97,7 +97,7 @@ demo-container: setup cluster-up image-test-deps
 lint: venv
 	$(BIN)/ruff check python tests bench
 	$(BIN)/ruff format --check python tests bench
-	$(BIN)/shellcheck slurm/dev/*.sh scripts/*.sh docker/*.sh .ci/run
+	$(BIN)/shellcheck slurm/dev/*.sh scripts/*.sh docker/*.sh bench/*.sh .ci/run
 	$(BIN)/deptry python --no-ansi
 	$(BIN)/lint-imports --no-cache
 

@@ -474,3 +474,27 @@ def test_a_checkpoint_moves_between_cpu_and_cuda_whose_rng_state_only_one_side_h
     assert out["cpu->cuda"] == [True, ["step"], 3, 24.0, "user content"], out
     assert out["cuda->cpu"] == [True, ["step"], 3, 24.0, "user content"], out
     assert out["strict"] is False, "a missing key that is not optional must refuse the checkpoint"
+
+
+def test_the_stager_stages_a_second_save_after_torch_closed_its_inner_stager():
+    """torch 2.11 (a CUDA image's build) closes DefaultStager's inner StateDictStager after every stage, which
+    empties its dispatch table: on the GPU lane every in-memory save after the first failed with
+    `KeyError: <class 'type'>`. make_stager's stager must stage the next save all the same."""
+    import torch
+
+    from hpkit.runtime.checkpoints.checkpoint import make_stager
+
+    stager = make_stager()
+    state = {
+        "model": {"w": torch.arange(4.0)},
+        "train": {"step": 4, "rng": [torch.zeros(2, dtype=torch.uint8)]},
+    }
+    try:
+        stager.stage(state).result()
+        stager._state_dict_stager.close()  # what torch 2.11's DefaultStager._stage does after each stage
+        state["model"]["w"] += 1
+        second = stager.stage(state).result()
+    finally:
+        stager.close()
+    assert torch.equal(second["model"]["w"], torch.arange(1.0, 5.0))
+    assert second["train"]["step"] == 4

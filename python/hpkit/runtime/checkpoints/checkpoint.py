@@ -37,6 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -565,10 +566,10 @@ def _planner() -> Any:
 
 
 def make_stager() -> Any:
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
+    """The stager every async save of one checkpointer reuses: pinned host buffers on a GPU (the staging copy
+    runs on its own stream), a plain copy on the CPU."""
     on_gpu = torch.cuda.is_available()
-    return DefaultStager(
+    return _ReusableStager(
         StagingOptions(
             use_pinned_memory=on_gpu,
             use_shared_memory=False,
@@ -576,6 +577,36 @@ def make_stager() -> Any:
             use_non_blocking_copy=on_gpu,
         )
     )
+
+
+class _ReusableStager(DefaultStager):
+    """DCP's DefaultStager, usable for more than one save on every torch build.
+
+    Some builds (torch 2.11 as shipped in a CUDA image, and 2.13 nightlies) close the inner StateDictStager after
+    each stage, which empties its deepcopy dispatch table; the next stage then fails on the state's first dict
+    with `KeyError: <class 'type'>`. On the GPU lane (H200, torch 2.11) every in-memory and async save after
+    the first failed so. The table holds only the stager's copy functions: it is put back before each stage.
+    """
+
+    def __init__(self, options: StagingOptions) -> None:
+        super().__init__(options)
+        table = self._dispatch_table()
+        self._dispatch = dict(table) if table else {}
+
+    def _dispatch_table(self) -> dict | None:
+        # Private to torch: where a build lays the stager out otherwise, there is nothing to put back.
+        table = getattr(getattr(self, "_state_dict_stager", None), "_deepcopy_dispatch", None)
+        return table if isinstance(table, dict) else None
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        table = self._dispatch_table()
+        if table is not None and len(table) < len(self._dispatch):
+            table.update(self._dispatch)
+        return super().stage(state_dict, **kwargs)
+
+    def close(self) -> None:
+        self._dispatch = {}  # its functions hold the inner stager: let both go
+        super().close()
 
 
 def _fsync(path: Path) -> None:
