@@ -328,3 +328,71 @@ def test_a_received_file_takes_its_node_memory_up_front(tmp_path):
     buffer = _mapped(path, size)
     assert buffer.numel() == size
     assert path.stat().st_blocks * 512 >= size, path.stat().st_blocks
+
+
+def _auto_every(rank: int, world: int, root: str, out: str) -> None:
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
+    from hpkit.runtime.config import MemoryCheckpointSpec
+
+    lines: list[str] = []
+    saver = MemoryCheckpointer(MemoryCheckpointSpec(), Path(root), f"n{rank}", log=lines.append)
+    # A state whose write takes far longer than a step, as on a GPU (an H200 steps 125M in 32 ms and writes its
+    # 1.5 GiB of state in 1.6 s): one save a step would make every step wait for a write.
+    state = {f"own{rank}": torch.ones(8 * 2**20 // 4)}
+    saved = []
+    step = 0
+    while (
+        step < 2 or step < 2 * (saver.every or 1) + 1
+    ):  # the interval is chosen at step 2: two of its saves after it
+        step += 1
+        time.sleep(0.01 * (rank + 1))  # a training step (the ranks' differ: the slower one's must count)
+        if saver.save(step, state):
+            saved.append(step)
+    saver.wait()
+    saver.close(completed=True)
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps({"every": saver.every, "saved": saved, "lines": lines}), encoding="utf-8"
+    )
+
+
+def test_every_auto_chooses_one_interval_for_every_rank_from_the_first_saves_costs(tmp_path):
+    """`every: auto` (the default): the first save is measured, and at the next step every rank takes the same
+    interval, one that gives the write time to finish beside training; the saves after it fall on its multiples.
+    Without it a state that writes slower than a step saved every step, and each step waited for a write."""
+    root = tmp_path / "mem" / "run"
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(_auto_every, 2, tmp_path, str(root), str(out))
+    ranks = [json.loads((out / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2)]
+    every = ranks[0]["every"]
+    assert every is not None and every > 1, ranks[0]
+    assert ranks[1]["every"] == every and ranks[1]["saved"] == ranks[0]["saved"], ranks
+    assert ranks[0]["saved"] == [1, every, 2 * every], ranks[0]
+    line = next(line for line in ranks[0]["lines"] if "(every: auto)" in line)
+    assert f"in-memory checkpoints every {every} step(s) (every: auto): a save blocks training" in line, line
+
+
+@pytest.mark.parametrize(
+    ("every", "message"),
+    [
+        (0, "0 is not a number of steps: save every N steps with N >= 1, or auto"),
+        ("often", "'often' is neither a number of steps nor auto"),
+    ],
+)
+def test_a_bad_every_is_one_line_naming_the_field(tmp_path, every, message):
+    import yaml
+
+    from hpkit.errors import SpecError
+    from hpkit.spec import load_run_config
+
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump({"name": "x", "checkpoint": {"memory": {"every": every}}}))
+    with pytest.raises(SpecError) as refused:
+        load_run_config(path)
+    assert f"checkpoint.memory.every: {message}" in str(refused.value), str(refused.value)
+    assert "Input should be" not in str(refused.value)

@@ -110,7 +110,7 @@ def test_problems_in_both_parts_are_named_as_written() -> None:
     with pytest.raises(SpecError) as info:
         parse_document(JobSpec, data, "job.yaml")
     assert str(info.value).splitlines() == [
-        "job.yaml: checkpoint.memory.every: Input should be greater than or equal to 1",
+        "job.yaml: checkpoint.memory.every: 0 is not a number of steps: save every N steps with N >= 1, or auto",
         "job.yaml: checkpoint.memory.evry: unknown key; did you mean 'every'? known keys here: every, replicas",
         "job.yaml: nodes: Input should be greater than or equal to 1",
     ]

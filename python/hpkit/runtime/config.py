@@ -467,18 +467,37 @@ class TrainSpec(StrictModel):
         return normal
 
 
+# `checkpoint.memory.every: auto`: the share of training time a save may block (issue 44's target for the copy).
+AUTO_EVERY_BUDGET = 0.05
+
+
 class MemoryCheckpointSpec(StrictModel):
     """In-memory checkpoints (hpkit.runtime.checkpoints.memory_checkpoint): each rank's state staged to host RAM every `every`
     steps, with a copy on a partner node, so that a restart after a lost node or rank reads nothing from
     `checkpoint.dir` and redoes at most `every` steps."""
 
-    every: int = Field(default=1, ge=1, description="stage every this many steps (1: every step)")
+    every: int | Literal["auto"] = Field(
+        default="auto",
+        description="save every this many steps (1: every step); auto: after the first save, the fewest steps "
+        f"that keep a save's blocking time within {AUTO_EVERY_BUDGET:.0%} of the steps between saves and give its "
+        "write to node memory time to finish before the next",
+    )
     replicas: int = Field(
         default=1,
         ge=1,
         le=1,
         description="copies of each rank's state on other nodes (1: one partner node, so any one lost node is recovered)",
     )
+
+    @field_validator("every", mode="before")
+    @classmethod
+    def _steps_or_auto(cls, value: Any) -> Any:
+        # One message for both halves of the union (pydantic would give one per half).
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"{value} is not a number of steps: save every N steps with N >= 1, or auto")
+        if isinstance(value, str) and value != "auto":
+            raise ValueError(f"{value!r} is neither a number of steps nor auto")
+        return value
 
     @property
     def host_copies(self) -> int:

@@ -20,6 +20,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import math
 import os
 import shutil
 import threading
@@ -54,7 +55,7 @@ from hpkit.runtime.checkpoints.memory_layout import (
     remove_leftovers,
     shard_file,
 )
-from hpkit.runtime.config import MemoryCheckpointSpec
+from hpkit.runtime.config import AUTO_EVERY_BUDGET, MemoryCheckpointSpec
 
 
 class CopyRefused(RuntimeError):
@@ -123,6 +124,10 @@ class MemoryCheckpointer:
         self.state_bytes = 0  # this rank's file, as last saved
         self.copy_s = 0.0  # seconds the background spent on the last step's copies
         self.staging_wait_s = 0.0
+        # `every: auto`: None until the first save's costs are known (_choose_every), then the same on every rank.
+        self.every: int | None = spec.every if isinstance(spec.every, int) else None
+        self._probe: _Probe | None = None  # the save whose costs choose `every`
+        self._write_s = 0.0  # the last save, from its call to the end of its copies; 0 until they complete
         self._metadata_digest: str | None = None  # of the metadata every node last received
         self._metadata_file: Path | None = None  # this node's copy of it
         if self.is_node_leader:
@@ -137,12 +142,17 @@ class MemoryCheckpointer:
             if self.persistent
             else "; no checkpoint.dir: a state lost with its copy restarts the run from step 0"
         )
+        interval = (
+            f"every {self.every} step(s)"
+            if self.every is not None
+            else "at an interval chosen from the first save's costs (every: auto)"
+        )
         if not self.partners:
-            return f"in-memory checkpoints every {self.spec.every} step(s) in {self.root} (one node: no partner copies){alone}"
+            return f"in-memory checkpoints {interval} in {self.root} (one node: no partner copies){alone}"
         pairs = ", ".join(f"{n}->{'+'.join(ps)}" for n, ps in list(self.partners.items())[:4])
         more = ", ..." if len(self.partners) > 4 else ""
         return (
-            f"in-memory checkpoints every {self.spec.every} step(s) in {self.root}: each rank's state also on a "
+            f"in-memory checkpoints {interval} in {self.root}: each rank's state also on a "
             f"partner node ({pairs}{more}); at the peak {self.spec.host_copies} state-sized copies per rank in RAM{alone}"
         )
 
@@ -150,11 +160,15 @@ class MemoryCheckpointer:
     # Save
 
     def due(self, step: int) -> bool:
-        return step % self.spec.every == 0 and step != self.last_step
+        # Under `every: auto` each step is due until the first save's costs have chosen the interval.
+        return step % (self.every or 1) == 0 and step != self.last_step
 
     def save(self, step: int, state: dict[str, Any]) -> bool:
+        if self.every is None and self._probe is not None:
+            self._choose_every()
         if not self.due(step):
             return False
+        start = time.perf_counter()
         self.wait()
         if self._renew_group:
             self._new_group()
@@ -171,12 +185,42 @@ class MemoryCheckpointer:
         self._staging = response.staging_completion
         self._background = threading.Thread(
             target=self._finish,
-            args=(step, folder, response.upload_completion),
+            args=(step, folder, response.upload_completion, start),
             name="hpkit-memory-copy",
             daemon=True,
         )
+        self._write_s = 0.0
         self._background.start()
+        if self.every is None:
+            self._probe = _Probe(start, time.perf_counter(), self.staging_wait_s)
         return True
+
+    def _choose_every(self) -> None:
+        """`every: auto`, at the step after the first save, on every rank: the fewest steps between saves that
+        keep a save's blocking part (its call and the optimizer's wait for the staging copy) within
+        AUTO_EVERY_BUDGET of them, and that give its write to node memory and the partner's copy (which the next
+        save waits for) time to finish beside training. A GPU steps far faster than a save writes (on an H200,
+        125M: 32 ms a step, 1.6 s a write), so one save a step would multiply the step time (x61 there)."""
+        probe, self._probe = self._probe, None
+        assert probe is not None
+        step_s = time.perf_counter() - probe.returned  # the one step trained since that save returned
+        self.wait()  # its write: every rank waits for it once, at this same step
+        blocking = probe.returned - probe.called + (self.staging_wait_s - probe.staging_before)
+        failed = float(self._write_s <= 0)  # set only where the save's copies completed
+        figures = torch.tensor([failed, blocking, self._write_s, step_s], dtype=torch.float64)
+        # The largest figures of any rank: every rank computes the same interval, and saves at the same steps.
+        dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
+        failed, blocking, write_s, step_s = figures.tolist()
+        if failed:
+            return  # no costs to go by: this step saves again and measures again
+        step_s = max(step_s, 1e-6)
+        self.every = max(1, math.ceil(blocking / (AUTO_EVERY_BUDGET * step_s)), math.ceil(write_s / step_s))
+        if self.rank == 0:
+            self._log(
+                f"hpkit train: in-memory checkpoints every {self.every} step(s) (every: auto): a save blocks "
+                f"training {blocking * 1000:.0f} ms and writes for {write_s:.2f} s beside it; a step takes "
+                f"{step_s * 1000:.0f} ms"
+            )
 
     def wait_for_staging(self) -> None:
         """Block until the state is copied; call before the next optimizer step changes it."""
@@ -212,7 +256,7 @@ class MemoryCheckpointer:
         if self.rank == 0:
             self._log("hpkit train: in-memory checkpoints: a new group for the copies after the failed one")
 
-    def _finish(self, step: int, folder: Path, upload: Any) -> None:
+    def _finish(self, step: int, folder: Path, upload: Any, called: float) -> None:
         agreed = False  # past the barrier: every rank's copy of this step is in place
         try:
             upload.result()
@@ -244,6 +288,7 @@ class MemoryCheckpointer:
                 )
             self.last_step = step
             self.copy_s = time.perf_counter() - start
+            self._write_s = time.perf_counter() - called
         except BaseException as exc:
             self._failure = exc
             # Refused room is agreed by every rank on a working group; anything else may have broken it.
@@ -484,6 +529,16 @@ class MemoryCheckpointer:
             dist.barrier(group=self.group)
             if self.is_node_leader:
                 shutil.rmtree(self.node_dir, ignore_errors=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Probe:
+    """The first save under `every: auto`: when it was called and returned (perf_counter), and the optimizer's
+    staging wait before it."""
+
+    called: float
+    returned: float
+    staging_before: float
 
 
 def _part(path: Path) -> Path:
