@@ -396,3 +396,36 @@ def test_a_bad_every_is_one_line_naming_the_field(tmp_path, every, message):
         load_run_config(path)
     assert f"checkpoint.memory.every: {message}" in str(refused.value), str(refused.value)
     assert "Input should be" not in str(refused.value)
+
+
+def _auto_after_a_failed_first_save(rank: int, world: int, root: str) -> None:
+    from pathlib import Path
+
+    import torch
+
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
+    from hpkit.runtime.config import MemoryCheckpointSpec
+
+    saver = MemoryCheckpointer(MemoryCheckpointSpec(), Path(root), f"n{rank}", log=lambda line: None)
+    state = {f"own{rank}": torch.ones(1024)}
+    working = saver._exchange
+
+    def broken(sends, receives, failure=None):  # a closed gloo pair: it raises, and the group stays unusable
+        saver._exchange = working  # once: the next save's copies work
+        torch.distributed.destroy_process_group(saver.group)
+        raise RuntimeError("Connection closed by peer")
+
+    saver._exchange = broken
+    assert saver.save(1, state)
+    # Step 2: the first save's costs are unknown (it failed, and broke the copies' group): it saves again.
+    assert saver.save(2, state)
+    saver.save(3, state)  # and from its costs the interval is chosen
+    saver.wait()
+    assert saver.every is not None and saver.last_step == 2, (saver.every, saver.last_step)
+    saver.close(completed=True)
+
+
+def test_every_auto_measures_again_after_a_first_save_that_failed(tmp_path):
+    """A first save that failed gives no costs to choose by: the next step saves and measures again (on a new
+    group for the copies: the failed one may have broken it), and the interval comes from that save."""
+    run_ranks(_auto_after_a_failed_first_save, 2, tmp_path, str(tmp_path / "mem" / "run"))

@@ -205,6 +205,8 @@ class MemoryCheckpointer:
         assert probe is not None
         step_s = time.perf_counter() - probe.returned  # the one step trained since that save returned
         self.wait()  # its write: every rank waits for it once, at this same step
+        if self._renew_group:  # it failed and may have broken the group the figures go over
+            self._new_group()
         blocking = probe.returned - probe.called + (self.staging_wait_s - probe.staging_before)
         failed = float(self._write_s <= 0)  # set only where the save's copies completed
         figures = torch.tensor([failed, blocking, self._write_s, step_s], dtype=torch.float64)
