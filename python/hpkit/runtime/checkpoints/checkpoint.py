@@ -228,11 +228,7 @@ class Checkpointer:
         # One stager for the whole run: it keeps its host buffers between saves, so only the first
         # save pays for allocating (and on GPUs pinning) them.
         self._stager = make_stager() if self.async_save else None
-        # torch.save's zip CRC32s cost half of serialising each tensor (measured: 232 vs 120 ms per
-        # 360 MB), and torch.load never checks them. Integrity comes from the commit record's CRC-32C
-        # instead (hardware CRC, taken as the bytes are written, checked before a load). Process-wide,
-        # which is fine for a training process.
-        torch.serialization.set_crc32_options(False)
+        skip_zip_crc32()
 
         def prepare() -> None:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -563,6 +559,15 @@ def _planner() -> Any:
     # Every save of a run has the same layout: after the first, ranks send only "unchanged" to the
     # coordinator instead of their whole plan, which saves a gather and scatter of plans per save.
     return DefaultSavePlanner(enable_plan_caching=True)
+
+
+def skip_zip_crc32() -> None:
+    """DCP writes each tensor with torch.save, whose zip CRC32s cost half of serialising it (measured: 232 vs 120
+    ms per 360 MB; 1.53 vs 0.65 s for an in-memory checkpoint's 1.5 GiB) and which torch.load never checks.
+    Integrity comes from the persistent checkpoint's commit record (CRC-32C, taken as the bytes are written,
+    checked before a load); in-memory copies live in node RAM beside the run. Process-wide, which is fine
+    for a training process."""
+    torch.serialization.set_crc32_options(False)
 
 
 def make_stager() -> Any:

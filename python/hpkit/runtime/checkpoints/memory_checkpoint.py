@@ -38,6 +38,7 @@ from hpkit.runtime.checkpoints.checkpoint import (
     files_to_read,
     load_into,
     make_stager,
+    skip_zip_crc32,
     without_absent_optional_keys,
 )
 from hpkit.runtime.checkpoints.checkpoint_record import step_dir_name, step_of
@@ -113,6 +114,7 @@ class MemoryCheckpointer:
         self.receive_from = sorted(r for r, hs in held_by.items() if self.rank in hs)
         self.is_node_leader = self.rank_nodes.index(node) == self.rank
         self._stager = make_stager()
+        skip_zip_crc32()  # also where no persistent Checkpointer (which does the same) is made
         self._staging: Any = None
         self._background: threading.Thread | None = None
         self._failure: BaseException | None = None
