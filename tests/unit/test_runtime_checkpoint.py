@@ -476,25 +476,35 @@ def test_a_checkpoint_moves_between_cpu_and_cuda_whose_rng_state_only_one_side_h
     assert out["strict"] is False, "a missing key that is not optional must refuse the checkpoint"
 
 
-def test_the_stager_stages_a_second_save_after_torch_closed_its_inner_stager():
-    """torch 2.11 (a CUDA image's build) closes DefaultStager's inner StateDictStager after every stage, which
-    empties its dispatch table: on the GPU lane every in-memory save after the first failed with
-    `KeyError: <class 'type'>`. make_stager's stager must stage the next save all the same."""
+def test_the_stager_keeps_its_table_and_buffers_where_torch_closes_it_after_each_stage(monkeypatch):
+    """torch 2.11 (a CUDA image's build) closes DefaultStager's inner StateDictStager at the end of every stage,
+    which empties its dispatch table and drops its cached buffers: on the GPU lane every in-memory save after the
+    first failed with `KeyError: <class 'type'>`. make_stager's stager stages the next save all the same, into
+    the same host buffer (a save need not pin its buffers again)."""
     import torch
+    from torch.distributed.checkpoint.staging import DefaultStager
 
     from hpkit.runtime.checkpoints.checkpoint import make_stager
 
+    staged_by_torch = DefaultStager._stage
+
+    def closing_after_each_stage(self, state_dict, **kwargs):  # torch 2.11's DefaultStager._stage
+        staged = staged_by_torch(self, state_dict, **kwargs)
+        self._state_dict_stager.close()
+        return staged
+
+    monkeypatch.setattr(DefaultStager, "_stage", closing_after_each_stage)
     stager = make_stager()
     state = {
         "model": {"w": torch.arange(4.0)},
         "train": {"step": 4, "rng": [torch.zeros(2, dtype=torch.uint8)]},
     }
     try:
-        stager.stage(state).result()
-        stager._state_dict_stager.close()  # what torch 2.11's DefaultStager._stage does after each stage
+        first = stager.stage(state).result()
         state["model"]["w"] += 1
         second = stager.stage(state).result()
     finally:
         stager.close()
     assert torch.equal(second["model"]["w"], torch.arange(1.0, 5.0))
     assert second["train"]["step"] == 4
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # the cached buffer, reused

@@ -585,33 +585,29 @@ def make_stager() -> Any:
 
 
 class _ReusableStager(DefaultStager):
-    """DCP's DefaultStager, usable for more than one save on every torch build.
+    """DCP's DefaultStager, kept whole between the saves of a run on every torch build.
 
-    Some builds (torch 2.11 as shipped in a CUDA image, and 2.13 nightlies) close the inner StateDictStager after
-    each stage, which empties its deepcopy dispatch table; the next stage then fails on the state's first dict
-    with `KeyError: <class 'type'>`. On the GPU lane (H200, torch 2.11) every in-memory and async save after
-    the first failed so. The table holds only the stager's copy functions: it is put back before each stage.
+    Some builds (torch 2.11 as shipped in a CUDA image, and 2.13 nightlies) close the inner StateDictStager at the
+    end of each stage, to break a reference cycle of a stager made for one save. That empties its deepcopy
+    dispatch table, so the next stage failed on the state's first dict with `KeyError: <class 'type'>` (on the
+    GPU lane, H200 with torch 2.11, every in-memory and async save after the first), and drops its cached host
+    buffers, so each save would pin its buffers anew. This stager lives for the run and is closed at its end
+    (close below): the close inside a stage is skipped.
     """
 
-    def __init__(self, options: StagingOptions) -> None:
-        super().__init__(options)
-        table = self._dispatch_table()
-        self._dispatch = dict(table) if table else {}
+    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        inner = getattr(self, "_state_dict_stager", None)
+        if inner is None:  # a build laid out otherwise: nothing to keep
+            return super()._stage(state_dict, **kwargs)
+        inner.close = _keep_open  # the instance's attribute, found before the class's method
+        try:
+            return super()._stage(state_dict, **kwargs)
+        finally:
+            del inner.close
 
-    def _dispatch_table(self) -> dict | None:
-        # Private to torch: where a build lays the stager out otherwise, there is nothing to put back.
-        table = getattr(getattr(self, "_state_dict_stager", None), "_deepcopy_dispatch", None)
-        return table if isinstance(table, dict) else None
 
-    def stage(self, state_dict: Any, **kwargs: Any) -> Any:
-        table = self._dispatch_table()
-        if table is not None and len(table) < len(self._dispatch):
-            table.update(self._dispatch)
-        return super().stage(state_dict, **kwargs)
-
-    def close(self) -> None:
-        self._dispatch = {}  # its functions hold the inner stager: let both go
-        super().close()
+def _keep_open() -> None:
+    """Stands in for StateDictStager.close during a stage (see _ReusableStager)."""
 
 
 def _fsync(path: Path) -> None:
