@@ -45,6 +45,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--block", type=int, default=4, help="steps per block")
     p.add_argument("--rounds", type=int, default=3, help="blocks of each side (medians)")
     p.add_argument("--restores", type=int, default=3)
+    p.add_argument("--auto-max-steps", type=int, default=500, help="steps timed under every: auto, at most")
     p.add_argument("--cpu-dry-run", action="store_true", help="no GPU: a tiny shape on the CPU")
     return p.parse_args()
 
@@ -58,6 +59,7 @@ def main() -> int:
         return 0
     if args.cpu_dry_run:
         args.model, args.batch, args.seq_len, args.block, args.rounds, args.restores = "debug", 1, 64, 2, 1, 1
+        args.auto_max_steps = 20
     from hpkit.runtime.env import distributed
 
     with distributed() as job:
@@ -128,6 +130,7 @@ def _measure(args: argparse.Namespace, device: Any) -> None:
             block_s[side].append((time.perf_counter() - start) / args.block)
         state_bytes = memory.state_bytes
         memory.close(completed=False)  # the newest step stays for the restores
+        auto = _auto_side(args, trainer, root.parent / f"{root.name}-auto", said)
         failed = [line for line in said if "not completed" in line]
         if failed:
             raise SystemExit("gpu_memory_checkpoint: a save failed, no figures:\n" + "\n".join(failed[:3]))
@@ -142,18 +145,45 @@ def _measure(args: argparse.Namespace, device: Any) -> None:
             restore_s.append(time.perf_counter() - t0)
             again.close(completed=False)
             assert step is not None, "nothing restored from node memory"
-        _report(args, device, params, state_bytes, block_s, parts, restore_s)
+        _report(args, device, params, state_bytes, block_s, parts, restore_s, auto)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(root.parent / f"{root.name}-auto", ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
         trainer.close()
+
+
+def _auto_side(args: argparse.Namespace, trainer: Any, root: Path, said: list[str]) -> tuple[int, int, float]:
+    """`every: auto` (the default) on the same Trainer: its timed step, first save and the step that chooses the
+    interval, then two intervals' steps (at most --auto-max-steps) with a save call after each, as `hpkit train`
+    makes them. (interval, steps timed, seconds a step over them, saves and their waits included)."""
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
+    from hpkit.runtime.config import MemoryCheckpointSpec
+
+    auto = MemoryCheckpointer(MemoryCheckpointSpec(), root, "node0", log=said.append)
+    try:
+        for _ in range(3):  # a step timed without a save, the first save, then the step that chooses
+            last = trainer.train_step(auto)
+            auto.save(last.step, trainer.checkpoint_state())
+        every = auto.every or 1
+        steps = min(args.auto_max_steps, 2 * every)
+        _sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            last = trainer.train_step(auto)
+            auto.save(last.step, trainer.checkpoint_state())
+        auto.wait()
+        _sync()
+        return every, steps, (time.perf_counter() - start) / steps
+    finally:
+        auto.close(completed=True)
 
 
 def _med(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
-def _report(args, device, params: int, state_bytes: int, block_s, parts, restore_s) -> None:
+def _report(args, device, params: int, state_bytes: int, block_s, parts, restore_s, auto) -> None:
     import torch
 
     name = torch.cuda.get_device_name(device.torch_device()) if device.type == "cuda" else "cpu"
@@ -185,6 +215,11 @@ def _report(args, device, params: int, state_bytes: int, block_s, parts, restore
         f"  extra per save {extra * 1000:.1f} ms ({extra / max(state_bytes, 1) * 2**30 * 1000:.0f} ms per GiB of state): "
         f"{blocking * 1000:.1f} ms blocking, a write of about {background * 1000:.0f} ms beside training; `every: {every}` "
         f"keeps the blocking part within {TARGET:.0%} of a step and hides the write"
+    )
+    every, steps, auto_s = auto
+    print(
+        f"  every: auto chose {every}: {auto_s * 1000:.1f} ms a step over {steps} steps, saves included = "
+        f"{auto_s / plain:.3f} of a step without (target <= {1 + TARGET:.2f})"
     )
     r = _med(restore_s)
     print(

@@ -129,6 +129,8 @@ class MemoryCheckpointer:
         # `every: auto`: None until the first save's costs are known (_choose_every), then the same on every rank.
         self.every: int | None = spec.every if isinstance(spec.every, int) else None
         self._probe: _Probe | None = None  # the save whose costs choose `every`
+        self._plain_s: float | None = None  # a step without a save, timed before that save
+        self._returned: float | None = None  # when the last save() call returned (perf_counter)
         self._write_s = 0.0  # the last save, from its call to the end of its copies; 0 until they complete
         self._metadata_digest: str | None = None  # of the metadata every node last received
         self._metadata_file: Path | None = None  # this node's copy of it
@@ -162,12 +164,27 @@ class MemoryCheckpointer:
     # Save
 
     def due(self, step: int) -> bool:
-        # Under `every: auto` each step is due until the first save's costs have chosen the interval.
+        # Under `every: auto` each step is due (after one timed without a save) until the first save's costs
+        # have chosen the interval.
         return step % (self.every or 1) == 0 and step != self.last_step
 
     def save(self, step: int, state: dict[str, Any]) -> bool:
-        if self.every is None and self._probe is not None:
-            self._choose_every()
+        """Called after every step: saves when the step is due. True if it saved."""
+        called = time.perf_counter()
+        try:
+            return self._save(step, state, called)
+        finally:
+            self._returned = time.perf_counter()
+
+    def _save(self, step: int, state: dict[str, Any], called: float) -> bool:
+        if self.every is None:
+            if self._probe is not None:
+                self._choose_every(called)
+            elif self._plain_s is None:
+                # `every: auto` first times a step without a save: the first call marks the step's start.
+                if self._returned is None:
+                    return False
+                self._plain_s = called - self._returned
         if not self.due(step):
             return False
         start = time.perf_counter()
@@ -197,33 +214,44 @@ class MemoryCheckpointer:
             self._probe = _Probe(start, time.perf_counter(), self.staging_wait_s)
         return True
 
-    def _choose_every(self) -> None:
+    def _choose_every(self, called: float) -> None:
         """`every: auto`, at the step after the first save, on every rank: the fewest steps between saves that
-        keep a save's blocking part (its call and the optimizer's wait for the staging copy) within
-        AUTO_EVERY_BUDGET of them, and that give its write to node memory and the partner's copy (which the next
-        save waits for) time to finish beside training. A GPU steps far faster than a save writes (on an H200,
-        125M: 32 ms a step, 1.6 s a write), so one save a step would multiply the step time (x61 there)."""
+        keep what a save costs training within AUTO_EVERY_BUDGET of them, and that give its write to node memory
+        and the partner's copy (which the next save waits for) time to finish beside training.
+
+        What a save costs: its call and the optimizer's wait for the staging copy (blocking), and what the write
+        takes from the steps beside it. On a GPU host that is little (the GPU trains while a core writes: an H200
+        stepped 125M in 32 ms beside a 1.6 s write, so one save a step made each step x61 longer, one every ~214
+        cost 5 %); where ranks train on the cores that write, the step after the save slows, and so would the
+        steps over the rest of the write, at the same rate."""
         probe, self._probe = self._probe, None
-        assert probe is not None
-        step_s = time.perf_counter() - probe.returned  # the one step trained since that save returned
-        self.wait()  # its write: every rank waits for it once, at this same step
+        assert probe is not None and self._plain_s is not None
+        interval = called - probe.returned  # the step trained beside the write
+        waited_from = time.perf_counter()
+        self.wait()  # the rest of its write: every rank waits for it once, at this same step
+        waited = time.perf_counter() - waited_from
         if self._renew_group:  # it failed and may have broken the group the figures go over
             self._new_group()
-        blocking = probe.returned - probe.called + (self.staging_wait_s - probe.staging_before)
+        staging = self.staging_wait_s - probe.staging_before
+        blocking = probe.returned - probe.called + staging
+        computed = max(interval - staging, 1e-9)
+        slowed = max(0.0, computed - self._plain_s)
+        beside = slowed + slowed / computed * waited
         failed = float(self._write_s <= 0)  # set only where the save's copies completed
-        figures = torch.tensor([failed, blocking, self._write_s, step_s], dtype=torch.float64)
+        figures = torch.tensor([failed, blocking, beside, self._write_s, self._plain_s], dtype=torch.float64)
         # The largest figures of any rank: every rank computes the same interval, and saves at the same steps.
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self.group)
-        failed, blocking, write_s, step_s = figures.tolist()
+        failed, blocking, beside, write_s, step_s = figures.tolist()
         if failed:
             return  # no costs to go by: this step saves again and measures again
         step_s = max(step_s, 1e-6)
-        self.every = max(1, math.ceil(blocking / (AUTO_EVERY_BUDGET * step_s)), math.ceil(write_s / step_s))
+        cost = blocking + beside
+        self.every = max(1, math.ceil(cost / (AUTO_EVERY_BUDGET * step_s)), math.ceil(write_s / step_s))
         if self.rank == 0:
             self._log(
-                f"hpkit train: in-memory checkpoints every {self.every} step(s) (every: auto): a save blocks "
-                f"training {blocking * 1000:.0f} ms and writes for {write_s:.2f} s beside it; a step takes "
-                f"{step_s * 1000:.0f} ms"
+                f"hpkit train: in-memory checkpoints every {self.every} step(s) (every: auto): a save costs "
+                f"training {cost * 1000:.0f} ms ({blocking * 1000:.0f} ms blocking, {beside * 1000:.0f} ms slowed "
+                f"beside its write) and writes for {write_s:.2f} s; a step takes {step_s * 1000:.0f} ms"
             )
 
     def wait_for_staging(self) -> None:
