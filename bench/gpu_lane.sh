@@ -48,7 +48,8 @@ for part in "${parts[@]}"; do
       step tests-new 240 "${pytest[@]}" tests/gpu/test_cuda_memory_checkpoint.py tests/gpu/test_cuda_warm.py ;;
     memory) # what an in-memory checkpoint costs a GPU step, and its restore
       step memory-125m 150 python3 bench/gpu_memory_checkpoint.py --model 125M --batch 4 --seq-len 2048
-      step memory-1b 200 python3 bench/gpu_memory_checkpoint.py --model 1B --batch 2 --seq-len 2048 --rounds 2 --block 2 --restores 1 ;;
+      step memory-1b 200 python3 bench/gpu_memory_checkpoint.py --model 1B --batch 2 --seq-len 2048 --rounds 1 --block 2 \
+        --restores 1 --auto-max-steps 60 ;;
     train) # hpkit train's own figures on the 1B shape, for hpkit plan's check against GPU runs
       mkdir -p "$TMPDIR/train-1b"
       cat >"$TMPDIR/train-1b/job.yaml" <<YAML
