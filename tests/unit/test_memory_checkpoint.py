@@ -389,6 +389,7 @@ def test_every_auto_chooses_one_interval_for_every_rank_from_the_first_saves_cos
     [
         (0, "0 is not a number of steps: save every N steps with N >= 1, or auto"),
         ("often", "'often' is neither a number of steps nor auto"),
+        (2.5, "2.5 is neither a number of steps nor auto"),
     ],
 )
 def test_a_bad_every_is_one_line_naming_the_field(tmp_path, every, message):

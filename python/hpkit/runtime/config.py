@@ -478,9 +478,9 @@ class MemoryCheckpointSpec(StrictModel):
 
     every: int | Literal["auto"] = Field(
         default="auto",
-        description="save every this many steps (1: every step); auto: after the first save, the fewest steps "
-        f"that keep a save's blocking time within {AUTO_EVERY_BUDGET:.0%} of the steps between saves and give its "
-        "write to node memory time to finish before the next",
+        description="save every this many steps (1: every step); auto: after one measured save, the fewest steps "
+        f"that keep what a save costs training within {AUTO_EVERY_BUDGET:.0%} of the steps between saves and give "
+        "its write to node memory time to finish before the next",
     )
     replicas: int = Field(
         default=1,
@@ -493,10 +493,14 @@ class MemoryCheckpointSpec(StrictModel):
     @classmethod
     def _steps_or_auto(cls, value: Any) -> Any:
         # One message for both halves of the union (pydantic would give one per half).
-        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            raise ValueError(f"{value} is not a number of steps: save every N steps with N >= 1, or auto")
-        if isinstance(value, str) and value != "auto":
+        if isinstance(value, bool) or value == "auto":
+            return value  # a bool is refused as a bool, by StrictModel
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if not isinstance(value, int):
             raise ValueError(f"{value!r} is neither a number of steps nor auto")
+        if value < 1:
+            raise ValueError(f"{value} is not a number of steps: save every N steps with N >= 1, or auto")
         return value
 
     @property
