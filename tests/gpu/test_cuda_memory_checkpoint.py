@@ -96,8 +96,10 @@ def _complete_step(memory_root: Path) -> int:
 def test_a_stopped_cuda_run_resumes_from_node_memory_with_the_uninterrupted_losses(tmp_path: Path) -> None:
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     memory_root = Path(tempfile.mkdtemp(prefix="hpkit-mem-gpu-", dir=shm))
+    runs: list[subprocess.Popen] = []
     try:
         first = _start(tmp_path / "run", memory_root, "4401")
+        runs.append(first)
         deadline = time.monotonic() + 300
         while _complete_step(memory_root) < STOP_AFTER and first.poll() is None:
             assert time.monotonic() < deadline, "no in-memory step completed in 300 s"
@@ -110,6 +112,7 @@ def test_a_stopped_cuda_run_resumes_from_node_memory_with_the_uninterrupted_loss
         assert stopped < STEPS, f"the run was not stopped part-way (it reached step {stopped})"
 
         second = _start(tmp_path / "run", memory_root, "4401")
+        runs.append(second)
         out, err = second.communicate(timeout=600)
         assert second.returncode == 0, f"{out[-3000:]}\n{err[-5000:]}"
         resumed = re.search(r"resumed from memory:step-0*(\d+) at step (\d+)", out)
@@ -123,6 +126,10 @@ def test_a_stopped_cuda_run_resumes_from_node_memory_with_the_uninterrupted_loss
         out, err = reference.communicate(timeout=600)
         assert reference.returncode == 0, f"{out[-3000:]}\n{err[-5000:]}"
     finally:
+        for run in runs:  # a failed assertion leaves no run writing into node memory after the test
+            if run.poll() is None:
+                run.kill()
+                run.wait(timeout=60)
         shutil.rmtree(memory_root, ignore_errors=True)
     got, want = _steps(tmp_path / "run"), _steps(tmp_path / "reference")
     after = [s for s in range(at + 1, STEPS + 1)]
