@@ -44,6 +44,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
+from _memory_saves import block_side, saved_step
+
 # name -> model overrides of the "125M" shape: ~13M and ~134M parameters (state = params + AdamW's two moments)
 SIZES: dict[str, dict[str, int]] = {
     "13M": {"dim": 256, "n_layers": 6, "n_heads": 4, "n_kv_heads": 4, "ffn_dim": 768, "vocab_size": 16000},
@@ -184,24 +186,15 @@ def _one_size(args, size: str, launch, device, spec, disk: Path, root: Path) -> 
     block_cpu: dict[str, list[float]] = {"none": [], "memory": []}  # CPU seconds per step, both ranks
     parts: dict[str, list[float]] = {"call": [], "staging": [], "previous": [], "copy": []}
     for i in range(2 * args.rounds):
-        side = ("none", "memory")[(i + i // 2) % 2]  # none, memory, memory, none, none, memory, ...
+        side = block_side(i)
         dist.barrier()
         cpu_start = time.process_time()
         start = time.perf_counter()
         for _ in range(args.block):
             if side == "none":
                 trainer.train_step()
-                continue
-            before = memory.staging_wait_s
-            last = trainer.train_step(memory)
-            parts["staging"].append(memory.staging_wait_s - before)
-            t0 = time.perf_counter()
-            memory.wait()  # what save() does first: the previous step's write and copy
-            parts["previous"].append(time.perf_counter() - t0)
-            parts["copy"].append(memory.copy_s)
-            t0 = time.perf_counter()
-            memory.save(last.step, trainer.checkpoint_state())
-            parts["call"].append(time.perf_counter() - t0)
+            else:
+                saved_step(trainer, memory, parts)
         if side == "memory":
             before = memory.staging_wait_s
             memory.wait()  # the block's last copy, so that none runs into the next block
