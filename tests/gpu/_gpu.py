@@ -24,6 +24,16 @@ TINY_MODEL = {
 }
 
 
+def single_process_env() -> dict[str, str]:
+    """This process's environment for one `hpkit train` process of this checkout: no launcher's variables (a
+    rank of world 1, not a member of whatever launched pytest)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p)
+    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HPKIT_SPEC"):
+        env.pop(var, None)
+    return env
+
+
 def train(config: dict[str, Any], workdir: Path, *, cpu: bool, steps: int | None = None) -> list[dict]:
     """Run `hpkit train` on one process and return its metrics records (one per step)."""
     workdir.mkdir(parents=True, exist_ok=True)
@@ -33,10 +43,7 @@ def train(config: dict[str, Any], workdir: Path, *, cpu: bool, steps: int | None
     cfg.setdefault("train", {})["metrics_file"] = "metrics.jsonl"
     cfg["train"]["tensorboard"] = False
     cfg_path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HPKIT_SPEC"):
-        env.pop(var, None)
+    env = single_process_env()
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     args = [sys.executable, "-m", "hpkit", "train", "--config", str(cfg_path)]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _gpu import REPO, TINY_MODEL, worst_relative
+from _gpu import TINY_MODEL, single_process_env, worst_relative
 
 from hpkit.runtime.checkpoints.memory_layout import COMPLETE
 
@@ -60,10 +60,7 @@ def _start(
     if checkpoint is not None:
         config["checkpoint"] = checkpoint
     (workdir / "config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p)
-    for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "HPKIT_SPEC"):
-        env.pop(var, None)
+    env = single_process_env()
     env["SLURM_JOB_ID"] = job_id  # the run's identity: a restart of one job finds its own copies
     if memory_root is not None:
         env["HPKIT_MEMORY_ROOT"] = str(memory_root)

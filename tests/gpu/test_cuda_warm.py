@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from _gpu import REPO, TINY_MODEL, series, worst_relative
+from _gpu import TINY_MODEL, series, single_process_env, worst_relative
 
 from hpkit.render import zygote_command
 from hpkit.slurm_job import SlurmJob
@@ -49,18 +49,8 @@ CONFIG = {
 
 
 def _env(socket: Path | None) -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO / "python"), env.get("PYTHONPATH")) if p)
-    for var in (
-        "RANK",
-        "WORLD_SIZE",
-        "LOCAL_RANK",
-        "MASTER_ADDR",
-        "MASTER_PORT",
-        "HPKIT_SPEC",
-        "SLURM_JOB_ID",
-    ):
-        env.pop(var, None)
+    env = single_process_env()
+    env.pop("SLURM_JOB_ID", None)
     if socket is not None:
         env["HPKIT_WARM_SOCKET"] = str(socket)
     return env
