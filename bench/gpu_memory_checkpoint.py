@@ -137,6 +137,9 @@ def _measure(args: argparse.Namespace, device: Any) -> None:
             again.close(completed=False)
             assert step is not None, "nothing restored from node memory"
         _report(args, device, params, state_bytes, block_s, parts, restore_s, auto)
+        print(
+            "  " + next((line for line in said if "(every: auto)" in line), "every: auto logged no interval")
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(root.parent / f"{root.name}-auto", ignore_errors=True)
@@ -153,10 +156,15 @@ def _auto_side(args: argparse.Namespace, trainer: Any, root: Path, said: list[st
 
     auto = MemoryCheckpointer(MemoryCheckpointSpec(), root, "node0", log=said.append)
     try:
-        for _ in range(3):  # a step timed without a save, the first save, then the step that chooses
+        # A step timed without a save, the first save, the steps timed beside its write; the last of them chooses.
+        for _ in range(100):
             last = trainer.train_step(auto)
             auto.save(last.step, trainer.checkpoint_state())
-        every = auto.every or 1
+            if auto.every is not None:
+                break
+        else:
+            raise SystemExit("gpu_memory_checkpoint: every: auto chose no interval in 100 steps")
+        every = auto.every
         steps = min(args.auto_max_steps, 2 * every)
         _sync()
         start = time.perf_counter()

@@ -336,7 +336,7 @@ def _auto_every(rank: int, world: int, root: str, out: str) -> None:
 
     import torch
 
-    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
+    from hpkit.runtime.checkpoints.memory_checkpoint import AUTO_STEPS_BESIDE, MemoryCheckpointer
     from hpkit.runtime.config import MemoryCheckpointSpec
 
     lines: list[str] = []
@@ -352,8 +352,9 @@ def _auto_every(rank: int, world: int, root: str, out: str) -> None:
     state = {f"own{rank}": torch.ones(8 * 2**20 // 4)}
     saved = []
     step = 0
-    # Step 1 is timed without a save, step 2 saves and is measured, step 3 chooses; then two of its saves.
-    while step < 3 or step < 2 * (saver.every or 1) + 1:
+    # Step 1 is timed without a save, step 2 saves, the steps after it are timed beside its write, and the last
+    # of them chooses; then two of its saves.
+    while step < 2 + AUTO_STEPS_BESIDE or step < 2 * (saver.every or 1) + 1:
         step += 1
         time.sleep(0.01 * (rank + 1))  # a training step (the ranks' differ: the slower one's must count)
         if saver.save(step, state):
@@ -366,10 +367,12 @@ def _auto_every(rank: int, world: int, root: str, out: str) -> None:
 
 
 def test_every_auto_chooses_one_interval_for_every_rank_from_the_first_saves_costs(tmp_path):
-    """`every: auto` (the default): a step is timed without a save, the next save is measured, and at the step
-    after it every rank takes the same interval, one that gives the write time to finish beside training; the
+    """`every: auto` (the default): a step is timed without a save, the next save is measured with the steps
+    beside its write, and then every rank takes the same interval, one that gives the write time to finish beside training; the
     saves after it fall on its multiples.
     Without it a state that writes slower than a step saved every step, and each step waited for a write."""
+    from hpkit.runtime.checkpoints.memory_checkpoint import AUTO_STEPS_BESIDE
+
     root = tmp_path / "mem" / "run"
     out = tmp_path / "out"
     out.mkdir()
@@ -378,8 +381,9 @@ def test_every_auto_chooses_one_interval_for_every_rank_from_the_first_saves_cos
     every = ranks[0]["every"]
     assert every is not None and every > 1, ranks[0]
     assert ranks[1]["every"] == every and ranks[1]["saved"] == ranks[0]["saved"], ranks
-    last = max(2 * every + 1, 3)
-    assert ranks[0]["saved"] == [2] + [s for s in range(3, last + 1) if s % every == 0], ranks[0]
+    decided = 2 + AUTO_STEPS_BESIDE
+    last = max(2 * every + 1, decided)
+    assert ranks[0]["saved"] == [2] + [s for s in range(decided, last + 1) if s % every == 0], ranks[0]
     line = next(line for line in ranks[0]["lines"] if "(every: auto)" in line)
     assert f"in-memory checkpoints every {every} step(s) (every: auto): a save costs training" in line, line
 
@@ -406,12 +410,31 @@ def test_a_bad_every_is_one_line_naming_the_field(tmp_path, every, message):
     assert "Input should be" not in str(refused.value)
 
 
+def test_the_write_cost_counts_a_slow_first_step_once_and_a_steady_slowdown_over_the_whole_write():
+    """What `every: auto` charges a save's write. On a GPU (an H200, 125M: a step 47 ms alone) the step after a save
+    carried the staging copy (300 ms), and the steps over the rest of the 1.2 s write ran at 50-55 ms: the one slow
+    step is counted once, and the rest of the write at the later steps' rate. Charged at the first step's rate, the
+    cost was 3x, and so was the interval. Where ranks train on the cores that
+    write (CPU), every step beside it is slow, and the rest of the write is charged at that rate."""
+    from hpkit.runtime.checkpoints.memory_checkpoint import write_cost
+
+    gpu = write_cost(0.047, [0.300, 0.055, 0.050], waited_s=1.0)
+    rate = (0.008 + 0.003) / (0.055 + 0.050)
+    assert gpu == pytest.approx(0.253 + 0.008 + 0.003 + rate * 1.0)
+    assert gpu < 0.4, gpu  # the first step's rate over the write (253/300 x 1 s) would add 0.84 s
+    cpu = write_cost(0.050, [0.100, 0.100, 0.100], waited_s=1.0)
+    assert cpu == pytest.approx(3 * 0.050 + 0.5 * 1.0)
+    # Faster steps beside the write (noise) cost nothing, and nothing is charged where the write had ended.
+    assert write_cost(0.050, [0.049, 0.048, 0.050], waited_s=0.0) == 0.0
+    assert write_cost(0.050, [0.080], waited_s=0.5) == pytest.approx(0.030)
+
+
 def _auto_after_a_failed_first_save(rank: int, world: int, root: str) -> None:
     from pathlib import Path
 
     import torch
 
-    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
+    from hpkit.runtime.checkpoints.memory_checkpoint import AUTO_STEPS_BESIDE, MemoryCheckpointer
     from hpkit.runtime.config import MemoryCheckpointSpec
 
     saver = MemoryCheckpointer(MemoryCheckpointSpec(), Path(root), f"n{rank}", log=lambda line: None)
@@ -426,11 +449,18 @@ def _auto_after_a_failed_first_save(rank: int, world: int, root: str) -> None:
     saver._exchange = broken
     assert not saver.save(1, state)  # a step timed without a save
     assert saver.save(2, state)
-    # Step 3: the first save's costs are unknown (it failed, and broke the copies' group): it saves again.
-    assert saver.save(3, state)
-    saver.save(4, state)  # and from its costs the interval is chosen
+    step = 2
+    for _ in range(AUTO_STEPS_BESIDE - 1):  # steps timed beside its write
+        step += 1
+        assert not saver.save(step, state)
+    # The step that would choose: the first save's costs are unknown (it failed, and broke the copies' group):
+    # it saves again.
+    again = step + 1
+    assert saver.save(again, state)
+    for step in range(again + 1, again + AUTO_STEPS_BESIDE + 1):  # and from its costs the interval is chosen
+        saver.save(step, state)
     saver.wait()
-    assert saver.every is not None and saver.last_step == 3, (saver.every, saver.last_step)
+    assert saver.every is not None and saver.last_step == again, (saver.every, saver.last_step)
     saver.close(completed=True)
 
 

@@ -58,6 +58,9 @@ from hpkit.runtime.checkpoints.memory_layout import (
 )
 from hpkit.runtime.config import AUTO_EVERY_BUDGET, MemoryCheckpointSpec
 
+# `every: auto` times this many steps beside its first save's write before it chooses (write_cost).
+AUTO_STEPS_BESIDE = 3
+
 
 class CopyRefused(RuntimeError):
     """Some node had no room for its part of an in-memory step; every rank raises it together."""
@@ -179,7 +182,11 @@ class MemoryCheckpointer:
     def _save(self, step: int, state: dict[str, Any], called: float) -> bool:
         if self.every is None:
             if self._probe is not None:
-                self._choose_every(called)
+                # `every: auto`: the steps after its first save are timed beside that save's write, then it chooses.
+                self._probe.time_step(called, self._returned, self.staging_wait_s)
+                if len(self._probe.beside) < AUTO_STEPS_BESIDE:
+                    return False
+                self._choose_every()
             elif self._plain_s is None:
                 # `every: auto` first times a step without a save: the first call marks the step's start.
                 if self._returned is None:
@@ -214,29 +221,23 @@ class MemoryCheckpointer:
             self._probe = _Probe(start, time.perf_counter(), self.staging_wait_s)
         return True
 
-    def _choose_every(self, called: float) -> None:
-        """`every: auto`, at the step after the first save, on every rank: the fewest steps between saves that
-        keep what a save costs training within AUTO_EVERY_BUDGET of them, and that give its write to node memory
-        and the partner's copy (which the next save waits for) time to finish beside training.
+    def _choose_every(self) -> None:
+        """`every: auto`, AUTO_STEPS_BESIDE steps after the first save, on every rank: the fewest steps between saves
+        that keep what a save costs training within AUTO_EVERY_BUDGET of them, and that give its write to node
+        memory and the partner's copy (which the next save waits for) time to finish beside training.
 
         What a save costs: its call and the optimizer's wait for the staging copy (blocking), and what the write
-        takes from the steps beside it. On a GPU host that is little (the GPU trains while a core writes: an H200
-        stepped 125M in 32 ms beside a 1.6 s write, so one save a step made each step x61 longer, one every ~214
-        cost 5 %); where ranks train on the cores that write, the step after the save slows, and so would the
-        steps over the rest of the write, at the same rate."""
+        took from the steps beside it (write_cost). Every rank waits here once for the rest of that write, at the
+        same step, and takes the largest figures of any rank."""
         probe, self._probe = self._probe, None
         assert probe is not None and self._plain_s is not None
-        interval = called - probe.returned  # the step trained beside the write
         waited_from = time.perf_counter()
-        self.wait()  # the rest of its write: every rank waits for it once, at this same step
+        self.wait()  # the rest of its write
         waited = time.perf_counter() - waited_from
         if self._renew_group:  # it failed and may have broken the group the figures go over
             self._new_group()
-        staging = self.staging_wait_s - probe.staging_before
-        blocking = probe.returned - probe.called + staging
-        computed = max(interval - staging, 1e-9)
-        slowed = max(0.0, computed - self._plain_s)
-        beside = slowed + slowed / computed * waited
+        blocking = probe.returned - probe.called + probe.first_staging_wait
+        beside = write_cost(self._plain_s, probe.beside, waited)
         failed = float(self._write_s <= 0)  # set only where the save's copies completed
         figures = torch.tensor([failed, blocking, beside, self._write_s, self._plain_s], dtype=torch.float64)
         # The largest figures of any rank: every rank computes the same interval, and saves at the same steps.
@@ -563,14 +564,40 @@ class MemoryCheckpointer:
                 shutil.rmtree(self.node_dir, ignore_errors=True)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class _Probe:
-    """The first save under `every: auto`: when it was called and returned (perf_counter), and the optimizer's
-    staging wait before it."""
+    """The first save under `every: auto`: when it was called and returned (perf_counter), the optimizer's staging
+    wait before it, and then each step trained beside its write (seconds, without the staging wait)."""
 
     called: float
     returned: float
     staging_before: float
+    beside: list[float] = dataclasses.field(default_factory=list)
+    first_staging_wait: float = 0.0  # the optimizer's wait for this save's staging copy
+
+    def time_step(self, called: float, previous_return: float | None, staging_wait_s: float) -> None:
+        """A step ended at `called`; it began when the previous save() call returned."""
+        staging = staging_wait_s - self.staging_before
+        self.staging_before = staging_wait_s
+        if not self.beside:
+            self.first_staging_wait = staging
+        began = self.returned if previous_return is None else previous_return
+        self.beside.append(max(called - began - staging, 1e-9))
+
+
+def write_cost(plain_s: float, beside: list[float], waited_s: float) -> float:
+    """Seconds a save's write took from training: each step timed beside it over a step without one (`plain_s`),
+    and the rest of the write (`waited_s`, waited for after them) at the later steps' rate.
+
+    The first step after a save is not a rate: on a GPU it carries the staging copy once (an H200: 250-310 ms on
+    the one step after each save of 125M and 1B, then 0-25 % on the steps over the rest of a 1-13 s write;
+    bench/gpu_write_beside.py). Charged over the whole write, as a first version did, it made the interval 2-3x
+    too long on the same figures (the device chose 640 and 2,935 steps). Where ranks train on the cores that
+    write (CPU ranks), every step beside the write slows alike, and the rate carries it over the rest."""
+    excess = [max(0.0, s - plain_s) for s in beside]
+    later = beside[1:]
+    rate = sum(excess[1:]) / sum(later) if later else 0.0
+    return sum(excess) + rate * waited_s
 
 
 def _part(path: Path) -> Path:
