@@ -151,19 +151,19 @@ def _auto_side(args: argparse.Namespace, trainer: Any, root: Path, said: list[st
     """`every: auto` (the default) on the same Trainer: its timed step, first save and the step that chooses the
     interval, then two intervals' steps (at most --auto-max-steps) with a save call after each, as `hpkit train`
     makes them. (interval, steps timed, seconds a step over them, saves and their waits included)."""
-    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
+    from hpkit.runtime.checkpoints.memory_checkpoint import AUTO_MAX_STEPS_BESIDE, MemoryCheckpointer
     from hpkit.runtime.config import MemoryCheckpointSpec
 
     auto = MemoryCheckpointer(MemoryCheckpointSpec(), root, "node0", log=said.append)
     try:
         # A step timed without a save, the first save, the steps timed beside its write; the last of them chooses.
-        for _ in range(100):
+        for _ in range(AUTO_MAX_STEPS_BESIDE + 10):
             last = trainer.train_step(auto)
             auto.save(last.step, trainer.checkpoint_state())
             if auto.every is not None:
                 break
         else:
-            raise SystemExit("gpu_memory_checkpoint: every: auto chose no interval in 100 steps")
+            raise SystemExit("gpu_memory_checkpoint: every: auto chose no interval")
         every = auto.every
         steps = min(args.auto_max_steps, 2 * every)
         _sync()

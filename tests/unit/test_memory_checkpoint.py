@@ -336,7 +336,7 @@ def _auto_every(rank: int, world: int, root: str, out: str) -> None:
 
     import torch
 
-    from hpkit.runtime.checkpoints.memory_checkpoint import AUTO_STEPS_BESIDE, MemoryCheckpointer
+    from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
     from hpkit.runtime.config import MemoryCheckpointSpec
 
     lines: list[str] = []
@@ -352,9 +352,9 @@ def _auto_every(rank: int, world: int, root: str, out: str) -> None:
     state = {f"own{rank}": torch.ones(8 * 2**20 // 4)}
     saved = []
     step = 0
-    # Step 1 is timed without a save, step 2 saves, the steps after it are timed beside its write, and the last
-    # of them chooses; then two of its saves.
-    while step < 2 + AUTO_STEPS_BESIDE or step < 2 * (saver.every or 1) + 1:
+    # Step 1 is timed without a save, step 2 saves, the steps after it are timed beside its write until it has
+    # ended on both ranks, and the last of them chooses; then two of its saves.
+    while saver.every is None or step < saver.chose_at + 2 * saver.every:
         step += 1
         time.sleep(0.01 * (rank + 1))  # a training step (the ranks' differ: the slower one's must count)
         if saver.save(step, state):
@@ -362,7 +362,8 @@ def _auto_every(rank: int, world: int, root: str, out: str) -> None:
     saver.wait()
     saver.close(completed=True)
     Path(out, f"rank{rank}.json").write_text(
-        json.dumps({"every": saver.every, "saved": saved, "lines": lines}), encoding="utf-8"
+        json.dumps({"every": saver.every, "chose_at": saver.chose_at, "saved": saved, "lines": lines}),
+        encoding="utf-8",
     )
 
 
@@ -381,9 +382,10 @@ def test_every_auto_chooses_one_interval_for_every_rank_from_the_first_saves_cos
     every = ranks[0]["every"]
     assert every is not None and every > 1, ranks[0]
     assert ranks[1]["every"] == every and ranks[1]["saved"] == ranks[0]["saved"], ranks
-    decided = 2 + AUTO_STEPS_BESIDE
-    last = max(2 * every + 1, decided)
-    assert ranks[0]["saved"] == [2] + [s for s in range(decided, last + 1) if s % every == 0], ranks[0]
+    decided = ranks[0]["chose_at"]
+    assert decided >= 2 + AUTO_STEPS_BESIDE and ranks[1]["chose_at"] == decided, ranks
+    last = decided + 2 * every
+    assert ranks[0]["saved"] == [2] + [s for s in range(decided, last) if s % every == 0], ranks[0]
     line = next(line for line in ranks[0]["lines"] if "(every: auto)" in line)
     assert f"in-memory checkpoints every {every} step(s) (every: auto): a save costs training" in line, line
 
@@ -429,6 +431,65 @@ def test_the_write_cost_counts_a_slow_first_step_once_and_a_steady_slowdown_over
     assert write_cost(0.050, [0.080], waited_s=0.5) == pytest.approx(0.030)
 
 
+def _auto_beside_a_slow_write(rank: int, world: int, root: str, out: str) -> None:
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from hpkit.runtime.checkpoints.memory_checkpoint import AUTO_STEPS_BESIDE, MemoryCheckpointer
+    from hpkit.runtime.config import MemoryCheckpointSpec
+
+    saver = MemoryCheckpointer(MemoryCheckpointSpec(), Path(root), f"n{rank}", log=lambda line: None)
+    exchange = saver._exchange
+
+    def slow(*args, **kwargs):  # the partner copy of a large state: far longer than a step
+        time.sleep(1.5)
+        return exchange(*args, **kwargs)
+
+    saver._exchange = slow
+    state = {f"own{rank}": torch.ones(1024)}
+    calls = []
+    step = 0
+    while saver.every is None and step < 1000:
+        step += 1
+        time.sleep(0.01)
+        began = time.perf_counter()
+        saver.save(step, state)
+        calls.append(time.perf_counter() - began)
+    saver.wait()
+    saver.close(completed=True)
+    Path(out, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "every": saver.every,
+                "chose_at": saver.chose_at,
+                "longest_call": max(calls[2:]),
+                "k": AUTO_STEPS_BESIDE,
+            }
+        ),
+        encoding="utf-8",
+    )
+
+
+def test_every_auto_trains_on_while_its_first_write_runs_and_chooses_once_it_has_ended(tmp_path):
+    """`every: auto` keeps timing steps until its first save's write has ended on every rank, and then chooses:
+    no step stalls for the rest of a long write (1.6-13 s on an H200), and the write's cost is measured over the
+    steps it ran beside, not extrapolated. Without it every rank waited for the whole write at the third step
+    beside it."""
+    out = tmp_path / "out"
+    out.mkdir()
+    run_ranks(_auto_beside_a_slow_write, 2, tmp_path, str(tmp_path / "mem" / "run"), str(out))
+    ranks = [json.loads((out / f"rank{r}.json").read_text(encoding="utf-8")) for r in range(2)]
+    assert ranks[0]["chose_at"] == ranks[1]["chose_at"] and ranks[0]["every"] == ranks[1]["every"], ranks
+    # A 1.5 s write beside 10 ms steps: tens of steps, not the 3 it must time at least.
+    assert ranks[0]["chose_at"] > 2 + ranks[0]["k"] + 10, ranks
+    # No save call waited for the write (it would have taken most of its 1.5 s).
+    assert max(r["longest_call"] for r in ranks) < 0.75, ranks
+    # And the interval leaves the write its time: at least its length in steps.
+    assert ranks[0]["every"] >= 50, ranks
+
+
 def _auto_after_a_failed_first_save(rank: int, world: int, root: str) -> None:
     from pathlib import Path
 
@@ -450,15 +511,14 @@ def _auto_after_a_failed_first_save(rank: int, world: int, root: str) -> None:
     assert not saver.save(1, state)  # a step timed without a save
     assert saver.save(2, state)
     step = 2
-    for _ in range(AUTO_STEPS_BESIDE - 1):  # steps timed beside its write
-        step += 1
-        assert not saver.save(step, state)
-    # The step that would choose: the first save's costs are unknown (it failed, and broke the copies' group):
-    # it saves again.
-    again = step + 1
-    assert saver.save(again, state)
-    for step in range(again + 1, again + AUTO_STEPS_BESIDE + 1):  # and from its costs the interval is chosen
-        saver.save(step, state)
+    # Steps timed beside its write until it has ended; then the step that would choose finds the first save's
+    # costs unknown (it failed, and broke the copies' group), and saves again.
+    while not saver.save(step := step + 1, state):
+        assert step < 500, "no second save"
+    assert saver.every is None and step >= 2 + AUTO_STEPS_BESIDE, (saver.every, step)
+    again = step
+    while saver.every is None and step < again + 500:  # and from its costs the interval is chosen
+        saver.save(step := step + 1, state)
     saver.wait()
     assert saver.every is not None and saver.last_step == again, (saver.every, saver.last_step)
     saver.close(completed=True)

@@ -58,8 +58,10 @@ from hpkit.runtime.checkpoints.memory_layout import (
 )
 from hpkit.runtime.config import AUTO_EVERY_BUDGET, MemoryCheckpointSpec
 
-# `every: auto` times this many steps beside its first save's write before it chooses (write_cost).
+# `every: auto` times at least this many steps beside its first save's write, and then steps until the write has
+# ended on every rank (at most AUTO_MAX_STEPS_BESIDE: past that it waits for the rest), before it chooses.
 AUTO_STEPS_BESIDE = 3
+AUTO_MAX_STEPS_BESIDE = 1000
 
 
 class CopyRefused(RuntimeError):
@@ -102,6 +104,9 @@ class MemoryCheckpointer:
         # Its own gloo group: the copies and their bookkeeping run on a background thread, beside training's
         # collectives and the persistent checkpoint's.
         self.group = dist.new_group(backend="gloo")
+        # `every: auto` asks, at each step while it measures, whether every rank's first write has ended: a group
+        # of its own, since the copies' group is busy on the background thread meanwhile.
+        self._asking = dist.new_group(backend="gloo") if spec.every == "auto" else None
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (node, rack), group=self.group)
         self.rank_nodes: list[str] = [str(n) for n, _ in gathered]
@@ -132,6 +137,7 @@ class MemoryCheckpointer:
         # `every: auto`: None until the first save's costs are known (_choose_every), then the same on every rank.
         self.every: int | None = spec.every if isinstance(spec.every, int) else None
         self._probe: _Probe | None = None  # the save whose costs choose `every`
+        self.chose_at: int | None = None  # the step at which `every: auto` chose
         self._plain_s: float | None = None  # a step without a save, timed before that save
         self._returned: float | None = None  # when the last save() call returned (perf_counter)
         self._write_s = 0.0  # the last save, from its call to the end of its copies; 0 until they complete
@@ -184,9 +190,9 @@ class MemoryCheckpointer:
             if self._probe is not None:
                 # `every: auto`: the steps after its first save are timed beside that save's write, then it chooses.
                 self._probe.time_step(called, self._returned, self.staging_wait_s)
-                if len(self._probe.beside) < AUTO_STEPS_BESIDE:
+                if len(self._probe.beside) < AUTO_STEPS_BESIDE or not self._every_write_ended():
                     return False
-                self._choose_every()
+                self._choose_every(step)
             elif self._plain_s is None:
                 # `every: auto` first times a step without a save: the first call marks the step's start.
                 if self._returned is None:
@@ -221,18 +227,29 @@ class MemoryCheckpointer:
             self._probe = _Probe(start, time.perf_counter(), self.staging_wait_s)
         return True
 
-    def _choose_every(self) -> None:
-        """`every: auto`, AUTO_STEPS_BESIDE steps after the first save, on every rank: the fewest steps between saves
-        that keep what a save costs training within AUTO_EVERY_BUDGET of them, and that give its write to node
-        memory and the partner's copy (which the next save waits for) time to finish beside training.
+    def _every_write_ended(self) -> bool:
+        """Whether the first save's write and copies have ended on every rank (one all-reduce on `_asking`). After
+        AUTO_MAX_STEPS_BESIDE steps it stops asking: the rest is waited for, and charged at the later steps' rate."""
+        assert self._probe is not None and self._asking is not None
+        if len(self._probe.beside) >= AUTO_MAX_STEPS_BESIDE:
+            return True
+        running = self._background is not None and self._background.is_alive()
+        flag = torch.tensor([int(running)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._asking)
+        return not flag.item()
+
+    def _choose_every(self, step: int) -> None:
+        """`every: auto`, once every rank's first write has ended (at least AUTO_STEPS_BESIDE steps after it began),
+        on every rank at the same step: the fewest steps between saves that keep what a save costs training within
+        AUTO_EVERY_BUDGET of them, and that give its write to node memory and the partner's copy (which the next
+        save waits for) time to finish beside training.
 
         What a save costs: its call and the optimizer's wait for the staging copy (blocking), and what the write
-        took from the steps beside it (write_cost). Every rank waits here once for the rest of that write, at the
-        same step, and takes the largest figures of any rank."""
+        took from the steps beside it (write_cost). Every rank takes the largest figures of any rank."""
         probe, self._probe = self._probe, None
         assert probe is not None and self._plain_s is not None
         waited_from = time.perf_counter()
-        self.wait()  # the rest of its write
+        self.wait()  # nothing left but its bookkeeping, unless it ran past AUTO_MAX_STEPS_BESIDE steps
         waited = time.perf_counter() - waited_from
         if self._renew_group:  # it failed and may have broken the group the figures go over
             self._new_group()
@@ -247,6 +264,11 @@ class MemoryCheckpointer:
             return  # no costs to go by: this step saves again and measures again
         step_s = max(step_s, 1e-6)
         cost = blocking + beside
+        self.chose_at = step
+        if self._asking is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self._asking)
+            self._asking = None
         self.every = max(1, math.ceil(cost / (AUTO_EVERY_BUDGET * step_s)), math.ceil(write_s / step_s))
         if self.rank == 0:
             self._log(
@@ -558,6 +580,10 @@ class MemoryCheckpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+        if self._asking is not None:
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group(self._asking)
+            self._asking = None
         if completed:
             dist.barrier(group=self.group)
             if self.is_node_leader:
@@ -587,7 +613,8 @@ class _Probe:
 
 def write_cost(plain_s: float, beside: list[float], waited_s: float) -> float:
     """Seconds a save's write took from training: each step timed beside it over a step without one (`plain_s`),
-    and the rest of the write (`waited_s`, waited for after them) at the later steps' rate.
+    and the rest of the write (`waited_s`: waited for after them, only where it ran past AUTO_MAX_STEPS_BESIDE
+    steps) at the later steps' rate.
 
     The first step after a save is not a rate: on a GPU it carries the staging copy once (an H200: 250-310 ms on
     the one step after each save of 125M and 1B, then 0-25 % on the steps over the rest of a 1-13 s write;
