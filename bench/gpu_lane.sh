@@ -3,7 +3,7 @@
 # Each part has its own time limit and writes its output under $OUT as it goes, so a part that hangs or fails
 # leaves the others' results. Run from the repository root on the GPU machine:
 #
-#   OUT=/some/folder bash bench/gpu_lane.sh [parts...]      parts: new memory train rest (default: all, in that order)
+#   OUT=/some/folder bash bench/gpu_lane.sh [parts...]      parts: new memory beside train rest (default: all, in order)
 #
 # Python packages the machine lacks (pydantic, crc32c, ...) travel as wheels in .whl/ (see BENCHMARKS.md, the GPU lane).
 set -u
@@ -20,7 +20,7 @@ export PYTHONPATH="$PWD/python${PYTHONPATH:+:$PYTHONPATH}"
 TMPDIR=$(mktemp -d) && export TMPDIR
 
 parts=("$@")
-[ ${#parts[@]} -eq 0 ] && parts=(new memory train rest)
+[ ${#parts[@]} -eq 0 ] && parts=(new memory beside train rest)
 
 step() {  # name, seconds, command...: one part, its output in $OUT/name.txt, its status on stdout
   local name=$1 limit=$2 start rc
@@ -50,6 +50,9 @@ for part in "${parts[@]}"; do
       step memory-125m 150 python3 bench/gpu_memory_checkpoint.py --model 125M --batch 4 --seq-len 2048
       step memory-1b 200 python3 bench/gpu_memory_checkpoint.py --model 1B --batch 2 --seq-len 2048 --rounds 1 --block 2 \
         --restores 1 --auto-max-steps 60 ;;
+    beside) # where a save's cost goes: each way of writing beside GPU steps, then the Trainer's steps beside a save
+      step beside-ways 120 python3 bench/gpu_write_beside.py --gib 1.5
+      step beside-trainer 150 python3 bench/gpu_write_beside.py --trainer 125M ;;
     train) # hpkit train's own figures on the 1B shape, for hpkit plan's check against GPU runs
       mkdir -p "$TMPDIR/train-1b"
       cat >"$TMPDIR/train-1b/job.yaml" <<YAML
@@ -64,7 +67,7 @@ YAML
     rest) # the rest of tests/gpu
       step tests-rest 360 "${pytest[@]}" tests/gpu --ignore=tests/gpu/test_cuda_memory_checkpoint.py \
         --ignore=tests/gpu/test_cuda_warm.py ;;
-    *) echo "gpu_lane: unknown part $part (new, memory, train, rest)" >&2 ;;
+    *) echo "gpu_lane: unknown part $part (new, memory, beside, train, rest)" >&2 ;;
   esac
 done
 rm -rf "$TMPDIR"

@@ -28,13 +28,20 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from _torchrun import rank_pid, warm
 
-from _hang_trials import SAVE_HOLD_S, Forked, Trial, run_trial, skewed
+from _hang_trials import SAVE_HOLD_S, Forked, Trial, remove_faketime_leftovers, run_trial, skewed
 
 pytestmark = pytest.mark.dist
 
 MIN_S = 5.0
 SKEW = {"nodeB": skewed(30)}
 CLEAN_S = 3 * MIN_S
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _no_faketime_leftovers():
+    """nodeB's killed and stopped ranks ran under libfaketime, which leaves a file pair each in /dev/shm."""
+    yield
+    remove_faketime_leftovers()
 
 
 @pytest.fixture(scope="module")
