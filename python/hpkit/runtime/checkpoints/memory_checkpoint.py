@@ -492,7 +492,7 @@ class MemoryCheckpointer:
         dist.barrier(group=self.group)
         problem = None
         try:
-            load_into(state, loadable, dcp.FileSystemReader(folder), self.group)
+            load_into(state, loadable, folder, self.group)
         except Exception as exc:
             problem = f"{type(exc).__name__}: {exc}"
         verdicts: list[Any] = [None] * self.world_size
