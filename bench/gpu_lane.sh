@@ -53,6 +53,7 @@ for part in "${parts[@]}"; do
     beside) # where a save's cost goes: each way of writing beside GPU steps, then the Trainer's steps beside a save
       step beside-ways 120 python3 bench/gpu_write_beside.py --gib 1.5
       step beside-trainer 150 python3 bench/gpu_write_beside.py --trainer 125M
+      step beside-split 120 python3 bench/gpu_write_beside.py --trainer 125M --split
       step read-125m 120 python3 bench/bench_checkpoint_read.py --model 125M --rounds 3 ;;
     train) # hpkit train's own figures on the 1B shape, for hpkit plan's check against GPU runs
       mkdir -p "$TMPDIR/train-1b"

@@ -5,6 +5,7 @@ with DCP (torch.save per tensor) while training goes on. Two modes:
 
     python3 bench/gpu_write_beside.py [--gib 1.5] [--tensors 200]     each way of writing, beside launch-bound steps
     python3 bench/gpu_write_beside.py --trainer 125M                  hpkit's Trainer and MemoryCheckpointer
+    python3 bench/gpu_write_beside.py --trainer 125M --split          which part of a save slows the step after it
 
 Ways: torch.save of the pinned buffers, torch.save of pageable copies, DCP's FileSystemWriter (thread_count=1, as
 the tier), raw os.write of the bytes, and a sleep (no write: the step alone); then reads back: torch.load + copy to
@@ -38,8 +39,14 @@ def main() -> None:
     p.add_argument(
         "--trainer", metavar="MODEL", help="instead: hpkit's Trainer and MemoryCheckpointer (every: 1)"
     )
+    p.add_argument(
+        "--split", action="store_true", help="with --trainer: the first step beside each part of a save"
+    )
     p.add_argument("--cpu-dry-run", action="store_true")
     args = p.parse_args()
+    if args.trainer and args.split:
+        split_side(args)
+        return
     if args.trainer:
         trainer_side(args)
         return
@@ -240,6 +247,82 @@ def trainer_side(args: argparse.Namespace) -> None:
             print(f"    {n:5d}  {where}")
         print("  said: " + " | ".join(said[-3:]))
         memory.close(completed=False)
+        trainer.close()
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def split_side(args: argparse.Namespace) -> None:
+    """Which part of a save slows the one step after it (an H200: +250-310 ms): the step timed beside nothing, beside
+    the state's state_dict() alone, beside the staging copy alone (hpkit's stager), and beside a whole async save
+    (staging, DCP's planning and the write), each the median of 3."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+    from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
+
+    from hpkit.runtime.checkpoints.checkpoint import make_stager, skip_zip_crc32
+    from hpkit.runtime.config import ModelSpec, ParallelismSpec, RunConfig, TrainSpec
+    from hpkit.runtime.env import distributed
+    from hpkit.runtime.loop.trainer import Trainer
+
+    cpu = args.cpu_dry_run
+    model, batch, seq = ("debug", 1, 64) if cpu else (args.trainer, 4 if args.trainer == "125M" else 2, 2048)
+    root = Path(os.environ.get("HPKIT_MEMORY_ROOT", "/dev/shm")) / f"hpkit-split-{os.getpid()}"
+    with distributed() as job:
+        sync = torch.cuda.synchronize if job.device.type == "cuda" else (lambda: None)
+        cfg = RunConfig(
+            name="split",
+            output_dir=str(root / "out"),
+            parallelism=ParallelismSpec(dp_shard=1),
+            model=ModelSpec(name=model, seq_len=seq),
+            train=TrainSpec(
+                local_batch_size=batch, tensorboard=False, mixed_precision="fp32" if cpu else "bf16"
+            ),
+        )
+        trainer = Trainer(cfg, job.device)
+        skip_zip_crc32()
+        stager = make_stager()
+
+        def step() -> float:
+            began = time.perf_counter()
+            trainer.train_step()
+            sync()
+            return time.perf_counter() - began
+
+        def on_thread(work):
+            thread = threading.Thread(target=work)
+            thread.start()
+            return thread.join
+
+        def whole_save():
+            saved = dcp.async_save(
+                trainer.checkpoint_state(),
+                storage_writer=dcp.FileSystemWriter(root / "step", thread_count=1, sync_files=False),
+                async_stager=stager,
+            )
+            return lambda: (saved.staging_completion.result(), saved.upload_completion.result())
+
+        parts = {
+            "nothing": lambda: lambda: None,
+            "state_dict() alone": lambda: on_thread(
+                lambda: _stateful_to_state_dict(trainer.checkpoint_state())
+            ),
+            "the staging copy alone": lambda: on_thread(lambda: stager.stage(trainer.checkpoint_state())),
+            "a whole async save": whole_save,
+        }
+        for _ in range(3):
+            step()
+        print(
+            f"gpu_write_beside --split: {model}, a step alone {statistics.median(step() for _ in range(5)) * 1000:.1f} ms"
+        )
+        for name, start in parts.items():
+            times = []
+            for _ in range(3):
+                finish = start()
+                times.append(step())
+                finish()
+            print(f"  the first step beside {name}: {statistics.median(times) * 1000:.1f} ms")
+        stager.close()
         trainer.close()
     shutil.rmtree(root, ignore_errors=True)
 
