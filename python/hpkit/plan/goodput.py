@@ -69,7 +69,10 @@ class GoodputInputs:
     # measurement replaces it).
     memory_restart_s: float | None = None
     step_s: float = 5.0  # seconds a training step takes (an assumption; intervals are whole steps)
-    # Blocking cost of one in-memory copy as a fraction of a step: 5 % at most (issue 44's budget; to be measured).
+    # What one in-memory copy costs training, as a fraction of a step: 5 % (issue 44's budget, an assumption). On one
+    # H200 a save cost ~0.5 s of training at 1.5 GiB of state a rank (125M) and ~1.7 s at 16.75 GiB (1B), 250-310 ms
+    # of it one slow step after the save (BENCHMARKS.md, the second H200 lease); a 70B state over 16,384 GPUs is
+    # ~51 MB a rank, not measured.
     copy_cost: float = 0.05
     # The rate one node pulls its lost state from its partner at: EFA, 3,200 Gb/s a p5 node.
     link_gbps: float = 3200.0
