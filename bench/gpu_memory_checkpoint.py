@@ -154,7 +154,10 @@ def _auto_side(args: argparse.Namespace, trainer: Any, root: Path, said: list[st
     from hpkit.runtime.checkpoints.memory_checkpoint import AUTO_MAX_STEPS_BESIDE, MemoryCheckpointer
     from hpkit.runtime.config import MemoryCheckpointSpec
 
-    auto = MemoryCheckpointer(MemoryCheckpointSpec(), root, "node0", log=said.append)
+    # Its asks go over the trainer's CPU group, as in hpkit train (the default group is NCCL's on a GPU).
+    auto = MemoryCheckpointer(
+        MemoryCheckpointSpec(), root, "node0", log=said.append, asking=trainer.cpu_group
+    )
     try:
         # A step timed without a save, the first save, the steps timed beside its write; the last of them chooses.
         for _ in range(AUTO_MAX_STEPS_BESIDE + 10):

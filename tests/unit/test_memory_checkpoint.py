@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -440,7 +441,20 @@ def _auto_beside_a_slow_write(rank: int, world: int, root: str, out: str) -> Non
     from hpkit.runtime.checkpoints.memory_checkpoint import AUTO_STEPS_BESIDE, MemoryCheckpointer
     from hpkit.runtime.config import MemoryCheckpointSpec
 
-    saver = MemoryCheckpointer(MemoryCheckpointSpec(), Path(root), f"n{rank}", log=lambda line: None)
+    # The asks go over a group of the caller's (hpkit train's: the trainer's CPU group); counted here.
+    asking = torch.distributed.new_group(backend="gloo")
+    reduce = torch.distributed.all_reduce
+    asks = []
+
+    def counted(tensor, *args, group=None, **kwargs):
+        if group is asking:
+            asks.append(1)
+        return reduce(tensor, *args, group=group, **kwargs)
+
+    torch.distributed.all_reduce = counted
+    saver = MemoryCheckpointer(
+        MemoryCheckpointSpec(), Path(root), f"n{rank}", log=lambda line: None, asking=asking
+    )
     exchange = saver._exchange
 
     def slow(*args, **kwargs):  # the partner copy of a large state: far longer than a step
@@ -466,6 +480,7 @@ def _auto_beside_a_slow_write(rank: int, world: int, root: str, out: str) -> Non
                 "chose_at": saver.chose_at,
                 "longest_call": max(calls[2:]),
                 "k": AUTO_STEPS_BESIDE,
+                "asks": len(asks),
             }
         ),
         encoding="utf-8",
@@ -486,11 +501,16 @@ def test_every_auto_trains_on_while_its_first_write_runs_and_chooses_once_it_has
     assert ranks[0]["chose_at"] > 2 + ranks[0]["k"] + 10, ranks
     # No save call waited for the write (it would have taken most of its 1.5 s).
     assert max(r["longest_call"] for r in ranks) < 0.75, ranks
+    # It asked at doubling gaps, about log2 of the steps it timed (a world all-reduce a step costs ~1 s at 16k
+    # ranks over gloo), over the caller's group.
+    timed = ranks[0]["chose_at"] - 2
+    assert 1 <= ranks[0]["asks"] <= math.ceil(math.log2(timed)) + 1, ranks
     # And the interval leaves the write its time: at least its length in steps.
     assert ranks[0]["every"] >= 50, ranks
 
 
 def _auto_after_a_failed_first_save(rank: int, world: int, root: str) -> None:
+    import time
     from pathlib import Path
 
     import torch
@@ -515,9 +535,11 @@ def _auto_after_a_failed_first_save(rank: int, world: int, root: str) -> None:
     # costs unknown (it failed, and broke the copies' group), and saves again.
     while not saver.save(step := step + 1, state):
         assert step < 500, "no second save"
+        time.sleep(0.005)  # a training step: it asks at doubling gaps in steps, so steps must take time
     assert saver.every is None and step >= 2 + AUTO_STEPS_BESIDE, (saver.every, step)
     again = step
     while saver.every is None and step < again + 500:  # and from its costs the interval is chosen
+        time.sleep(0.005)
         saver.save(step := step + 1, state)
     saver.wait()
     assert saver.every is not None and saver.last_step == again, (saver.every, saver.last_step)

@@ -130,7 +130,7 @@ def _set_up(cfg: RunConfig, launch: LaunchEnv, device: DeviceInfo, phases: dict[
     checkpointer = _checkpointer(
         cfg, launch.rank, trainer, say, metrics, paths.checkpoint_dir, saving=lambda: phase("save")
     )
-    memory = _memory_checkpointer(cfg, paths, identity, say)
+    memory = _memory_checkpointer(cfg, paths, identity, say, trainer)
     phases["memory"] = time.time()
     say(_banner(cfg, launch, device, trainer))
     if memory is not None:
@@ -458,7 +458,7 @@ def _checkpointer(
 
 
 def _memory_checkpointer(
-    cfg: RunConfig, paths: RunPaths, identity: RunIdentity, say: Callable[[str], None]
+    cfg: RunConfig, paths: RunPaths, identity: RunIdentity, say: Callable[[str], None], trainer: Trainer
 ) -> MemoryCheckpointer | None:
     spec = cfg.checkpoint.memory
     if spec is None:
@@ -466,7 +466,9 @@ def _memory_checkpointer(
     anchor = paths.checkpoint_dir or paths.metrics_file
     root = memory_root() / run_key(anchor, identity.run_id)
     persistent = paths.checkpoint_dir is not None
-    return MemoryCheckpointer(spec, root, node_name(), log=say, rack=_rack(), persistent=persistent)
+    return MemoryCheckpointer(
+        spec, root, node_name(), log=say, rack=_rack(), persistent=persistent, asking=trainer.cpu_group
+    )
 
 
 def _rack() -> str | None:

@@ -59,7 +59,9 @@ from hpkit.runtime.checkpoints.memory_layout import (
 from hpkit.runtime.config import AUTO_EVERY_BUDGET, MemoryCheckpointSpec
 
 # `every: auto` times at least this many steps beside its first save's write, and then steps until the write has
-# ended on every rank (at most AUTO_MAX_STEPS_BESIDE: past that it waits for the rest), before it chooses.
+# ended on every rank (at most AUTO_MAX_STEPS_BESIDE: past that it waits for the rest), before it chooses. It asks
+# whether the write has ended after AUTO_STEPS_BESIDE steps and then at doubling gaps (1, 2, 4, ... steps): one
+# world all-reduce a step would cost ~1 s a step at 16k ranks over gloo's ring; this asks ~log2(steps) times.
 AUTO_STEPS_BESIDE = 3
 AUTO_MAX_STEPS_BESIDE = 1000
 
@@ -92,6 +94,7 @@ class MemoryCheckpointer:
         log: Callable[[str], None] = print,
         rack: str | None = None,
         persistent: bool = True,
+        asking: dist.ProcessGroup | None = None,
     ) -> None:
         self.spec = spec
         self.persistent = persistent  # the run has a checkpoint.dir to fall back to
@@ -104,9 +107,11 @@ class MemoryCheckpointer:
         # Its own gloo group: the copies and their bookkeeping run on a background thread, beside training's
         # collectives and the persistent checkpoint's.
         self.group = dist.new_group(backend="gloo")
-        # `every: auto` asks, at each step while it measures, whether every rank's first write has ended: a group
-        # of its own, since the copies' group is busy on the background thread meanwhile.
-        self._asking = dist.new_group(backend="gloo") if spec.every == "auto" else None
+        # Where `every: auto` asks whether every rank's first write has ended: a world group on CPU tensors that
+        # only the training thread uses (run.py passes the trainer's; None: the default group). Not the copies'
+        # group, busy on the background thread meanwhile, nor one more world group (at 16k ranks, 16k more
+        # connections a rank).
+        self._asking = asking
         gathered: list[Any] = [None] * self.world_size
         dist.all_gather_object(gathered, (node, rack), group=self.group)
         self.rank_nodes: list[str] = [str(n) for n, _ in gathered]
@@ -228,11 +233,15 @@ class MemoryCheckpointer:
         return True
 
     def _every_write_ended(self) -> bool:
-        """Whether the first save's write and copies have ended on every rank (one all-reduce on `_asking`). After
-        AUTO_MAX_STEPS_BESIDE steps it stops asking: the rest is waited for, and charged at the later steps' rate."""
-        assert self._probe is not None and self._asking is not None
+        """Whether the first save's write and copies have ended on every rank (one all-reduce on `_asking`), asked
+        at doubling gaps (AUTO_STEPS_BESIDE); not asked, False. After AUTO_MAX_STEPS_BESIDE steps it stops
+        asking: the rest is waited for, and charged at the later steps' rate."""
+        assert self._probe is not None
         if len(self._probe.beside) >= AUTO_MAX_STEPS_BESIDE:
             return True
+        since = len(self._probe.beside) - AUTO_STEPS_BESIDE  # 0, 1, 2, ...: asked at 0, 1, 3, 7, 15, ...
+        if (since + 1) & since:
+            return False
         running = self._background is not None and self._background.is_alive()
         flag = torch.tensor([int(running)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._asking)
@@ -265,10 +274,6 @@ class MemoryCheckpointer:
         step_s = max(step_s, 1e-6)
         cost = blocking + beside
         self.chose_at = step
-        if self._asking is not None:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(self._asking)
-            self._asking = None
         self.every = max(1, math.ceil(cost / (AUTO_EVERY_BUDGET * step_s)), math.ceil(write_s / step_s))
         if self.rank == 0:
             self._log(
@@ -580,10 +585,6 @@ class MemoryCheckpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
-        if self._asking is not None:
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group(self._asking)
-            self._asking = None
         if completed:
             dist.barrier(group=self.group)
             if self.is_node_leader:
