@@ -194,7 +194,8 @@ class MemoryCheckpointer:
         if self.every is None:
             if self._probe is not None:
                 # `every: auto`: the steps after its first save are timed beside that save's write, then it chooses.
-                self._probe.time_step(called, self._returned, self.staging_wait_s)
+                assert self._returned is not None  # set when the probe's save() returned
+                self._probe.time_step(self._returned, called, self.staging_wait_s)
                 if len(self._probe.beside) < AUTO_STEPS_BESIDE or not self._every_write_ended():
                     return False
                 self._choose_every(step)
@@ -598,18 +599,16 @@ class _Probe:
 
     called: float
     returned: float
-    staging_before: float
+    staging_seen: float  # the optimizer's staging waits so far, as of the last step timed
     beside: list[float] = dataclasses.field(default_factory=list)
     first_staging_wait: float = 0.0  # the optimizer's wait for this save's staging copy
 
-    def time_step(self, called: float, previous_return: float | None, staging_wait_s: float) -> None:
-        """A step ended at `called`; it began when the previous save() call returned."""
-        staging = staging_wait_s - self.staging_before
-        self.staging_before = staging_wait_s
+    def time_step(self, began: float, ended: float, staging_wait_s: float) -> None:
+        """A step trained from `began` (the last save() call's return) to `ended` (this one's call)."""
+        staging, self.staging_seen = staging_wait_s - self.staging_seen, staging_wait_s
         if not self.beside:
             self.first_staging_wait = staging
-        began = self.returned if previous_return is None else previous_return
-        self.beside.append(max(called - began - staging, 1e-9))
+        self.beside.append(max(ended - began - staging, 1e-9))
 
 
 def write_cost(plain_s: float, beside: list[float], waited_s: float) -> float:
