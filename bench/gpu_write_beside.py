@@ -160,6 +160,25 @@ def main() -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def _trainer(args: argparse.Namespace, name: str, root: Path, device: torch.device):
+    """hpkit's Trainer at --trainer's shape (batch 4 for 125M, else 2; sequences of 2048, bf16), or the debug model's
+    tiny shape on the CPU (--cpu-dry-run); and the step's synchronisation (a no-op on the CPU)."""
+    from hpkit.runtime.config import ModelSpec, ParallelismSpec, RunConfig, TrainSpec
+    from hpkit.runtime.loop.trainer import Trainer
+
+    cpu = args.cpu_dry_run
+    model, batch, seq = ("debug", 1, 64) if cpu else (args.trainer, 4 if args.trainer == "125M" else 2, 2048)
+    cfg = RunConfig(
+        name=name,
+        output_dir=str(root / "out"),
+        parallelism=ParallelismSpec(dp_shard=1),
+        model=ModelSpec(name=model, seq_len=seq),
+        train=TrainSpec(local_batch_size=batch, tensorboard=False, mixed_precision="fp32" if cpu else "bf16"),
+    )
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    return Trainer(cfg, device), sync
+
+
 def trainer_side(args: argparse.Namespace) -> None:
     """The runtime's own path: where the main thread spends a step trained beside a save's write, sampled."""
     import collections
@@ -168,26 +187,13 @@ def trainer_side(args: argparse.Namespace) -> None:
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
     from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
-    from hpkit.runtime.config import MemoryCheckpointSpec, ModelSpec, ParallelismSpec, RunConfig, TrainSpec
+    from hpkit.runtime.config import MemoryCheckpointSpec
     from hpkit.runtime.env import distributed
-    from hpkit.runtime.loop.trainer import Trainer
 
-    cpu = args.cpu_dry_run
-    model, batch, seq = ("debug", 1, 64) if cpu else (args.trainer, 4 if args.trainer == "125M" else 2, 2048)
     root = Path(os.environ.get("HPKIT_MEMORY_ROOT", "/dev/shm")) / f"hpkit-beside-{os.getpid()}"
     with distributed() as job:
-        dev = job.device
-        sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-        cfg = RunConfig(
-            name="beside",
-            output_dir=str(root / "out"),
-            parallelism=ParallelismSpec(dp_shard=1),
-            model=ModelSpec(name=model, seq_len=seq),
-            train=TrainSpec(
-                local_batch_size=batch, tensorboard=False, mixed_precision="fp32" if cpu else "bf16"
-            ),
-        )
-        trainer = Trainer(cfg, dev)
+        trainer, sync = _trainer(args, "beside", root, job.device)
+        model = trainer.cfg.model.name
         said: list[str] = []
         memory = MemoryCheckpointer(MemoryCheckpointSpec(every=1), root / "mem", "node0", log=said.append)
         main_id = threading.get_ident()
@@ -261,25 +267,12 @@ def split_side(args: argparse.Namespace) -> None:
     from torch.distributed.checkpoint.state_dict_saver import _stateful_to_state_dict
 
     from hpkit.runtime.checkpoints.checkpoint import make_stager, skip_zip_crc32
-    from hpkit.runtime.config import ModelSpec, ParallelismSpec, RunConfig, TrainSpec
     from hpkit.runtime.env import distributed
-    from hpkit.runtime.loop.trainer import Trainer
 
-    cpu = args.cpu_dry_run
-    model, batch, seq = ("debug", 1, 64) if cpu else (args.trainer, 4 if args.trainer == "125M" else 2, 2048)
     root = Path(os.environ.get("HPKIT_MEMORY_ROOT", "/dev/shm")) / f"hpkit-split-{os.getpid()}"
     with distributed() as job:
-        sync = torch.cuda.synchronize if job.device.type == "cuda" else (lambda: None)
-        cfg = RunConfig(
-            name="split",
-            output_dir=str(root / "out"),
-            parallelism=ParallelismSpec(dp_shard=1),
-            model=ModelSpec(name=model, seq_len=seq),
-            train=TrainSpec(
-                local_batch_size=batch, tensorboard=False, mixed_precision="fp32" if cpu else "bf16"
-            ),
-        )
-        trainer = Trainer(cfg, job.device)
+        trainer, sync = _trainer(args, "split", root, job.device)
+        model = trainer.cfg.model.name
         skip_zip_crc32()
         stager = make_stager()
 
