@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 
@@ -275,6 +276,8 @@ def split_side(args: argparse.Namespace) -> None:
         model = trainer.cfg.model.name
         skip_zip_crc32()
         stager = make_stager()
+        # DCP's async save needs a CPU group (the tier's is gloo): the default group is NCCL's on a GPU.
+        group = dist.new_group(backend="gloo")
 
         def step() -> float:
             began = time.perf_counter()
@@ -292,6 +295,7 @@ def split_side(args: argparse.Namespace) -> None:
                 trainer.checkpoint_state(),
                 storage_writer=dcp.FileSystemWriter(root / "step", thread_count=1, sync_files=False),
                 async_stager=stager,
+                process_group=group,
             )
             return lambda: (saved.staging_completion.result(), saved.upload_completion.result())
 
