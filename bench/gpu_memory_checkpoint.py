@@ -149,8 +149,10 @@ def _measure(args: argparse.Namespace, device: Any) -> None:
 
 def _auto_side(args: argparse.Namespace, trainer: Any, root: Path, said: list[str]) -> tuple[int, int, float]:
     """`every: auto` (the default) on the same Trainer: its timed step, first save and the step that chooses the
-    interval, then two intervals' steps (at most --auto-max-steps) with a save call after each, as `hpkit train`
-    makes them. (interval, steps timed, seconds a step over them, saves and their waits included)."""
+    interval, then whole intervals' steps from a save (two, or one where two are over --auto-max-steps) with a save
+    call after each, as `hpkit train` makes them. (interval, steps timed, seconds a step over them, saves and their
+    waits included.) The window ends before the next save: its writes end beside training, as in a run, where
+    waiting for the last one at the window's end charged a write the next interval would have hidden."""
     from hpkit.runtime.checkpoints.memory_checkpoint import AUTO_MAX_STEPS_BESIDE, MemoryCheckpointer
     from hpkit.runtime.config import MemoryCheckpointSpec
 
@@ -168,15 +170,19 @@ def _auto_side(args: argparse.Namespace, trainer: Any, root: Path, said: list[st
         else:
             raise SystemExit("gpu_memory_checkpoint: every: auto chose no interval")
         every = auto.every
-        steps = min(args.auto_max_steps, 2 * every)
+        while (last.step + 1) % every:  # up to the step before a save: the window starts with one
+            last = trainer.train_step(auto)
+            auto.save(last.step, trainer.checkpoint_state())
+        steps = every * (2 if 2 * every <= args.auto_max_steps else 1)
         _sync()
         start = time.perf_counter()
         for _ in range(steps):
             last = trainer.train_step(auto)
             auto.save(last.step, trainer.checkpoint_state())
-        auto.wait()
         _sync()
-        return every, steps, (time.perf_counter() - start) / steps
+        took = (time.perf_counter() - start) / steps
+        auto.wait()
+        return every, steps, took
     finally:
         auto.close(completed=True)
 
