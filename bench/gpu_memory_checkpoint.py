@@ -137,9 +137,8 @@ def _measure(args: argparse.Namespace, device: Any) -> None:
             again.close(completed=False)
             assert step is not None, "nothing restored from node memory"
         _report(args, device, params, state_bytes, block_s, parts, restore_s, auto)
-        print(
-            "  " + next((line for line in said if "(every: auto)" in line), "every: auto logged no interval")
-        )
+        for line in [line for line in said if "(every: auto" in line] or ["every: auto logged no interval"]:
+            print("  " + line)
     finally:
         shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree(root.parent / f"{root.name}-auto", ignore_errors=True)
@@ -148,8 +147,8 @@ def _measure(args: argparse.Namespace, device: Any) -> None:
 
 
 def _auto_side(args: argparse.Namespace, trainer: Any, root: Path, said: list[str]) -> tuple[int, int, float]:
-    """`every: auto` (the default) on the same Trainer: its timed step, first save and the step that chooses the
-    interval, then whole intervals' steps from a save (two, or one where two are over --auto-max-steps) with a save
+    """`every: auto` (the default) on the same Trainer: its timed steps, two saves, the step that chooses the
+    interval and its first interval, after which it looks again; then whole intervals' steps from a save (two, or one where two are over --auto-max-steps) with a save
     call after each, as `hpkit train` makes them. (interval, steps timed, seconds a step over them, saves and their
     waits included.) The window ends before the next save: its writes end beside training, as in a run, where
     waiting for the last one at the window's end charged a write the next interval would have hidden."""
@@ -161,11 +160,12 @@ def _auto_side(args: argparse.Namespace, trainer: Any, root: Path, said: list[st
         MemoryCheckpointSpec(), root, "node0", log=said.append, asking=trainer.cpu_group
     )
     try:
-        # A step timed without a save, the first save, the steps timed beside its write; the last of them chooses.
-        for _ in range(AUTO_MAX_STEPS_BESIDE + 10):
+        # A step timed without a save, the first save, the steps timed beside its write; again, then the last of
+        # them chooses; at the end of its first interval it looks again.
+        for _ in range(2 * AUTO_MAX_STEPS_BESIDE + 10_000):
             last = trainer.train_step(auto)
             auto.save(last.step, trainer.checkpoint_state())
-            if auto.every is not None:
+            if auto.reviewed_at is not None:
                 break
         else:
             raise SystemExit("gpu_memory_checkpoint: every: auto chose no interval")

@@ -478,7 +478,8 @@ class MemoryCheckpointSpec(StrictModel):
 
     every: int | Literal["auto"] = Field(
         default="auto",
-        description="save every this many steps (1: every step); auto: after one measured save, the fewest steps "
+        description="save every this many steps (1: every step); auto: from a measured save (and again over its first "
+        "interval), the fewest steps "
         f"that keep what a save costs training within {AUTO_EVERY_BUDGET:.0%} of the steps between saves and give "
         "its write to node memory time to finish before the next",
     )
