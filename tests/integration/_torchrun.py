@@ -38,7 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 COLD_ENV = "HPKIT_TEST_COLD"
 # What a rank of these tests imports before its first line of work: the agent's modules and hpkit train's.
 PRELOAD = (
-    "torch,torch.distributed.run,hpkit.run_script,hpkit.cli,hpkit.commands.train,hpkit.runtime.run,"
+    "torch,torch._dynamo,torch.distributed.run,hpkit.run_script,hpkit.cli,hpkit.commands.train,hpkit.runtime.run,"
     "hpkit.runtime.loop.trainer"
 )
 ZYGOTE_READY_S = 180

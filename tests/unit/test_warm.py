@@ -392,7 +392,10 @@ def test_warm_start_renders_the_client_before_agent_and_rank_and_the_zygote_in_t
     assert f"--step '{client_words} -m hpkit.torchrun_agent --signals-to-handle=" in script
     assert f"--no-python -- {client_words} -m hpkit.run_script -m hpkit train'" in script
     assert '"warm": "/opt/venv/bin/python -m hpkit.warm.zygote' in script
-    assert "--preload=torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli," in script
+    assert (
+        "--preload=torch,torch._dynamo,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli,"
+        in script
+    )
     cold = render(parse_document(JobSpec, {**WARM_SPEC, "resilience": {"warm_start": False}}))
     assert "hpkit.warm" not in cold and '"warm"' not in cold
 
@@ -402,7 +405,10 @@ def test_under_srun_each_task_is_a_client_and_the_zygote_leaves_torchrun_out() -
     client_words = "/opt/venv/bin/python -m hpkit.warm.client -- /opt/venv/bin/python"
     assert f"hpkit-task {client_words} -m hpkit.run_script -m hpkit train" in script
     assert "hpkit.torchrun_agent" not in script
-    assert "--preload=torch,hpkit.run_script,hpkit.cli,hpkit.commands.train,hpkit.runtime.run" in script
+    assert (
+        "--preload=torch,torch._dynamo,hpkit.run_script,hpkit.cli,hpkit.commands.train,hpkit.runtime.run"
+        in script
+    )
 
 
 def test_a_compat_jobs_zygote_starts_with_the_shim_on_its_pythonpath_as_the_ranks_do() -> None:
@@ -473,7 +479,7 @@ def test_warm_preload_adds_its_modules_to_the_zygotes_preload_once() -> None:
     script = render(parse_document(JobSpec, spec))
     plan = json.loads(shlex.split(re.search(r"--plan ('.*?'|\S+) --step", script).group(1))[0])
     assert shlex.split(plan["warm"])[-2:] == [
-        "--preload=torch,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli,hpkit.commands.train,"
+        "--preload=torch,torch._dynamo,torch.distributed.run,hpkit.torchrun_agent,hpkit.run_script,hpkit.cli,hpkit.commands.train,"
         "hpkit.runtime.run",
         "--preload-more=transformers.models.llama.modeling_llama,numpy",
     ], plan["warm"]
