@@ -536,8 +536,8 @@ def test_every_auto_trains_on_while_its_writes_run_and_chooses_from_the_warm_one
     """`every: auto` keeps timing steps until a save's write has ended on every rank, and then chooses: no step
     stalls for the rest of a long write (1.6-13 s on an H200), and the write's cost is measured over the steps it
     ran beside, not extrapolated. Without it every rank waited for the whole write at the third step beside it.
-    It chooses from the second save: the first one's write is slower (an H200: 1.57 s of 125M's state against
-    0.67 s after it, 17.4 s of 1B's against 3.6 s), and timed on it auto chose 636 and 1,062 steps."""
+    It chooses from the second save: the first one costs more (an H200: a 125M save charged 915 ms timed on the
+    first, 247-423 ms on the second; 1B 5.0 s against 0.7-0.9 s), and timed on it auto chose 636 and 1,062 steps."""
     out = tmp_path / "out"
     out.mkdir()
     run_ranks(_auto_beside_a_slow_write, 2, tmp_path, str(tmp_path / "mem" / "run"), str(out))

@@ -65,9 +65,9 @@ from hpkit.runtime.config import AUTO_EVERY_BUDGET, MemoryCheckpointSpec
 # all-reduce a step would cost ~1 s a step at 16k ranks over gloo's ring; this asks ~log2(steps) times.
 #
 # The save it times is the second: the first pays what only a first save pays (the stager's pinned buffers
-# allocated, DCP's plan made, node memory's pages faulted in). On an H200 the first write took 1.57 s of 125M's
-# state and 17.4 s of 1B's, where the writes after it took 0.67 and 3.6 s: timed on the first, auto chose 636 and
-# 1,062 steps.
+# allocated, DCP's plan made, node memory's pages faulted in). On an H200, timed on the first save auto charged a
+# save 915 ms (125M) and 5.0 s (1B) and chose 636 and 1,062 steps; timed on the second, 247-423 ms and 0.7-0.9 s,
+# and 156-291 and 150-187 steps.
 #
 # Then it looks once more, over its first whole interval (_review_every): from that interval's save to the next,
 # against its steps after the write had ended. One timed save is one sample on a shared host: on an H200 two
