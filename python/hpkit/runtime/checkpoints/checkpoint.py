@@ -545,7 +545,8 @@ def load_into(state: dict[str, Any], loadable: dict[str, Any], path: Path, group
 # Threads each rank reads its checkpoint's tensors with. DCP's reader reads them one after another, each through
 # torch.load of a copy of its bytes: 1.4-1.8 GB/s from tmpfs on this project's 2-vCPU VM for 1.5 GiB, 2.9-5.2 GB/s
 # with 2 threads, 3.4-3.9 with 4 (the files are read, unpickled and copied into the state while another is); on
-# an H200 host, 1.0 GB/s restored 16.75 GiB in 18.6 s (BENCHMARKS.md). Ranks share a node's cores, hence few.
+# an H200 host one thread restored 16.75 GiB from node memory in 16.4-18.6 s (1.0 GB/s), 4 threads in 4.7-5.5 s
+# (3.3-3.9 GB/s; 125M's 1.5 GiB 1.79 -> 0.70-0.77 s; BENCHMARKS.md). Ranks share a node's cores, hence few.
 READ_THREADS = 4
 
 
