@@ -18,8 +18,6 @@ from pathlib import Path
 import pytest
 import torch
 from _torchrun import REPO, run_together
-from transformers import AutoTokenizer, LlamaForCausalLM
-from transformers import LlamaConfig as HfLlamaConfig
 
 from hpkit.commands import data as data_cmd
 from hpkit.data.chat import Packer
@@ -62,6 +60,9 @@ def _conversations(n: int) -> list[list[dict]]:
 
 
 def _make_hf(out: Path) -> None:
+    from transformers import LlamaConfig as HfLlamaConfig
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
     cfg = HfLlamaConfig(
         vocab_size=512,
@@ -113,6 +114,8 @@ def results(tmp_path_factory) -> dict:
 
 def _reference(results: dict, rows: list, count_prompts: bool = False) -> float:
     """transformers' loss over the conversations in `rows`, each alone, as one mean over counted tokens."""
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
     hf = AutoTokenizer.from_pretrained(str(results["tok_dir"]))
     masks = {}
     for messages in results["conversations"]:

@@ -10,7 +10,6 @@ import pytest
 import torch
 import yaml
 from _torchrun import run
-from transformers import MixtralConfig, MixtralForCausalLM
 
 pytestmark = pytest.mark.dist
 
@@ -19,6 +18,8 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.fixture(scope="module")
 def mixtral_dir(tmp_path_factory) -> Path:
+    from transformers import MixtralConfig, MixtralForCausalLM
+
     torch.manual_seed(0)
     cfg = MixtralConfig(
         vocab_size=128,
@@ -46,6 +47,8 @@ def mixtral_dir(tmp_path_factory) -> Path:
     ids=["one_process", "ep2"],
 )
 def test_mixtral_loads_with_the_logits_of_transformers(mixtral_dir, tmp_path, nproc, parallelism):
+    from transformers import MixtralForCausalLM
+
     out = tmp_path / "out.pt"
     run(
         [str(HERE / "hf_layouts.py"), str(mixtral_dir), str(out), json.dumps(parallelism)],
@@ -80,6 +83,8 @@ def _hpkit_logits_from_checkpoint(step_dir: Path, tokens: torch.Tensor) -> torch
 
 
 def test_an_expert_parallel_run_exports_a_mixtral_that_transformers_loads(mixtral_dir, tmp_path, capsys):
+    from transformers import MixtralForCausalLM
+
     from hpkit.commands import ckpt
 
     ckpt_dir = tmp_path / "ckpt"

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -20,7 +21,9 @@ import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 import yaml
 from _torchrun import REPO, run
-from transformers import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 from hpkit.commands import ckpt
 from hpkit.errors import HpkitError
@@ -43,6 +46,8 @@ def hf_dir(tmp_path_factory) -> Path:
 
 
 def _reference(hf_dir: Path) -> LlamaForCausalLM:
+    from transformers import LlamaForCausalLM
+
     return LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
@@ -94,6 +99,8 @@ def _hpkit_logits_from_checkpoint(step_dir: Path, tokens: torch.Tensor) -> torch
 
 
 def test_train_resume_and_export_round_trip(hf_dir: Path, tmp_path: Path, capsys) -> None:
+    from transformers import LlamaForCausalLM
+
     ckpt_dir = tmp_path / "ckpt"
     spec = {
         "name": "hf-finetune",

@@ -17,7 +17,6 @@ import torch.nn.functional as F
 from _gloo import run_ranks
 from prometheus_client.parser import text_string_to_metric_families
 
-from hpkit import plot
 from hpkit.errors import SpecError
 from hpkit.metrics_file import read_metrics
 from hpkit.metrics_records import EvalEvent, parse_record
@@ -162,6 +161,8 @@ def test_eval_only_with_init_from_or_a_checkpoint_is_valid():
 
 
 def test_a_validation_reaches_the_jsonl_the_step_line_prometheus_and_the_plot(tmp_path):
+    from hpkit import plot
+
     jsonl = tmp_path / "m.jsonl"
     console = io.StringIO()
     logger = MetricsLogger(enabled=True, jsonl_path=jsonl, tensorboard_dir=None, stream=console)

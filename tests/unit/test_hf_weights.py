@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
-from transformers import LlamaConfig as HfLlamaConfig
-from transformers import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from transformers import LlamaForCausalLM
 
 from hpkit.errors import SpecError
 from hpkit.hf.config import parse_hf_config, read_hf_config
@@ -38,6 +40,9 @@ def make_hf(
     out: Path, *, tied: bool = False, kv_heads: int = 2, scaling: dict | None = None, shard: str | None = None
 ) -> LlamaForCausalLM:
     """A tiny random Llama saved as transformers saves it: config.json + safetensors."""
+    from transformers import LlamaConfig as HfLlamaConfig
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
     cfg = HfLlamaConfig(
         vocab_size=128,
