@@ -152,9 +152,8 @@ class MemoryCheckpointer:
         self.staging_wait_s = 0.0
         # `every: auto`: None until a warm save's costs are known (_choose_every), then the same on every rank.
         self.every: int | None = spec.every if isinstance(spec.every, int) else None
-        self._probe: _Probe | None = (
-            None  # the save being timed: the first (warming) and then the one that chooses
-        )
+        # The save being timed: the first (it warms up), then the one whose costs choose.
+        self._probe: _Probe | None = None
         self._warmed = False  # the first save's write has ended on every rank: the next one is timed
         self.chose_at: int | None = None  # the step at which `every: auto` chose
         self._review: _Review | None = None  # `every: auto`'s first interval under its choice, being timed
