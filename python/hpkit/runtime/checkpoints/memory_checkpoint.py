@@ -333,6 +333,9 @@ class MemoryCheckpointer:
         # Their mean, not median: the interval's own steps are summed, and a skewed spread of plain steps (a loaded
         # host's) would be charged to the save as a median's shortfall times the interval.
         plain = statistics.fmean(review.plain) if len(review.plain) >= 3 else self._plain_s or 0.0
+        # The plain steps' own excess over their mean sums to zero, so this is the save's call plus the excess of
+        # the steps trained beside its write (a validation or a persistent save among those counts against it, as
+        # in _choose_every).
         cost = max(0.0, called - review.called - review.every * plain)
         figures = torch.tensor([cost, plain, self._write_s], dtype=torch.float64)
         dist.all_reduce(figures, op=dist.ReduceOp.MAX, group=self._asking)
