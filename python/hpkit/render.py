@@ -26,6 +26,7 @@ from hpkit.slurm_job import (
     VAR_LOG_MOUNT,
     ContainerSpec,
     SlurmJob,
+    as_python_program,
     is_python,
     python_program_start,
 )
@@ -327,9 +328,9 @@ def user_command(spec: SlurmJob) -> list[str]:
     Python: outside a container (the submitting environment's Python), or in one with `compat` (which
     needs hpkit in the image anyway). `python -c ...` and non-Python programs run as written.
     """
-    command = list(spec.command)
     if spec.container is not None and not spec.compat:
-        return command
+        return list(spec.command)
+    command = as_python_program(spec.command)
     i = python_program_start(command)
     if i is None:
         return command  # not a Python program (or python -c, an interactive interpreter): nothing to wrap

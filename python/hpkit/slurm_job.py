@@ -55,6 +55,17 @@ def python_program_start(command: list[str] | tuple[str, ...]) -> int | None:
     return i if i < len(command) else None
 
 
+def as_python_program(command: list[str] | tuple[str, ...]) -> list[str]:
+    """The command as a Python program where it is one in another form: hpkit's own console script, `hpkit ARGS`
+    (the default command, `hpkit train`), is `python3 -m hpkit ARGS`, python3 from the task's PATH as the job's
+    supervisor runs (`python3 -m hpkit.supervise`). As a Python program its ranks can start warm (hpkit.warm), and
+    a spare's zygote has torch imported before a swap. Anything else, as written; `hpkit` by a path too (which
+    interpreter its script names is not known here)."""
+    if command and command[0] == "hpkit":
+        return ["python3", "-m", "hpkit", *command[1:]]
+    return list(command)
+
+
 COMPAT_LAYERS = ("smp", "smp_v2", "smddp")
 HYPERPOD_LOG_DIR = "/var/log/aws/clusters"
 

@@ -31,6 +31,7 @@ from hpkit.slurm_job import (
     ContainerSpec,
     SageMakerEnvSpec,
     SlurmJob,
+    as_python_program,
     python_program_start,
 )
 from hpkit.validation import UNKNOWN_KEY, StrictModel, parse_document, read_document
@@ -175,7 +176,7 @@ def warm_start_problem(job: SlurmJob) -> str | None:
     # still wire up through the step's PMIx server: test_mpi_jobs), starts the client in the rank's place.
     if job.container is not None:
         return "ranks are forked warm only outside a container; drop the container"
-    if python_program_start(job.command) != 1:
+    if python_program_start(as_python_program(job.command)) != 1:
         return (
             "the command must be a Python program without interpreter options (python SCRIPT or python -m "
             "MODULE, e.g. python -m hpkit train); change the command"

@@ -75,7 +75,9 @@ def _spec(command: list[str], **extra) -> SlurmJob:
         (["/v/bin/python3.11", "-W", "ignore", "t.py"], ["/v/bin/python3.11", "-W", "ignore", "-m", "hpkit.run_script", "t.py"]),
         (["python", "-m", "pkg.train", "x"], ["python", "-m", "hpkit.run_script", "-m", "pkg.train", "x"]),
         (["python", "-c", "print(1)"], ["python", "-c", "print(1)"]),
-        (["hpkit", "train", "--config", "c.yaml"], ["hpkit", "train", "--config", "c.yaml"]),
+        # hpkit's own script is `python3 -m hpkit` (python3 from the task's PATH, as the supervisor's)
+        (["hpkit", "train", "--config", "c.yaml"], ["python3", "-m", "hpkit.run_script", "-m", "hpkit", "train", "--config", "c.yaml"]),
+        (["/opt/bin/hpkit", "train"], ["/opt/bin/hpkit", "train"]),  # by a path: which Python it names is unknown
         (["bash", "run.sh"], ["bash", "run.sh"]),
     ],
 )  # fmt: skip

@@ -433,7 +433,9 @@ def test_a_compat_jobs_zygote_starts_with_the_shim_on_its_pythonpath_as_the_rank
         ({"container": {"image": "img.sqsh"}}, False),
         # the zygote would refuse an interpreter option
         ({"command": ["/opt/venv/bin/python", "-u", "-m", "hpkit", "train"]}, False),
-        ({"command": ["hpkit", "train"]}, False),
+        # the default command, hpkit's own script: `python3 -m hpkit train`
+        ({"command": ["hpkit", "train"]}, True),
+        ({"command": ["/opt/venv/bin/hpkit", "train"]}, False),  # by a path: which Python it names is unknown
     ],
 )
 def test_warm_start_left_out_is_on_where_it_can_be_in_a_job_without_gpus(change: dict, warm: bool) -> None:
@@ -450,7 +452,10 @@ def test_warm_start_left_out_is_on_where_it_can_be_in_a_job_without_gpus(change:
             {"container": {"image": "img.sqsh"}},
             "resilience.warm_start: ranks are forked warm only outside a container",
         ),
-        ({"command": ["hpkit", "train"]}, "resilience.warm_start: the command must be a Python program"),
+        (
+            {"command": ["/opt/venv/bin/hpkit", "train"]},
+            "resilience.warm_start: the command must be a Python program",
+        ),
         (
             {"command": ["python3", "-c", "pass"]},
             "resilience.warm_start: the command must be a Python program",
