@@ -96,6 +96,12 @@ class FakeStep:
         self.status = 137
         self.killed_at = self.cluster.clock
 
+    def end(self, grace_s: float) -> None:
+        self.signal(signal.SIGTERM)
+        self.join(grace_s)
+        if self.poll() is None:
+            self.kill()
+
     def wait(self) -> int:
         while self.poll() is None:
             pass
@@ -810,3 +816,39 @@ def test_no_warm_start_no_zygote_step(tmp_path):
     cluster = FakeCluster([StepScript(exit=0)])
     out = supervise(tmp_path, cluster)
     assert out.exit == 0 and len(cluster.started) == 1
+
+
+# Stands in for srun: a task's exit line, then on SIGTERM what srun says when it stops a step (measured on 22.05).
+_SRUN_LIKE = """
+import signal, sys, time
+def stop(*_):
+    sys.stderr.write("srun: forcing job termination\\nsrun: error: node2: task 1: Killed\\n")
+    sys.stderr.flush()
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+sys.stderr.write("srun: error: node1: task 0: Exited with exit code 3\\n")
+sys.stderr.flush()
+time.sleep(60)
+"""
+
+
+def test_a_step_ended_on_purpose_passes_on_its_lines_until_then_and_not_srun_s_lines_about_the_stop(capfd):
+    """The zygotes' step ends when the run does: srun then says "forcing job termination" and "task N: Killed" for
+    each node, after the job's log has said it completed (the demo's, once its ranks started warm). Those lines are
+    the stop, not a fault: they are not passed on; the step's earlier lines are, and its task exits are still kept."""
+    import sys
+    import time
+
+    from hpkit.supervise.cluster import _SrunStep
+
+    step = _SrunStep([sys.executable, "-c", _SRUN_LIKE], {"PATH": "/usr/bin:/bin"})
+    deadline = time.monotonic() + 60
+    while not step.task_exits():  # the reader has passed on the first line
+        assert time.monotonic() < deadline, "the step's first line never came"
+        time.sleep(0.01)
+    step.end(30)
+    assert step.wait() == 0
+    err = capfd.readouterr().err
+    assert "task 0: Exited with exit code 3" in err
+    assert "forcing job termination" not in err and "Killed" not in err, err
+    assert [t.node for t in step.task_exits()] == ["node1", "node2"]

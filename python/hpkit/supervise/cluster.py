@@ -76,6 +76,10 @@ class Step(Protocol):
     def signal(self, signum: int) -> None: ...
     def kill(self) -> None: ...
     def wait(self) -> int: ...
+    def end(self, grace_s: float) -> None:
+        """Stop a step on purpose, its run being over: SIGTERM, then SIGKILL after `grace_s`. What srun says of
+        the stop is not passed on."""
+        ...
 
 
 class Cluster(Protocol):
@@ -152,6 +156,9 @@ class _SrunStep:
         self._proc = subprocess.Popen(list(argv), env=dict(env), stdout=stdout, stderr=subprocess.PIPE)
         self._exits: list[TaskExit] = []
         self._lock = threading.Lock()
+        # Set by end(): srun's lines from then on are about the stop ("forcing job termination", each task
+        # "Killed"), which read as a fault in a log that has just said the job completed.
+        self._ending = threading.Event()
         self._ready: set[str] = set()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -161,8 +168,9 @@ class _SrunStep:
     def _watch(self, ready_when: Callable[[str], str | None]) -> None:
         assert self._proc.stdout is not None
         for raw in self._proc.stdout:
-            sys.stdout.buffer.write(raw)
-            sys.stdout.buffer.flush()
+            if not self._ending.is_set():
+                sys.stdout.buffer.write(raw)
+                sys.stdout.buffer.flush()
             name = ready_when(raw.decode(errors="replace"))
             if name:
                 with self._lock:
@@ -175,8 +183,9 @@ class _SrunStep:
     def _read(self) -> None:
         assert self._proc.stderr is not None
         for raw in self._proc.stderr:
-            sys.stderr.buffer.write(raw)
-            sys.stderr.buffer.flush()
+            if not self._ending.is_set():
+                sys.stderr.buffer.write(raw)
+                sys.stderr.buffer.flush()
             task = TaskExit.parse(raw.decode(errors="replace"))
             if task is not None:
                 with self._lock:
@@ -199,6 +208,13 @@ class _SrunStep:
 
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
+
+    def end(self, grace_s: float) -> None:
+        self._ending.set()
+        self.signal(signal.SIGTERM)
+        self.join(grace_s)
+        if self.poll() is None:
+            self.kill()
 
     def wait(self) -> int:
         status = self._proc.wait()

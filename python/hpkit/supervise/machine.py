@@ -159,10 +159,7 @@ class Supervisor:
                 self.attempt += 1
         finally:
             if warm is not None:
-                warm.signal(signal.SIGTERM)
-                warm.join(WARM_STOP_S)
-                if warm.poll() is None:
-                    warm.kill()
+                warm.end(WARM_STOP_S)
 
     def start_warm(self) -> Step | None:
         """resilience.warm_start: a zygote (hpkit.warm.zygote) on every node of the allocation, spares included,
