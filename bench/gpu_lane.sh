@@ -48,7 +48,7 @@ for part in "${parts[@]}"; do
       step tests-new 240 "${pytest[@]}" tests/gpu/test_cuda_memory_checkpoint.py tests/gpu/test_cuda_warm.py ;;
     memory) # what an in-memory checkpoint costs a GPU step, and its restore
       step memory-125m 150 python3 bench/gpu_memory_checkpoint.py --model 125M --batch 4 --seq-len 2048
-      step memory-1b 200 python3 bench/gpu_memory_checkpoint.py --model 1B --batch 2 --seq-len 2048 --rounds 1 --block 2 \
+      step memory-1b 280 python3 bench/gpu_memory_checkpoint.py --model 1B --batch 2 --seq-len 2048 --rounds 1 --block 2 \
         --restores 1 --auto-max-steps 60 ;;
     beside) # where a save's cost goes: each way of writing beside GPU steps, then the Trainer's steps beside a save
       step beside-ways 120 python3 bench/gpu_write_beside.py --gib 1.5
