@@ -69,10 +69,10 @@ class GoodputInputs:
     # measurement replaces it).
     memory_restart_s: float | None = None
     step_s: float = 5.0  # seconds a training step takes (an assumption; intervals are whole steps)
-    # What one in-memory copy costs training, as a fraction of a step: 5 % (issue 44's budget, an assumption). On one
-    # H200 a save cost ~0.5 s of training at 1.5 GiB of state a rank (125M) and ~1.7 s at 16.75 GiB (1B), 250-310 ms
-    # of it one slow step after the save (BENCHMARKS.md, the second H200 lease); a 70B state over 16,384 GPUs is
-    # ~51 MB a rank, not measured.
+    # What one in-memory copy costs training, as a fraction of a step: 5 % (issue 44's budget, an assumption; it is
+    # what `every: auto` aims at). On one H200 a warm save cost 0.25-0.76 s of training at 1.5 GiB of state a rank
+    # (125M) and 0.7-0.9 s at 16.75 GiB (1B), much of it the one slow step after the save (BENCHMARKS.md, the second
+    # and third H200 leases); a 70B state over 16,384 GPUs is ~51 MB a rank, not measured.
     copy_cost: float = 0.05
     # The rate one node pulls its lost state from its partner at: EFA, 3,200 Gb/s a p5 node.
     link_gbps: float = 3200.0

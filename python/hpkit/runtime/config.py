@@ -478,10 +478,9 @@ class MemoryCheckpointSpec(StrictModel):
 
     every: int | Literal["auto"] = Field(
         default="auto",
-        description="save every this many steps (1: every step); auto: from a measured save (and again over its first "
-        "interval), the fewest steps "
-        f"that keep what a save costs training within {AUTO_EVERY_BUDGET:.0%} of the steps between saves and give "
-        "its write to node memory time to finish before the next",
+        description="save every this many steps (1: every step); auto: from a measured save (and again over its "
+        f"first interval), the fewest steps that keep what a save costs training within {AUTO_EVERY_BUDGET:.0%} of "
+        "the steps between saves and give its write to node memory time to finish before the next",
     )
     replicas: int = Field(
         default=1,
