@@ -23,6 +23,7 @@ from hpkit.oci import IMAGE_PATH_VAR
 from hpkit.rendezvous import port_shell_expression
 from hpkit.slurm_job import (
     HYPERPOD_LOG_DIR,
+    TASK_PYTHON,
     VAR_LOG_MOUNT,
     ContainerSpec,
     SlurmJob,
@@ -291,7 +292,7 @@ def compat_python(spec: SlurmJob) -> str:
     `smdistributed`), else `python3` from the task's PATH.
     """
     program = spec.command[0]
-    return program if is_python(program) else "python3"
+    return program if is_python(program) else TASK_PYTHON
 
 
 SMP_V2_PRELOAD = "hpkit.compat.smp_v2:install"
@@ -509,7 +510,7 @@ def oci_bundle_words(spec: SlurmJob) -> list[str]:
     container = spec.container
     if container is None or container.runtime != "oci":
         return []
-    words = ["python3", "-m", "hpkit.oci", "bundle", "--image", shell_quote(container.image)]
+    words = [TASK_PYTHON, "-m", "hpkit.oci", "bundle", "--image", shell_quote(container.image)]
     if container.mount_var_log:
         words.append("--var-log")
     for mount in container.mounts:

@@ -55,6 +55,11 @@ def python_program_start(command: list[str] | tuple[str, ...]) -> int | None:
     return i if i < len(command) else None
 
 
+# The Python a task runs where its command names none: the first python3 on the task's PATH, as the batch script
+# runs its supervisor (`python3 -m hpkit.supervise`): hpkit's venv must be on the PATH jobs get (README).
+TASK_PYTHON = "python3"
+
+
 def as_python_program(command: list[str] | tuple[str, ...]) -> list[str]:
     """The command as a Python program where it is one in another form: hpkit's own console script, `hpkit ARGS`
     (the default command, `hpkit train`), is `python3 -m hpkit ARGS`, python3 from the task's PATH as the job's
@@ -62,7 +67,7 @@ def as_python_program(command: list[str] | tuple[str, ...]) -> list[str]:
     a spare's zygote has torch imported before a swap. Anything else, as written; `hpkit` by a path too (which
     interpreter its script names is not known here)."""
     if command and command[0] == "hpkit":
-        return ["python3", "-m", "hpkit", *command[1:]]
+        return [TASK_PYTHON, "-m", "hpkit", *command[1:]]
     return list(command)
 
 
