@@ -111,10 +111,10 @@ lint: venv
 	$(BIN)/deptry python --no-ansi
 	$(BIN)/lint-imports --no-cache
 
-# Four workers, whole files each (a file shares its clusters and fixtures), the longest files first
-# (tests/conftest.py, tests/_file_schedule.py): with three, the 2 cores were busy 1.7 of 2 on average, idle while
-# files waited on Slurm (requeues, node-death detection, a stopped controller). tests/_clusters.py gives every
-# worker its own clusters.
+# Five workers, whole files each (a file shares its clusters and fixtures), the longest files first
+# (tests/conftest.py, tests/_file_schedule.py): with three the 2 cores were busy 1.7 of 2 on average, with four 1.75,
+# idle while files waited on Slurm (requeues, node-death detection, a stopped controller). tests/_clusters.py gives
+# every worker its own clusters.
 # ACCOUNTING=1 for system-deps: tests/integration/test_forgotten_accounting.py starts a cluster with slurmdbd.
 test: ACCOUNTING = 1
 test: setup lint image-test-deps slurm-root
@@ -125,7 +125,7 @@ test: setup lint image-test-deps slurm-root
 	$(BIN)/python -m compileall -q -j 0 python tests bench >/dev/null
 	@# And pytest caches its rewrite of each test module's asserts only where bytecode may be written: without it every
 	@# worker rewrote all 147 modules again (4.5 of a worker's 11.6 CPU-s of collection).
-	env -u PYTHONDONTWRITEBYTECODE TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 4 --dist loadfile tests
+	env -u PYTHONDONTWRITEBYTECODE TMPDIR=$(TEST_TMP) $(BIN)/pytest -q -p no:cacheprovider --durations=25 -n 5 --dist loadfile tests
 
 # The CUDA half of the suite (tests/gpu), on a machine with an NVIDIA GPU; CI has none and never collects it.
 test-gpu: venv
