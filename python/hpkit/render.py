@@ -266,7 +266,8 @@ def zygote_command(job: SlurmJob, warm: bool, more: tuple[str, ...] = ()) -> str
     more = tuple(name for name in dict.fromkeys(more) if name not in preload)
     # The compat shim goes first on the ranks' PYTHONPATH (compat_step), which an interpreter reads as it starts: the
     # zygote starts with it too, or it would refuse every rank (hpkit.warm.protocol.STARTUP_VARS).
-    wrapper = task_wrapper([step] if (step := compat_step(job)) else [])
+    # In an OCI container the zygote's python3 is the image's, as the ranks' (launch_words).
+    wrapper = task_wrapper([step for step in (oci_path_step(job.container), compat_step(job)) if step])
     return " ".join(
         [
             *wrapper,

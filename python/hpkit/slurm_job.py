@@ -519,3 +519,27 @@ def oci_launcher_problem(job: SlurmJob, read_version: Callable[[], tuple[int, in
             f"launcher: torchrun, which starts the node's ranks inside the container (Slurm {since} runs one per task)"
         )
     return None
+
+
+def oci_warm_problem(job: SlurmJob, warm: bool, read_version: Callable[[], tuple[int, int]]) -> str | None:
+    """Why ranks cannot fork warm (resilience.warm_start) in this job's OCI containers on the cluster's Slurm, or
+    None. A rank's container finds its node's zygote by the node's name (hpkit.warm.protocol.socket_path), and
+    Slurm 22.05 gives every task of an OCI step task 0's variables, SLURMD_NODENAME and SLURM_PROCID included
+    (measured): on one host's nodes every zygote would take the same socket, and no node's would be known."""
+    if not warm or job.container is None or job.container.runtime != "oci":
+        return None
+    since = ".".join(str(part) for part in OCI_TASKS_SINCE)
+    try:
+        version = read_version()
+    except HpkitError as exc:
+        return (
+            f"resilience.warm_start in container.runtime oci needs Slurm {since} or later, and the cluster's "
+            f"version could not be read ({exc}): make `sinfo --version` answer, or drop warm_start"
+        )
+    if version < OCI_TASKS_SINCE:
+        return (
+            f"resilience.warm_start: ranks cannot fork warm in container.runtime oci on Slurm {version[0]}."
+            f"{version[1]:02d}: its OCI containers give every task task 0's Slurm variables (SLURMD_NODENAME), "
+            f"so no node's zygote can be told apart; drop warm_start, or run on Slurm {since} or later"
+        )
+    return None

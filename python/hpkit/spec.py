@@ -136,7 +136,11 @@ class JobSpec(StrictModel):
                 "warm_start: false"
                 if resilience.warm_start is False
                 else warm_start_problem(self.job)
-                or "warm starts are off on GPU nodes unless warm_start: true"
+                or (
+                    "warm starts are off in a container unless warm_start: true"
+                    if self.job.container is not None
+                    else "warm starts are off on GPU nodes unless warm_start: true"
+                )
             )
             raise ValueError(
                 f"resilience.warm_preload: the ranks start cold in this job ({why}), so nothing would preload "
@@ -152,7 +156,13 @@ class JobSpec(StrictModel):
         chosen = self.run.resilience.warm_start
         if chosen is not None:
             return chosen
-        return self.job.gpus_per_node == 0 and warm_start_problem(self.job) is None
+        # In a container only when asked: Slurm 22.05 cannot tell one node's OCI container from another's, which
+        # `hpkit submit` checks against the cluster's version (slurm_job.oci_warm_problem).
+        return (
+            self.job.gpus_per_node == 0
+            and self.job.container is None
+            and warm_start_problem(self.job) is None
+        )
 
     @property
     def signal_grace_s(self) -> int:
@@ -174,8 +184,12 @@ def warm_start_problem(job: SlurmJob) -> str | None:
     starts), or None."""
     # Every launcher's ranks can be: torchrun's agent, or srun's task (launcher srun, and mpi, whose forked ranks
     # still wire up through the step's PMIx server: test_mpi_jobs), starts the client in the rank's place.
-    if job.container is not None:
-        return "ranks are forked warm only outside a container; drop the container"
+    if job.container is not None and job.container.runtime != "oci":
+        # A pyxis/enroot container's /dev/shm, where the zygote's socket lives, is not known to be the node's.
+        return (
+            "ranks are forked warm only outside a container or in Slurm's own OCI containers (container.runtime: "
+            "oci); use runtime oci, or drop the container"
+        )
     if python_program_start(as_python_program(job.command)) != 1:
         return (
             "the command must be a Python program without interpreter options (python SCRIPT or python -m "

@@ -295,6 +295,51 @@ def test_a_container_srun_ignores_stops_the_job_with_one_line_per_node(
         assert bool(re.search(r"node\d's host, not in the image", line)) == (verdict == "FAIL"), line
 
 
+# The same report as _spec's bash probe, from a Python program (a bash command's ranks start cold), then hpkit train.
+WARM_PROBE = f"""
+import os, runpy, sys
+try:
+    with open("/var/log/" + os.environ["HPKIT_MARKER"]) as marker:
+        var_log = marker.read().strip()
+except OSError:
+    var_log = "none"
+image = "yes" if os.access("{IMAGE_ONLY}", os.X_OK) else "no"
+print(f"WHERE rank={{os.environ['RANK']}} image={{image}} var_log={{var_log}}", flush=True)
+sys.argv = ["hpkit", "train", *sys.argv[1:]]
+runpy.run_module("hpkit", run_name="__main__")
+"""
+
+
+def test_ranks_fork_warm_in_their_node_s_container_on_24_11(
+    cluster_24_11, jobs, bundle: Path, var_log_marker: Path, tmp_path: Path
+) -> None:
+    """resilience.warm_start in Slurm's own OCI containers: each node's zygote runs in the image (its step has the
+    job's containers too), and every rank forks from it, in the image with the host's /var/log, to the losses of
+    torchrun's job outside it. 22.05 gives every container task 0's variables and is refused at submit (test_warm)."""
+    folder, _ = jobs
+    probe = tmp_path / "probe.py"
+    probe.write_text(WARM_PROBE)
+    container = {"runtime": "oci", "image": str(bundle), "mounts": [f"{tmp_path}:{tmp_path}"]}
+    marker = var_log_marker.name
+    spec = _spec(
+        tmp_path,
+        "warm-in",
+        container=container,
+        ckpt="ckpt",
+        marker=marker,
+        command=["python3", str(probe)],
+        resilience={"warm_start": True},
+    )
+    status, printed, log = _submit(cluster_24_11, spec)
+    assert status == 0, f"{printed}\n{log}"
+    assert re.search(r"^hpkit: warm starts: every zygote serves after ", log, re.M), log
+    forked = re.findall(r"^hpkit: warm start on node\d: rank (\d) \(attempt 0\) forked as process", log, re.M)
+    assert sorted(forked) == ["0", "1", "2", "3"], log
+    inside = re.findall(r"WHERE rank=(\d) image=(\w+) var_log=(\S+)", log)
+    assert sorted(inside) == [(str(r), "yes", marker) for r in range(4)], log
+    assert _losses(tmp_path, "warm-in") == pytest.approx(_losses(folder, "out"), rel=1e-6, abs=0)
+
+
 def test_srun_launcher_runs_a_container_per_rank_on_24_11(
     cluster_24_11, jobs, bundle: Path, var_log_marker: Path, tmp_path: Path
 ) -> None:

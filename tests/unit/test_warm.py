@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from hpkit.errors import SpecError
+from hpkit.errors import HpkitError, SpecError
 from hpkit.render import render
+from hpkit.slurm_job import oci_warm_problem
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 from hpkit.warm import protocol
@@ -431,6 +432,9 @@ def test_a_compat_jobs_zygote_starts_with_the_shim_on_its_pythonpath_as_the_rank
         ({"launcher": "srun"}, True),
         ({"launcher": "mpi"}, True),
         ({"container": {"image": "img.sqsh"}}, False),
+        # Slurm's own OCI containers fork warm only when asked: submit checks the cluster's version for it
+        ({"container": {"runtime": "oci", "image": "/b"}, "resilience": {}}, False),
+        ({"container": {"runtime": "oci", "image": "/b"}, "resilience": {"warm_start": True}}, True),
         # the zygote would refuse an interpreter option
         ({"command": ["/opt/venv/bin/python", "-u", "-m", "hpkit", "train"]}, False),
         # the default command, hpkit's own script: `python3 -m hpkit train`
@@ -450,7 +454,8 @@ def test_warm_start_left_out_is_on_where_it_can_be_in_a_job_without_gpus(change:
     [
         (
             {"container": {"image": "img.sqsh"}},
-            "resilience.warm_start: ranks are forked warm only outside a container",
+            "resilience.warm_start: ranks are forked warm only outside a container or in Slurm's own OCI "
+            "containers (container.runtime: oci); use runtime oci, or drop the container",
         ),
         (
             {"command": ["/opt/venv/bin/hpkit", "train"]},
@@ -563,3 +568,59 @@ def test_a_job_module_that_leaves_a_thread_running_makes_ranks_start_cold_with_o
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+OCI_WARM_SPEC = {**WARM_SPEC, "container": {"runtime": "oci", "image": "/images/hpkit-cpu"}}
+
+
+def test_in_an_oci_container_the_zygote_starts_with_the_image_s_path() -> None:
+    """The zygote's step runs in the job's containers too (the supervisor's srun arguments): its python3 must be the
+    image's, as the ranks' (render.oci_path_step), or it would import the host's hpkit and torch."""
+    script = render(
+        parse_document(JobSpec, {**OCI_WARM_SPEC, "command": ["python3", "-m", "hpkit", "train"]})
+    )
+    plan = json.loads(shlex.split(re.search(r"--plan ('.*?'|\S+) --step", script).group(1))[0])
+    wrapper, zygote = plan["warm"].split(" hpkit-task ", 1)
+    assert 'export PATH="${HPKIT_IMAGE_PATH:-$PATH}"' in shlex.split(wrapper)[2], plan["warm"]
+    assert zygote.startswith("python3 -m hpkit.warm.zygote ")
+
+
+@pytest.mark.parametrize(
+    ("version", "refused"),
+    [((22, 5), True), ((23, 11), True), ((24, 11), False), ((25, 5), False)],
+)
+def test_warm_starts_in_oci_containers_need_slurm_24_11_at_submit(version, refused) -> None:
+    spec = parse_document(JobSpec, OCI_WARM_SPEC)
+    problem = oci_warm_problem(spec.job, spec.warm_starts, lambda: version)
+    if not refused:
+        assert problem is None
+        return
+    assert problem is not None and len(problem.splitlines()) == 1
+    assert problem.startswith(
+        "resilience.warm_start: ranks cannot fork warm in container.runtime oci on Slurm "
+    )
+    assert f"{version[0]}.{version[1]:02d}" in problem and "run on Slurm 24.11 or later" in problem
+
+
+def test_warm_starts_in_oci_containers_where_the_version_cannot_be_read_are_refused_with_the_reason() -> None:
+    spec = parse_document(JobSpec, OCI_WARM_SPEC)
+
+    def unreadable() -> tuple[int, int]:
+        raise HpkitError("sinfo: command not found")
+
+    problem = oci_warm_problem(spec.job, spec.warm_starts, unreadable)
+    assert problem is not None and "sinfo: command not found" in problem and "drop warm_start" in problem
+    # Cold ranks, outside a container or not asked for: the version is never read.
+    for cold in ({**OCI_WARM_SPEC, "resilience": {}}, {**WARM_SPEC, "resilience": {"warm_start": False}}):
+        spec = parse_document(JobSpec, cold)
+        assert oci_warm_problem(spec.job, spec.warm_starts, unreadable) is None
+
+
+def test_warm_preload_in_a_container_without_warm_start_says_warm_starts_are_off_there() -> None:
+    spec = {**OCI_WARM_SPEC, "resilience": {"warm_preload": ["numpy"]}}
+    with pytest.raises(SpecError) as info:
+        parse_document(JobSpec, spec, "job.yaml")
+    assert (
+        "resilience.warm_preload: the ranks start cold in this job (warm starts are off in a container unless "
+        "warm_start: true)" in str(info.value)
+    )

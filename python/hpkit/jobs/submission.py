@@ -22,7 +22,7 @@ from hpkit.jobs.sweep import Sweep, SweepTask, expand, sweep_manifest
 from hpkit.oci import check_container
 from hpkit.render import ArrayPlan, render
 from hpkit.slurm import Backend, get_backend, slurm_version
-from hpkit.slurm_job import SlurmJob, oci_launcher_problem
+from hpkit.slurm_job import SlurmJob, oci_launcher_problem, oci_warm_problem
 from hpkit.spec import SNAPSHOT_HEADER, JobSpec
 from hpkit.validation import load_document, read_document
 
@@ -103,8 +103,12 @@ def prepare(spec_file: str | Path, sweep: Sweep | None = None) -> Submission:
         check_container(job.container)
     except SpecError as exc:
         raise SpecError(f"{spec_file}: {exc}") from None
-    if problem := oci_launcher_problem(job, slurm_version):
-        raise SpecError(f"{spec_file}: {problem}")
+    for problem in (
+        oci_launcher_problem(job, slurm_version),
+        oci_warm_problem(job, spec.warm_starts, slurm_version),
+    ):
+        if problem:
+            raise SpecError(f"{spec_file}: {problem}")
     out_dir = (job_workdir(job) / job.output_dir).resolve()
     # A snapshot of the spec travels with the job: editing the YAML after submitting must not
     # change a job that is still pending.

@@ -599,9 +599,10 @@ class ResilienceSpec(StrictModel):
         description=(
             "fork each rank from a per-node process of the job that has already imported torch and hpkit "
             "(hpkit.warm), spares included: every step, a restarted one or a swapped-in spare's too, skips the "
-            "interpreter's start and its imports; needs no container and a Python command "
-            "(python SCRIPT or python -m MODULE). Left out: on where it can be, for a job without GPUs "
-            "(gpus_per_node: 0); set true to have it on GPU nodes"
+            "interpreter's start and its imports; needs a Python command (python SCRIPT or python -m MODULE), and no "
+            "container or Slurm's own (container.runtime: oci, Slurm 24.11 or later). Left out: on where it can be, "
+            "for a job without GPUs (gpus_per_node: 0) outside a container; set true to have it on GPU nodes or in "
+            "an OCI container"
         ),
     )
     warm_preload: tuple[str, ...] = Field(
