@@ -251,9 +251,12 @@ def test_bad_container_input_is_one_line_naming_the_field_before_submitting(
         "not-a-bundle": ({"image": str(not_a_bundle)}, "container.image"),
         "mount": ({"image": str(bundle), "mounts": [f"{tmp_path}/absent:/data"]}, "container.mounts"),
         "srun": ({"image": str(bundle)}, "launcher"),
+        # 22.05 gives every container task 0's SLURMD_NODENAME: no node's zygote could be found.
+        "warm": ({"image": str(bundle)}, "resilience.warm_start"),
     }
+    per_case = {"srun": {"launcher": "srun"}, "warm": {"resilience": {"warm_start": True}}}
     for case, (container, field) in cases.items():
-        extra = {"launcher": "srun"} if case == "srun" else {}
+        extra = per_case.get(case, {})
         spec = _spec(tmp_path, case, container={"runtime": "oci", **container}, ckpt="c", **extra)
         status, printed, _ = _submit(cluster, spec)
         lines = printed.strip().splitlines()
