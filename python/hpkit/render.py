@@ -23,6 +23,7 @@ from hpkit.oci import IMAGE_PATH_VAR
 from hpkit.rendezvous import port_shell_expression
 from hpkit.slurm_job import (
     HYPERPOD_LOG_DIR,
+    OCI_TASKS_SINCE,
     TASK_PYTHON,
     VAR_LOG_MOUNT,
     ContainerSpec,
@@ -523,12 +524,20 @@ def oci_bundle_words(spec: SlurmJob) -> list[str]:
     return words
 
 
-def runtime_notes(spec: SlurmJob) -> list[str]:
-    """One line for each thing the spec asks that its container runtime cannot do (printed at render time)."""
+def runtime_notes(spec: SlurmJob, warm: bool = False) -> list[str]:
+    """One line for each thing the spec asks that its container runtime cannot do (printed at render time).
+    `warm`: the ranks fork warm (JobSpec.warm_starts), which `hpkit submit` checks against the cluster's Slurm
+    (slurm_job.oci_warm_problem) and a script rendered and submitted by hand does not."""
     container = spec.container
     if container is None or container.runtime != "oci":
         return []
     notes = []
+    if warm:
+        since = ".".join(str(part) for part in OCI_TASKS_SINCE)
+        notes.append(
+            f"container.runtime oci: warm starts need Slurm {since} or later (earlier, every container gets task "
+            "0's SLURMD_NODENAME and no node's zygote can be found); hpkit submit checks the cluster's version"
+        )
     if spec.sagemaker_env is not None:
         notes.append(
             "container.runtime oci: Slurm 22.05 passes no SLURMD_NODENAME into the container, so SM_CURRENT_HOST "

@@ -137,6 +137,9 @@ def test_runtime_notes_say_what_oci_cannot_do() -> None:
     assert len(notes) == 1 and "NVIDIA" in notes[0]
     pyxis = parse_document(JobSpec, {"name": "j", "gpus_per_node": 8, "container": {"image": "x"}}, "j")
     assert runtime_notes(pyxis.job) == []
+    # Warm starts in OCI: a script rendered by hand is not checked against the cluster's version at submit.
+    (warm,) = runtime_notes(_spec(image="/b").job, warm=True)
+    assert "warm starts need Slurm 24.11 or later" in warm and "hpkit submit checks" in warm
 
 
 class _FakeImage:

@@ -120,7 +120,7 @@ def _render(args: argparse.Namespace) -> int:
     from hpkit.validation import load_document
 
     spec = load_document(JobSpec, args.spec)
-    for note in runtime_notes(spec.job):
+    for note in runtime_notes(spec.job, warm=spec.warm_starts):
         print(f"hpkit render: note: {note}", file=sys.stderr)
     name = args.output or f"{spec.job.name}.sbatch"
     script = render(spec, script_name=name, spec_path=str(Path(args.spec).resolve()))
