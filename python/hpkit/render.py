@@ -23,7 +23,7 @@ from hpkit.oci import IMAGE_PATH_VAR
 from hpkit.rendezvous import port_shell_expression
 from hpkit.slurm_job import (
     HYPERPOD_LOG_DIR,
-    OCI_TASKS_SINCE,
+    OCI_TASKS_SINCE_TEXT,
     TASK_PYTHON,
     VAR_LOG_MOUNT,
     ContainerSpec,
@@ -533,9 +533,8 @@ def runtime_notes(spec: SlurmJob, warm: bool = False) -> list[str]:
         return []
     notes = []
     if warm:
-        since = ".".join(str(part) for part in OCI_TASKS_SINCE)
         notes.append(
-            f"container.runtime oci: warm starts need Slurm {since} or later (earlier, every container gets task "
+            f"container.runtime oci: warm starts need Slurm {OCI_TASKS_SINCE_TEXT} or later (earlier, every container gets task "
             "0's SLURMD_NODENAME and no node's zygote can be found); hpkit submit checks the cluster's version"
         )
     if spec.sagemaker_env is not None:

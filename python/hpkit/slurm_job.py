@@ -495,6 +495,15 @@ class SlurmJob(JobIdentity):
 # its SLURM_PROCID, SLURM_LOCALID and SLURMD_NODENAME (both measured on the local clusters). The versions between
 # were not measured: they are refused as 22.05 is.
 OCI_TASKS_SINCE = (24, 11)
+OCI_TASKS_SINCE_TEXT = ".".join(str(part) for part in OCI_TASKS_SINCE)
+
+
+def _cluster_version(read_version: Callable[[], tuple[int, int]]) -> tuple[int, int] | HpkitError:
+    """The cluster's Slurm version as read_version gives it, or the error that says why it could not be read."""
+    try:
+        return read_version()
+    except HpkitError as exc:
+        return exc
 
 
 def oci_launcher_problem(job: SlurmJob, read_version: Callable[[], tuple[int, int]]) -> str | None:
@@ -504,13 +513,12 @@ def oci_launcher_problem(job: SlurmJob, read_version: Callable[[], tuple[int, in
     refuses mpi), so `read_version` (`sinfo --version` at submit) is called only for it."""
     if job.container is None or job.container.runtime != "oci" or job.launcher != "srun":
         return None
-    since = ".".join(str(part) for part in OCI_TASKS_SINCE)
-    try:
-        version = read_version()
-    except HpkitError as exc:
+    since = OCI_TASKS_SINCE_TEXT
+    version = _cluster_version(read_version)
+    if isinstance(version, HpkitError):
         return (
             f"launcher: srun under container.runtime oci needs Slurm {since} or later (a container per task), and "
-            f"the cluster's version could not be read ({exc}): make `sinfo --version` answer, or use launcher: torchrun"
+            f"the cluster's version could not be read ({version}): make `sinfo --version` answer, or use launcher: torchrun"
         )
     if version < OCI_TASKS_SINCE:
         return (
@@ -528,13 +536,12 @@ def oci_warm_problem(job: SlurmJob, warm: bool, read_version: Callable[[], tuple
     (measured): on one host's nodes every zygote would take the same socket, and no node's would be known."""
     if not warm or job.container is None or job.container.runtime != "oci":
         return None
-    since = ".".join(str(part) for part in OCI_TASKS_SINCE)
-    try:
-        version = read_version()
-    except HpkitError as exc:
+    since = OCI_TASKS_SINCE_TEXT
+    version = _cluster_version(read_version)
+    if isinstance(version, HpkitError):
         return (
             f"resilience.warm_start in container.runtime oci needs Slurm {since} or later, and the cluster's "
-            f"version could not be read ({exc}): make `sinfo --version` answer, or drop warm_start"
+            f"version could not be read ({version}): make `sinfo --version` answer, or drop warm_start"
         )
     if version < OCI_TASKS_SINCE:
         return (

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -103,9 +104,10 @@ def prepare(spec_file: str | Path, sweep: Sweep | None = None) -> Submission:
         check_container(job.container)
     except SpecError as exc:
         raise SpecError(f"{spec_file}: {exc}") from None
+    cluster_version = functools.cache(slurm_version)  # sinfo once, whichever checks ask
     for problem in (
-        oci_launcher_problem(job, slurm_version),
-        oci_warm_problem(job, spec.warm_starts, slurm_version),
+        oci_launcher_problem(job, cluster_version),
+        oci_warm_problem(job, spec.warm_starts, cluster_version),
     ):
         if problem:
             raise SpecError(f"{spec_file}: {problem}")
