@@ -237,6 +237,23 @@ def parse_fault_line(line: str) -> tuple[str, int, int] | None:
     return (match.group(1), int(match.group(2)), int(match.group(3))) if match else None
 
 
+AGENT_PREFIX = "hpkit-torchrun: "
+_RANK_FAILED = re.compile(rf"^{re.escape(AGENT_PREFIX)}rank (\d+) failed on (\S+) ")
+
+
+def rank_failed_line(rank: int, node: str, exitcode: int) -> str:
+    """hpkit-torchrun's line for each of its node's ranks that failed: the node a rank ran on. Under torchrun srun's
+    task lines cannot say it: their task ids count nodes, the ranks' order is the rendezvous's, and srun may report
+    a peer's agent (exit 1) and kill this one (--kill-on-bad-exit) before it reports its own exit."""
+    return f"{AGENT_PREFIX}rank {rank} failed on {node} (exit code {exitcode})"
+
+
+def parse_rank_failed_line(line: str) -> tuple[int, str] | None:
+    """(rank, node) of an agent's rank-failed line."""
+    match = _RANK_FAILED.match(line)
+    return (int(match.group(1)), match.group(2)) if match else None
+
+
 TRAIN_PREFIX = "hpkit train: "
 _STOPPED = re.compile(rf"^{re.escape(TRAIN_PREFIX)}(stopping at step (\d+) on signal (\d+))")
 

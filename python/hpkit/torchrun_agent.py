@@ -19,13 +19,14 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
 
-from hpkit.job_events import HANG_EXIT
+from hpkit.job_events import AGENT_PREFIX, HANG_EXIT, rank_failed_line
 from hpkit.rendezvous import source_address
 from hpkit.watch_store import export
 
@@ -139,13 +140,18 @@ def _run(args: Any) -> None:
 def _run_reporting(args: Any) -> int | None:
     """`_run`; when a worker failed, after printing torchrun's table of the failed ranks (its "Root Cause"
     block, which `hpkit why` reads) without this agent's own Python traceback, which only says a child failed
-    and sat above every job log's real error, the agent's exit status (`failed_status`); None when all went well."""
+    and sat above every job log's real error, and one line per failed rank naming this node (`hpkit why`'s node for
+    the rank), the agent's exit status (`failed_status`); None when all went well."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         _run(args)
     except ChildFailedError as exc:
-        print(f"hpkit-torchrun: ChildFailedError: {exc}", file=sys.stderr, flush=True)
+        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+        placed = "".join(
+            f"\n{rank_failed_line(rank, node, f.exitcode)}" for rank, f in sorted(exc.failures.items())
+        )
+        print(f"{AGENT_PREFIX}ChildFailedError: {exc}{placed}", file=sys.stderr, flush=True)
         return failed_status(exc.get_first_failure()[1].exitcode)
     return None
 

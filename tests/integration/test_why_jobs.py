@@ -347,6 +347,10 @@ def test_a_sigkilled_rank_is_named_with_its_signal(ended):
         killed["pid"]
     ]
     assert any(f"Signal 9 (SIGKILL) received by PID {started[-1]}" in e["text"] for e in v["evidence"]), v
+    # The node comes from the killed rank's own agent, whatever srun reported of the nodes' agents and in what order.
+    assert f"hpkit-torchrun: rank 1 failed on {killed['node']} (exit code -9)" in [
+        e["text"] for e in v["evidence"]
+    ], v
 
 
 def test_a_program_over_its_memory_limit_is_out_of_memory(ended):

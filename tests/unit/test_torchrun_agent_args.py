@@ -54,7 +54,7 @@ def test_a_failed_worker_ends_the_agent_with_torchruns_table_and_no_traceback(mo
     from hpkit.watch_store import STORE_ENV, STORE_NODE_ENV
 
     def failing(_args):
-        raise ChildFailedError("train.py", {0: ProcessFailure(0, 4242, 3, "<N/A>")})
+        raise ChildFailedError("train.py", {3: ProcessFailure(1, 4242, 3, "<N/A>")})  # global rank 3
 
     monkeypatch.setattr(torchrun_agent, "_run", failing)
     # main() wraps the agent's shutdown (stop_failed_workers_at_once): undone after the test as well.
@@ -73,8 +73,12 @@ def test_a_failed_worker_ends_the_agent_with_torchruns_table_and_no_traceback(mo
     assert ended.value.code == 1
     err = capsys.readouterr().err
     assert "Traceback" not in err and "Root Cause (first observed failure)" in err, err
-    (root,) = [f for f in scan_output(err.splitlines(True), "job.out") if f.kind == "launcher_root"]
-    assert (root.rank, root.exit_code) == (0, 3), root
+    found = scan_output(err.splitlines(True), "job.out")
+    (root,) = [f for f in found if f.kind == "launcher_root"]
+    assert (root.rank, root.exit_code) == (3, 3), root
+    # And the node the rank ran on, in the agent's own line: srun's task lines cannot say it under torchrun.
+    (placed,) = [f for f in found if f.kind == "rank_failed_on"]
+    assert (placed.rank, placed.node) == (3, "node2"), placed
     assert os.environ[STORE_ENV] == "127.0.0.1:29999"  # named during the test; monkeypatch removes it after
 
 

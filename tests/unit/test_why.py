@@ -328,6 +328,26 @@ def test_the_killed_rank_s_node_is_the_task_whose_exit_says_the_signal_whatever_
     assert v.node == "node1", v.summary
 
 
+def test_the_killed_rank_s_node_is_the_agent_s_word_when_srun_never_reports_that_node_s_agent():
+    # srun reported node2's agent (exit 1) and killed node1's (--kill-on-bad-exit) before that one's exit was
+    # reported, as in a CI run of test_why_jobs: no task line says the signal, and the verdict named node2 for rank 1.
+    agent_line = "hpkit-torchrun: rank 1 failed on node1 (exit code -9)\n"
+    only_node2 = SIGKILL_TWO_BLOCKS.replace("srun: error: node1: task 0: Exited with exit code 137\n", "")
+    assert only_node2 != SIGKILL_TWO_BLOCKS
+    v = decide(facts(only_node2, [record("FAILED", exit_code="1:0")], torchrun=True))
+    assert v.node == "node2", "the log without the agent's line: only srun's word"
+    srun_line = "srun: error: node2: task 1: Exited with exit code 1\n"
+    with_agent = only_node2.replace(srun_line, agent_line + srun_line)
+    assert with_agent.count(agent_line) == 1
+    v = decide(facts(with_agent, [record("FAILED", exit_code="1:0")], torchrun=True))
+    assert (v.kind, v.rank, v.node) == (why.SIGNAL, 1, "node1"), v.summary
+    assert v.summary == "killed by signal 9 (SIGKILL) on rank 1 (node1)"
+    assert agent_line.strip() in [e.text for e in v.evidence]
+    # Another rank's line says nothing about rank 1; nor does a line when srun started every rank (no agent).
+    other = only_node2.replace(srun_line, agent_line.replace("rank 1", "rank 0") + srun_line)
+    assert decide(facts(other, [record("FAILED", exit_code="1:0")], torchrun=True)).node == "node2"
+
+
 def test_srun_killed_task_is_the_signal_when_srun_started_every_rank():
     text = "hpkit: job 5 (restart 0 of at most 0) on node[1-2], rendezvous x:1\nsrun: error: node2: task 3: Killed\n"
     text += "srun: error: node1: tasks 0-2: Terminated\n"

@@ -55,6 +55,9 @@ RUN_START = "run_start"  # a run's start event
 TRACEBACK = "traceback"  # a Python traceback's exception line; rank from the line's label
 LAUNCHER_ROOT = "launcher_root"  # torchrun's "Root Cause (first observed failure)" block
 TASK_FAILED = "task_failed"  # srun's "srun: error: NODE: task N: Exited with exit code C" / "task N: Killed"
+RANK_FAILED_ON = (
+    "rank_failed_on"  # hpkit-torchrun's "rank R failed on NODE": the node of a rank under torchrun
+)
 FAULT = "fault"  # "hpkit: fault injected (HPKIT_FAULT): exit on rank R before step N"
 PROGRAM_FAILED = "program_failed"  # the supervisor ended the job: the step failed on healthy nodes
 HANG_LINE = "hang_line"  # rank 0's "hpkit: hang: rank R on NODE held up step N ...; stacks ... in DIR"
@@ -465,8 +468,15 @@ def _program(found: _Found, torchrun: bool | None) -> _Call | None:
         # srun reports the nodes' task exits in no set order: with torchrun, the node whose agent passes the
         # signal on (hpkit-torchrun exits 128 + it) is the rank's; its peers' agents exit 1 and may come first.
         first_task = next((t for t in tasks if _says_signal(t, root.signal)), first_task)
-    node = first_task.node if first_task is not None else None
-    launcher = _ev(root, first_task if first_task is not root else None)
+    placed = None
+    if via_torchrun and root is not None and root.rank is not None:
+        # The agent's own word for where the rank ran: srun's lines may not name that node at all, when srun killed
+        # its agent (--kill-on-bad-exit) after a peer's agent exited first.
+        placed = next((f for f in found.of(RANK_FAILED_ON) if f.rank == root.rank), None)
+        if placed is not None:
+            first_task = next((t for t in tasks if t.node == placed.node), None)
+    node = placed.node if placed is not None else first_task.node if first_task is not None else None
+    launcher = _ev(root, placed, first_task if first_task is not root else None)
     if root is not None and root.rank is not None:
         own = [t for t in causes if t.rank == root.rank]
         if own:

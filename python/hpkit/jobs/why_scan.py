@@ -5,7 +5,8 @@ The lines they know:
   start, USR1, restarts in the allocation, requeues, lost nodes, the end and its outcome. Only these, never
   the supervisor's human-readable lines, carry what the supervisor decided;
 - the job's output: the ranks' output labelled `R: ` (srun --label, hpkit.line_label) and `[rankR]: ` (torch),
-  the hang watchdog's and the fault injector's lines, Python tracebacks, torchrun's ChildFailedError block,
+  the hang watchdog's and the fault injector's lines, Python tracebacks, torchrun's ChildFailedError block and
+  hpkit-torchrun's line naming each failed rank's node,
   srun's per-task lines, slurmstepd's `*** JOB|STEP ... CANCELLED AT ... ***`, and memory-limit records;
 - slurmctld's and slurmd's logs (the lines naming the job), the job-completion log (jobcomp/filetxt),
   `scontrol show job`, sacct, the hang watchdog's verdict.json, the runs file and the metrics file.
@@ -40,6 +41,7 @@ from hpkit.jobs.why import (
     OOM_RECORD,
     PREEMPT_RECORD,
     PROGRAM_FAILED,
+    RANK_FAILED_ON,
     REQUEUE,
     REQUEUED_AFTER_NODE,
     REQUEUED_STATE,
@@ -266,6 +268,8 @@ def _hpkit_findings(content: str, ev: Evidence) -> list[Finding]:
         return [
             Finding(HANG_LINE, (ev,), rank=hang.rank, node=hang.node, detail=hang.text, where=hang.stacks)
         ]
+    if placed := job_events.parse_rank_failed_line(content):
+        return [Finding(RANK_FAILED_ON, (ev,), rank=placed[0], node=placed[1])]
     if fault := job_events.parse_fault_line(content):
         kind, rank, _ = fault
         return [Finding(FAULT, (ev,), rank=rank, detail=kind)]
