@@ -238,7 +238,17 @@ def parse_fault_line(line: str) -> tuple[str, int, int] | None:
 
 
 AGENT_PREFIX = "hpkit-torchrun: "
-_RANK_FAILED = re.compile(rf"^{re.escape(AGENT_PREFIX)}rank (\d+) failed on (\S+) ")
+# srun's `R: ` label allowed in front: the supervisor reads srun's lines as they come.
+_RANK_FAILED = re.compile(
+    rf"^(?:\s*\d+: )?{re.escape(AGENT_PREFIX)}rank (\d+) failed on (\S+) \(exit code (-?\d+)\)"
+)
+
+
+@dataclass(frozen=True)
+class RankFailed:
+    rank: int
+    node: str
+    exit_code: int  # torchrun's: -N where signal N killed the rank
 
 
 def rank_failed_line(rank: int, node: str, exitcode: int) -> str:
@@ -248,10 +258,9 @@ def rank_failed_line(rank: int, node: str, exitcode: int) -> str:
     return f"{AGENT_PREFIX}rank {rank} failed on {node} (exit code {exitcode})"
 
 
-def parse_rank_failed_line(line: str) -> tuple[int, str] | None:
-    """(rank, node) of an agent's rank-failed line."""
+def parse_rank_failed_line(line: str) -> RankFailed | None:
     match = _RANK_FAILED.match(line)
-    return (int(match.group(1)), match.group(2)) if match else None
+    return RankFailed(int(match.group(1)), match.group(2), int(match.group(3))) if match else None
 
 
 TRAIN_PREFIX = "hpkit train: "

@@ -32,6 +32,7 @@ class StepScript:
     exit: int = 0
     polls: int = 1
     tasks: list[TaskExit] = field(default_factory=list)
+    agent_lines: list[str] = field(default_factory=list)  # what its torchrun agents printed (hpkit-torchrun)
     on_start: Callable[[int], None] | None = None  # given the attempt; e.g. writes a hang verdict
     exit_on_usr1: int | None = None  # exits with this once it gets USR1
     # After this many polls its `ranks` ranks have installed their signal handlers and say so, as hpkit train's do
@@ -85,6 +86,10 @@ class FakeStep:
 
     def task_exits(self) -> list[TaskExit]:
         return list(self.script.tasks)
+
+    def failed_ranks(self) -> list[ev.RankFailed]:
+        # The real step's parser over the agents' lines.
+        return [r for line in self.script.agent_lines if (r := ev.parse_rank_failed_line(line))]
 
     def signal(self, signum: int) -> None:
         self.signals.append(signum)
@@ -521,6 +526,37 @@ def test_a_sigkilled_rank_on_answering_nodes_restarts_the_step_on_the_same_nodes
     )
 
 
+@pytest.mark.parametrize("spare_nodes", [0, 1])
+def test_a_sigkilled_rank_whose_agent_srun_never_reported_restarts_the_step_from_the_agent_s_line(
+    tmp_path, spare_nodes
+):
+    """Under torchrun, node2's agent exited 1 (its rank lost its peer) and srun killed node1's (--kill-on-bad-exit)
+    before reporting its 137: only node1's agent's own line says its rank 1 died of SIGKILL, as in a CI run."""
+    survivor = TaskExit("node2", "1", "Exited with exit code 1")
+    agent = ev.rank_failed_line(1, "node1", -9)
+    for lines, restarts in (([agent], 1), ([ev.rank_failed_line(1, "node1", 1)], 0), ([], 0)):
+        cluster = FakeCluster(
+            [StepScript(exit=1, polls=100, tasks=[survivor], agent_lines=lines), StepScript(exit=0)],
+            nodes=["node1", "node2", "node3"],
+        )
+        (case := tmp_path / f"{len(lines)}-{restarts}").mkdir()
+        out = supervise(case, cluster, batch_host="node3", spare_nodes=spare_nodes)
+        assert len(of(out, ev.RESTART)) == restarts, (lines, out.lines)
+        if restarts:
+            assert out.exit == 0
+        else:  # no SIGKILL said: the program's own failure, as before
+            assert of(out, ev.END)[0]["outcome"] == ev.PROGRAM_FAILED
+    cluster = FakeCluster(
+        [StepScript(exit=1, polls=100, tasks=[survivor], agent_lines=[f"0: {agent}"]), StepScript(exit=0)],
+        nodes=["node1", "node2", "node3"],
+    )
+    (tmp_path / "labelled").mkdir()
+    out = supervise(tmp_path / "labelled", cluster, batch_host="node3", spare_nodes=spare_nodes)
+    assert any(
+        "a rank was killed (SIGKILL: rank 1 on node1) and every node answers" in line for line in out.lines
+    )
+
+
 def test_a_sigkilled_rank_with_no_restart_left_ends_the_job_as_the_programs_failure(tmp_path):
     cluster = FakeCluster([StepScript(exit=137, tasks=[TaskExit("node1", "0", "Exited with exit code 137")])])
     out = supervise(tmp_path, cluster, max_restarts=0)
@@ -852,3 +888,19 @@ def test_a_step_ended_on_purpose_passes_on_its_lines_until_then_and_not_srun_s_l
     assert "task 0: Exited with exit code 3" in err
     assert "forcing job termination" not in err and "Killed" not in err, err
     assert [t.node for t in step.task_exits()] == ["node1", "node2"]
+
+
+def test_the_step_keeps_what_the_torchrun_agents_say_of_their_failed_ranks():
+    """srun passes each task's stderr on: the supervisor's reader keeps the agents' rank lines (the real formatter's)
+    beside srun's own task lines."""
+    import sys
+
+    from hpkit.supervise.cluster import _SrunStep
+
+    lines = [ev.rank_failed_line(1, "node1", -9), "srun: error: node2: task 1: Exited with exit code 1"]
+    program = f"import sys; sys.stderr.write({chr(10).join(lines) + chr(10)!r}); sys.exit(1)"
+    step = _SrunStep([sys.executable, "-c", program], {"PATH": "/usr/bin:/bin"})
+    assert step.wait() == 1
+    step._reader.join(30)
+    assert step.failed_ranks() == [ev.RankFailed(1, "node1", -9)]
+    assert [(t.node, t.exit_code) for t in step.task_exits()] == [("node2", 1)]

@@ -269,7 +269,7 @@ def _hpkit_findings(content: str, ev: Evidence) -> list[Finding]:
             Finding(HANG_LINE, (ev,), rank=hang.rank, node=hang.node, detail=hang.text, where=hang.stacks)
         ]
     if placed := job_events.parse_rank_failed_line(content):
-        return [Finding(RANK_FAILED_ON, (ev,), rank=placed[0], node=placed[1])]
+        return [Finding(RANK_FAILED_ON, (ev,), rank=placed.rank, node=placed.node)]
     if fault := job_events.parse_fault_line(content):
         kind, rank, _ = fault
         return [Finding(FAULT, (ev,), rank=rank, detail=kind)]

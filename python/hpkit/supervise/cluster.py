@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from hpkit.job_events import RankFailed, parse_rank_failed_line
 from hpkit.slurm import client, hostlist
 from hpkit.supervise import probe
 from hpkit.supervise.probe import PROBE_TIMEOUT_S, launch_failed_node, silent_nodes
@@ -69,6 +70,10 @@ class Step(Protocol):
         ...
 
     def task_exits(self) -> list[TaskExit]: ...
+    def failed_ranks(self) -> list[RankFailed]:
+        """The ranks hpkit-torchrun said failed (job_events.rank_failed_line), each with its node."""
+        ...
+
     def ready(self) -> set[str]:
         """What the step has said is ready: the names `ready_when` (start_step) found in its lines; empty without."""
         ...
@@ -155,6 +160,7 @@ class _SrunStep:
         stdout = subprocess.PIPE if ready_when is not None else None
         self._proc = subprocess.Popen(list(argv), env=dict(env), stdout=stdout, stderr=subprocess.PIPE)
         self._exits: list[TaskExit] = []
+        self._failed: list[RankFailed] = []
         self._lock = threading.Lock()
         # Set by end(): srun's lines from then on are about the stop ("forcing job termination", each task
         # "Killed"), which read as a fault in a log that has just said the job completed.
@@ -186,10 +192,14 @@ class _SrunStep:
             if not self._ending.is_set():
                 sys.stderr.buffer.write(raw)
                 sys.stderr.buffer.flush()
-            task = TaskExit.parse(raw.decode(errors="replace"))
-            if task is not None:
-                with self._lock:
+            line = raw.decode(errors="replace")
+            task = TaskExit.parse(line)
+            failed = parse_rank_failed_line(line) if task is None else None
+            with self._lock:
+                if task is not None:
                     self._exits.append(task)
+                if failed is not None:
+                    self._failed.append(failed)
 
     def poll(self) -> int | None:
         return self._proc.poll()
@@ -201,6 +211,10 @@ class _SrunStep:
     def task_exits(self) -> list[TaskExit]:
         with self._lock:
             return list(self._exits)
+
+    def failed_ranks(self) -> list[RankFailed]:
+        with self._lock:
+            return list(self._failed)
 
     def signal(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):

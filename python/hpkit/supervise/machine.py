@@ -7,8 +7,9 @@ After a step ends, first match wins:
 3. A hang verdict of this attempt: the step restarts in the allocation from the last checkpoint.
 4. A failed step without spares: a node slurmctld calls gone (or one that stops answering) is Slurm's to
    requeue or end.
-5. Every node answering: a rank SIGKILLed (the OOM killer, an operator, a node's health agent) restarts the step
-   in the allocation on the same nodes; any other failure is the program's own, which is not requeued.
+5. Every node answering: a rank SIGKILLed (the OOM killer, an operator, a node's health agent; srun's task line or,
+   under torchrun, the rank's agent says so) restarts the step in the allocation on the same nodes; any other
+   failure is the program's own, which is not requeued.
 Every restart, in the allocation or by a requeue, is paid from one budget (hpkit.supervise.budget).
 """
 
@@ -93,6 +94,7 @@ class Supervisor:
         self.probed: list[str] | None = None
         # The step's task exits before this supervisor stopped it (its own SIGKILL is no rank's fault).
         self.task_exits: list[TaskExit] = []
+        self.failed_ranks: list[ev.RankFailed] = []  # and what its torchrun agents said of their ranks
         self._store: tuple[str, str] | None = None  # the last step's rendezvous store: address, port
 
     # -- what it tells: one line for people, one event for hpkit why ------------------------------------------
@@ -407,14 +409,18 @@ class Supervisor:
                             if silent
                             else f"the step is failing and still running {STEP_GRACE_S:.0f} s later: stopping it"
                         )
-                        self.task_exits, stopped = step.task_exits(), True
+                        self.task_exits, self.failed_ranks, stopped = (
+                            step.task_exits(),
+                            step.failed_ranks(),
+                            True,
+                        )
                         step.kill()
                         self.cluster.cancel_steps(self.run_.name)
                         break
                 step.join(POLL_S)
             status = step.wait()
             if not stopped:
-                self.task_exits = step.task_exits()
+                self.task_exits, self.failed_ranks = step.task_exits(), step.failed_ranks()
             self.probed = self._probe.result() if self._probe is not None else None
         self.step = None
         if self.plan.ranks_ready:
@@ -473,11 +479,16 @@ class Supervisor:
     def _killed_rank(self, status: int) -> _Restart | None:
         """A rank SIGKILLed on a node that answers: the step restarts in the allocation, on the same nodes, while
         the budget lasts (a rank killed again and again spends it, then the job ends as the program's failure)."""
-        killed = [t for t in self.task_exits if t.killed]
+        # Under torchrun, the rank's agent says so itself (srun may have killed that agent, --kill-on-bad-exit,
+        # after a peer's agent exited 1, before reporting its exit of 128 + 9); srun's line for its node adds nothing.
+        ranks = [r for r in self.failed_ranks if r.exit_code == -signal.SIGKILL]
+        killed = [f"rank {r.rank} on {r.node}" for r in ranks]
+        named = {r.node for r in ranks}
+        killed += [f"task {t.tasks} on {t.node}" for t in self.task_exits if t.killed and t.node not in named]
         if not killed or not self.budget.can_restart():
             return None
         self._restart("killed", None)
-        where = ", ".join(f"task {t.tasks} on {t.node}" for t in killed)
+        where = ", ".join(killed)
         self.say(
             f"a rank was killed (SIGKILL: {where}) and every node answers: restarting the step on "
             f"{','.join(self.step_nodes)} in this allocation from the last checkpoint (restart {self.budget.used} "
