@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpkit import job_events
-from hpkit.jobs.why import FAULT, HANG_LINE, TRAIN_DONE, TRAIN_STOPPED
+from hpkit.jobs.why import FAULT, HANG_LINE, RANK_FAILED_ON, TRAIN_DONE, TRAIN_STOPPED
 from hpkit.jobs.why_scan import scan_output
 from hpkit.runtime.watchdog.hang_rules import Verdict
 from hpkit.supervise.hangs import culprit_nodes, verdict_path
@@ -75,6 +75,14 @@ def test_the_done_line_reads_back() -> None:
     assert job_events.parse_done_line(line) == fields
 
 
+def test_the_agent_s_rank_line_reads_back() -> None:
+    line = job_events.rank_failed_line(5, "ip-10-1-2-3", -9)
+    finding = scan_output([line + "\n"], "job.out")  # the agent's own line: not a rank's, so unlabelled
+    assert [(f.kind, f.rank, f.node) for f in finding] == [(RANK_FAILED_ON, 5, "ip-10-1-2-3")]
+    assert job_events.parse_rank_failed_line(line) == job_events.RankFailed(5, "ip-10-1-2-3", -9)
+    assert job_events.parse_rank_failed_line(" 0: " + line) == job_events.RankFailed(5, "ip-10-1-2-3", -9)
+
+
 def test_a_line_of_another_kind_is_none_of_them() -> None:
     line = "hpkit train: resumed from /ckpt/step-00000010 at step 10"
     assert scan_output([f"0: {line}\n"], "job.out") == []
@@ -82,6 +90,7 @@ def test_a_line_of_another_kind_is_none_of_them() -> None:
     assert job_events.parse_fault_line(line) is None
     assert job_events.parse_stopping_line(line) is None
     assert job_events.parse_done_line(line) is None
+    assert job_events.parse_rank_failed_line(line) is None
 
 
 def test_the_watchdogs_hang_folder_is_where_the_supervisor_and_why_look(tmp_path: Path) -> None:
