@@ -165,6 +165,17 @@ def _losses(jobs: Path, name: str) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in records if "event" not in r}
 
 
+def _reference_losses(jobs: tuple[Path, dict[str, tuple]]) -> dict[int, float]:
+    """The losses of torchrun's job outside the image, which the other jobs must equal: checked here, since a test
+    comparing with them may run without the test that checks that job."""
+    folder, ran = jobs
+    status, printed, log = ran["out"]
+    assert status == 0, f"out: {printed}\n{log}"
+    losses = _losses(folder, "out")
+    assert sorted(losses) == [1, 2, 3, 4], losses
+    return losses
+
+
 @pytest.fixture(scope="module")
 def jobs(cluster, bundle: Path, var_log_marker: Path, tmp_path_factory) -> tuple[Path, dict[str, tuple]]:
     """Inside and outside the image, then each resuming the other's checkpoint."""
@@ -319,7 +330,6 @@ def test_ranks_fork_warm_in_their_node_s_container_on_24_11(
     """resilience.warm_start in Slurm's own OCI containers: each node's zygote runs in the image (its step has the
     job's containers too), and every rank forks from it, in the image with the host's /var/log, to the losses of
     torchrun's job outside it. 22.05 gives every container task 0's variables and is refused at submit (test_warm)."""
-    folder, _ = jobs
     probe = tmp_path / "probe.py"
     probe.write_text(WARM_PROBE)
     container = {"runtime": "oci", "image": str(bundle), "mounts": [f"{tmp_path}:{tmp_path}"]}
@@ -340,7 +350,7 @@ def test_ranks_fork_warm_in_their_node_s_container_on_24_11(
     assert sorted(forked) == ["0", "1", "2", "3"], log
     inside = re.findall(r"WHERE rank=(\d) image=(\w+) var_log=(\S+)", log)
     assert sorted(inside) == [(str(r), "yes", marker) for r in range(4)], log
-    assert _losses(tmp_path, "warm-in") == pytest.approx(_losses(folder, "out"), rel=1e-6, abs=0)
+    assert _losses(tmp_path, "warm-in") == pytest.approx(_reference_losses(jobs), rel=1e-6, abs=0)
 
 
 def test_srun_launcher_runs_a_container_per_rank_on_24_11(
@@ -348,7 +358,6 @@ def test_srun_launcher_runs_a_container_per_rank_on_24_11(
 ) -> None:
     """Slurm 24.11 runs a container per task, several per node: launcher: srun (4 ranks, 2 a node) inside the
     image gives the losses of torchrun's job outside it (22.05 refuses it at submit: the bad-input test)."""
-    folder, _ = jobs
     container = {
         "runtime": "oci",
         "image": str(bundle),
@@ -362,4 +371,4 @@ def test_srun_launcher_runs_a_container_per_rank_on_24_11(
     inside = re.findall(r"WHERE rank=(\d) image=(\w+) var_log=(\S+)", log)
     assert sorted(inside) == [(str(r), "yes", marker) for r in range(4)], log
     assert log.count("hpkit-entrypoint:") == 2, log  # the start-up check once per node
-    assert _losses(tmp_path, "srun-in") == pytest.approx(_losses(folder, "out"), rel=1e-6, abs=0)
+    assert _losses(tmp_path, "srun-in") == pytest.approx(_reference_losses(jobs), rel=1e-6, abs=0)
