@@ -185,7 +185,9 @@ def warm_start_problem(job: SlurmJob) -> str | None:
     # Every launcher's ranks can be: torchrun's agent, or srun's task (launcher srun, and mpi, whose forked ranks
     # still wire up through the step's PMIx server: test_mpi_jobs), starts the client in the rank's place.
     if job.container is not None and job.container.runtime != "oci":
-        # A pyxis/enroot container's /dev/shm, where the zygote's socket lives, is not known to be the node's.
+        # A pyxis/enroot container's /dev/shm, where the zygote's socket lives, is the node's only where the site's
+        # enroot binds it: enroot's current conf/mounts/10-system.fstab binds the host's /dev/shm, older ones bound
+        # /dev read-only and nothing else, and sites edit that file. No pyxis here to try it on: refused until then.
         return (
             "ranks are forked warm only outside a container or in Slurm's own OCI containers (container.runtime: "
             "oci); use runtime oci, or drop the container"
