@@ -44,6 +44,7 @@ C10D = "torch.distributed.distributed_c10d"
 _installed = False
 # The process groups destroy_process_group() destroyed, kept until exit (see the module's docstring).
 _DESTROYED: list[Any] = []
+_exiting = False  # the exit hook has run: a group destroyed later (another exit hook) is let go at once
 
 
 def install() -> None:
@@ -61,6 +62,8 @@ def install() -> None:
 
 def _at_exit() -> None:
     # Last references first (the group's binding releases the GIL while it joins its threads), then the settle.
+    global _exiting
+    _exiting = True
     _DESTROYED.clear()
     time.sleep(SETTLE_S)
 
@@ -79,7 +82,8 @@ def _patch(c10d: ModuleType) -> None:
             else [g for g in groups if g is group]
         )
         original(group)
-        _DESTROYED.extend(kept)
+        if not _exiting:
+            _DESTROYED.extend(kept)
 
     destroy_process_group.hpkit_keeps_groups = True  # type: ignore[attr-defined]
     c10d.destroy_process_group = destroy_process_group  # type: ignore[assignment]

@@ -48,6 +48,10 @@ del world, sub, kept
 threads_before = runloops()
 exit_settle._at_exit()
 out |= {"left": len(exit_settle._DESTROYED), "runloops": [threads_before, runloops()]}
+# A group destroyed by an exit hook that runs after this one is let go at once, not kept for a hook that has run.
+dist.init_process_group("gloo", init_method="file://" + sys.argv[2] + "-2", rank=0, world_size=1)
+dist.destroy_process_group()
+out["kept_after_exit"] = len(exit_settle._DESTROYED)
 print(json.dumps(out))
 """
 
@@ -71,6 +75,7 @@ def test_destroyed_groups_are_kept_until_the_exit_hook_which_destroys_them(tmp_p
     # keeps them until the hook and loses them there; the world group keeps its own (the DDP model holds it).
     assert out["left"] == 0, out
     assert out["runloops"] == [4, 2], out
+    assert out["kept_after_exit"] == 0, out
 
 
 def test_a_program_that_never_imports_torch_does_not_import_it():
