@@ -142,17 +142,43 @@ def _run_reporting(args: Any) -> int | None:
     block, which `hpkit why` reads) without this agent's own Python traceback, which only says a child failed
     and sat above every job log's real error, and one line per failed rank naming this node (`hpkit why`'s node for
     the rank), the agent's exit status (`failed_status`); None when all went well."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     try:
         _run(args)
     except ChildFailedError as exc:
-        node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
-        placed = "".join(
-            f"\n{rank_failed_line(rank, node, f.exitcode)}" for rank, f in sorted(exc.failures.items())
-        )
-        print(f"{AGENT_PREFIX}ChildFailedError: {exc}{placed}", file=sys.stderr, flush=True)
-        return failed_status(exc.get_first_failure()[1].exitcode)
+        return _report(exc)
+    except SignalException as exc:
+        # A signal while torchrun, its rank failed, still closed the rendezvous (seconds: its log records walk the
+        # stack): srun stopping this agent (--kill-on-bad-exit) because a peer's agent, whose rank died of this
+        # one's failure, exited first. This node's failure is the news; the signal follows from it.
+        failed = _context_of(exc, ChildFailedError)
+        if failed is None:
+            raise
+        return _report(failed)
+    return None
+
+
+def _report(exc: Any) -> int:
+    """Print the ChildFailedError's table and a line per failed rank naming this node; the exit status."""
+    node = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    placed = "".join(
+        f"\n{rank_failed_line(rank, node, f.exitcode)}" for rank, f in sorted(exc.failures.items())
+    )
+    print(f"{AGENT_PREFIX}ChildFailedError: {exc}{placed}", file=sys.stderr, flush=True)
+    return failed_status(exc.get_first_failure()[1].exitcode)
+
+
+def _context_of(exc: BaseException, kind: type[BaseException]) -> BaseException | None:
+    """The exception of `kind` that `exc` was raised while handling, however deep, or None."""
+    seen: set[int] = set()
+    context = exc.__context__
+    while context is not None and id(context) not in seen:
+        if isinstance(context, kind):
+            return context
+        seen.add(id(context))
+        context = context.__context__
     return None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
@@ -87,8 +88,6 @@ def test_the_agent_stops_its_workers_at_once_after_a_failure_and_with_torchruns_
     came) the agent SIGKILLs its workers FAILED_STOP_S after SIGTERM, not torchrun's 30 s; a signal the agent
     was sent (Slurm's USR1 or SIGTERM, passed on to the ranks to checkpoint and stop) keeps torchrun's timeout, and so
     does a hang the watchdog called (its ranks write their stacks, then exit by themselves)."""
-    import signal
-
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -133,6 +132,38 @@ def test_the_agent_stops_its_workers_at_once_after_a_failure_and_with_torchruns_
         assert hang.closed == [(signal.SIGTERM, 30)]
     finally:
         LocalElasticAgent._shutdown = original
+
+
+@pytest.mark.parametrize("cause", ["child_failed", "signal_alone"])
+def test_a_signal_while_torchrun_closes_after_its_rank_failed_still_reports_that_rank(
+    monkeypatch, capsys, cause
+):
+    """As in a CI run: this node's rank was SIGKILLed, and while torchrun closed the rendezvous (in its `finally`),
+    srun's SIGTERM came (a peer's agent had exited first): the SignalException was raised while handling the
+    ChildFailedError, and the agent died of it with a traceback, naming neither the rank's node nor its signal. A
+    signal with no failure behind it (a stop, a preemption) is torchrun's as before."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from hpkit import torchrun_agent
+
+    def failing(_args):
+        try:
+            if cause == "child_failed":
+                raise ChildFailedError("train.py", {1: ProcessFailure(0, 4242, -9, "<N/A>")})
+        finally:  # torchrun's rendezvous shutdown, where the signal came
+            raise SignalException("Process 10863 got signal: 15", sigval=signal.SIGTERM)
+
+    monkeypatch.setattr(torchrun_agent, "_run", failing)
+    monkeypatch.setenv("SLURMD_NODENAME", "node1")
+    if cause == "signal_alone":
+        with pytest.raises(SignalException):
+            torchrun_agent._run_reporting(None)
+        return
+    assert torchrun_agent._run_reporting(None) == 137
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "Root Cause (first observed failure)" in err, err
+    assert "hpkit-torchrun: rank 1 failed on node1 (exit code -9)" in err.splitlines(), err
 
 
 @pytest.mark.parametrize(("exitcode", "status"), [(-9, 137), (-11, 139), (1, 1), (3, 1)])

@@ -55,9 +55,7 @@ RUN_START = "run_start"  # a run's start event
 TRACEBACK = "traceback"  # a Python traceback's exception line; rank from the line's label
 LAUNCHER_ROOT = "launcher_root"  # torchrun's "Root Cause (first observed failure)" block
 TASK_FAILED = "task_failed"  # srun's "srun: error: NODE: task N: Exited with exit code C" / "task N: Killed"
-RANK_FAILED_ON = (
-    "rank_failed_on"  # hpkit-torchrun's "rank R failed on NODE": the node of a rank under torchrun
-)
+RANK_FAILED_ON = "rank_failed_on"  # hpkit-torchrun's "rank R failed on NODE": a torchrun rank's node
 FAULT = "fault"  # "hpkit: fault injected (HPKIT_FAULT): exit on rank R before step N"
 PROGRAM_FAILED = "program_failed"  # the supervisor ended the job: the step failed on healthy nodes
 HANG_LINE = "hang_line"  # rank 0's "hpkit: hang: rank R on NODE held up step N ...; stacks ... in DIR"
