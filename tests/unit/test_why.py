@@ -336,6 +336,14 @@ def test_the_killed_rank_s_node_is_the_agent_s_word_when_srun_never_reports_that
     assert only_node2 != SIGKILL_TWO_BLOCKS
     v = decide(facts(only_node2, [record("FAILED", exit_code="1:0")], torchrun=True))
     assert v.node == "node2", "the log without the agent's line: only srun's word"
+    # Nor does plain torchrun print that line; on a cluster its block's host is the node's name, which srun's lines use.
+    on_hosts = only_node2.replace(
+        "  host      : localhost\n  rank      : 1", "  host      : node1\n  rank      : 1"
+    )
+    assert on_hosts != only_node2
+    on_hosts += "srun: error: node1: task 0: Exited with exit code 1\n"
+    v = decide(facts(on_hosts, [record("FAILED", exit_code="1:0")], torchrun=True))
+    assert (v.kind, v.rank, v.node) == (why.SIGNAL, 1, "node1"), v.summary
     srun_line = "srun: error: node2: task 1: Exited with exit code 1\n"
     with_agent = only_node2.replace(srun_line, agent_line + srun_line)
     assert with_agent.count(agent_line) == 1

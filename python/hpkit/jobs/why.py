@@ -473,6 +473,12 @@ def _program(found: _Found, torchrun: bool | None) -> _Call | None:
         placed = next((f for f in found.of(RANK_FAILED_ON) if f.rank == root.rank), None)
         if placed is not None:
             first_task = next((t for t in tasks if t.node == placed.node), None)
+        elif root.node and not (
+            root.signal and first_task is not None and _says_signal(first_task, root.signal)
+        ):
+            # Without it (plain torchrun), torchrun's block names its host: on a cluster, the node's hostname, which
+            # srun's lines name too (not on the local cluster, whose nodes share one host).
+            first_task = next((t for t in tasks if t.node == root.node), first_task)
     node = placed.node if placed is not None else first_task.node if first_task is not None else None
     launcher = _ev(root, placed, first_task if first_task is not root else None)
     if root is not None and root.rank is not None:
