@@ -230,7 +230,9 @@ def supervise_plan(spec: JobSpec) -> str:
         # only for hpkit train with its watchdog on, since serving it imports torch (memory in the batch step).
         watch_store=job.launcher in ("srun", "mpi") and resilience.hang.enabled and runs_hpkit_train(job),
         ranks_ready=runs_hpkit_train(job),
+        usr1_hold_s=resilience.signal_grace_s / 2,
         warm=zygote_command(job, spec.warm_starts, spec.run.resilience.warm_preload),
+        sagemaker_hosts=job.sagemaker_env is not None,
     ).to_json()
 
 

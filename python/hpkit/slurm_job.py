@@ -135,8 +135,9 @@ class ContainerSpec(StrictModel):
 class SageMakerEnvSpec(StrictModel):
     """Export the variables SageMaker training scripts read, so that they run unchanged under Slurm.
 
-    SM_HOSTS (JSON list of the allocation's nodes) and SM_CURRENT_HOST (each task's node) are computed
-    at run time; SM_NUM_GPUS is gpus_per_node; the directories are created before the step starts.
+    SM_HOSTS (JSON list of the step's nodes, spares left out, its rendezvous node first) and SM_CURRENT_HOST
+    (each task's node) are computed at run time; SM_NUM_GPUS is gpus_per_node; the directories are created
+    before the step starts.
     """
 
     model_dir: str | None = Field(default=None, description="SM_MODEL_DIR (default: <output_dir>/model)")

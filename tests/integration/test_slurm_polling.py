@@ -242,7 +242,7 @@ def test_only_the_batch_script_asks_the_controller_at_start_up(slurm_cluster, tm
         "nodes": 2,
         "tasks_per_node": 2,
         "launcher": launcher,
-        "sagemaker_env": {},  # SM_HOSTS too comes from the batch shell
+        "sagemaker_env": {},  # SM_HOSTS comes from the supervisor's host list, not from scontrol
         "command": [sys.executable, "-c", RANK_START],
     }
     (tmp_path / "spec.yaml").write_text(yaml.safe_dump(spec))
@@ -269,10 +269,10 @@ def test_only_the_batch_script_asks_the_controller_at_start_up(slurm_cluster, tm
     print(f"{launcher}: controller calls from inside the job: {in_job}")
     assert in_job, "the batch shell's calls should be logged too (is the wrapper on the job's PATH?)"
     assert all(line.startswith("scontrol step=none") for line in in_job), in_job
-    # NodeAddr for the rendezvous (the supervisor, which reads the host list itself: hpkit.slurm.hostlist), and
-    # the host names for SM_HOSTS (the batch shell).
+    # NodeAddr for the rendezvous only: the supervisor reads the host list itself (hpkit.slurm.hostlist), SM_HOSTS
+    # included.
     asked = sorted(line.split(" ", 4)[4] for line in in_job)
-    assert asked == ["show hostnames node[1-2]", "show node -o node1"], in_job
+    assert asked == ["show node -o node1"], in_job
 
 
 def test_logs_follow_streams_the_file_between_rare_polls(slurm_cluster, tmp_path):

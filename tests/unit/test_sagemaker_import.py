@@ -162,7 +162,8 @@ def test_seed_002_sm_hosts_script_without_distribution_runs_once_per_host():
     assert result.data["command"] == ["python3", "train.py", "--backend", "gloo", "--model-type", "custom"]
     assert result.spec.job.world_size == 2
     script = render(result.spec)
-    assert "export SM_HOSTS=" in script and "SM_CURRENT_HOST=$SLURMD_NODENAME" in script
+    # SM_HOSTS is each step's nodes, set by the job's supervisor.
+    assert '"sagemaker_hosts": true' in script and "SM_CURRENT_HOST=$SLURMD_NODENAME" in script
 
 
 def test_seed_002_misspelled_enable_is_off_as_on_sagemaker_and_warned():

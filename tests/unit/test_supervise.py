@@ -19,7 +19,7 @@ import pytest
 
 from hpkit import job_events as ev
 from hpkit.supervise.cluster import TaskExit
-from hpkit.supervise.machine import STEP_GRACE_S, Supervisor
+from hpkit.supervise.machine import POLL_S, STEP_GRACE_S, Supervisor
 from hpkit.supervise.plan import Plan, Run
 
 JOB = "77"
@@ -317,6 +317,28 @@ def test_a_lost_node_is_swapped_for_a_spare_and_the_step_restarts_on_it(tmp_path
     ended = of(out, ev.STEP_ENDED)[0]
     assert ended["tasks"] == [{"node": "node1", "tasks": "0", "outcome": "Killed", "exit_code": None}]
     assert "scontrol requeue 77" not in cluster.calls
+
+
+def test_sagemaker_hosts_are_each_steps_nodes_rendezvous_node_first_and_never_a_spare(tmp_path):
+    """sagemaker_env: a SageMaker script's world is len(SM_HOSTS) and its rank is the index of its node there, and its
+    rank 0 serves the store at MASTER_ADDR. The allocation's list (the batch script's before) named the spare, so the
+    script waited for a host that had no task, and after a swap it still named the lost node."""
+    cluster = FakeCluster(
+        [StepScript(exit=1, polls=100, tasks=[TaskExit("node1", "0", "Killed")]), StepScript(exit=0)],
+        nodes=["node1", "node2", "node3"],
+    )
+    cluster.unanswering_nodes = {"node1"}
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1, sagemaker_hosts=True)
+    assert out.exit == 0
+    hosts = [json.loads(env["SM_HOSTS"]) for _, env, _ in cluster.started]
+    assert hosts == [["node1", "node2"], ["node3", "node2"]], hosts
+    for (_, env, _), step_hosts in zip(cluster.started, hosts, strict=True):
+        assert env["MASTER_ADDR"] == cluster.node_addr(step_hosts[0]), env
+    # A job without sagemaker_env gets no SM_HOSTS.
+    plain = FakeCluster([StepScript(exit=0)], nodes=["node1", "node2"])
+    (tmp_path / "plain").mkdir()
+    supervise(tmp_path / "plain", plain)
+    assert "SM_HOSTS" not in plain.started[0][1]
 
 
 @pytest.mark.parametrize("silent", [True, False])
@@ -793,6 +815,34 @@ def test_a_pending_usr1_is_held_until_every_rank_has_installed_its_handler(tmp_p
     cluster = FakeCluster([StepScript(exit=1, polls=5)])
     out = supervise(tmp_path, cluster, usr1_flag=flag, requeue_on_failure=False, ranks_ready=True)
     assert cluster.started[0][2].signals == [] and of(out, ev.REQUEUE)[0]["reason"] == "usr1"
+
+
+def test_a_usr1_is_held_for_ranks_that_never_say_they_are_ready_only_for_half_the_grace(tmp_path):
+    """Ranks that never announce (one stuck setting up, a ready folder that cannot be written) kept the signal from
+    every rank until Slurm's kill: no rank saved. After half of signal_grace_s it is passed on, once, and said."""
+    flag = tmp_path / "usr1"
+    flag.touch()
+    cluster = FakeCluster([StepScript(exit=0, polls=10**4, exit_on_usr1=0)])
+    out = supervise(
+        tmp_path, cluster, usr1_flag=flag, requeue_on_failure=False, ranks_ready=True, usr1_hold_s=30
+    )
+    step = cluster.started[0][2]
+    assert step.signals == [signal.SIGUSR1], step.signals
+    # Polled every POLL_S on the cluster's clock, from the signal's arrival.
+    assert 30 <= step.signalled_after[0] * POLL_S <= 31, step.signalled_after
+    assert any(line.startswith("hpkit: USR1 passed on 30 s after it came though") for line in out.lines), (
+        out.lines
+    )
+    assert of(out, ev.REQUEUE)[0]["reason"] == "usr1"
+    # The rendered job holds it for half its grace.
+    from hpkit.render import supervise_plan
+    from hpkit.spec import JobSpec
+    from hpkit.validation import parse_document
+
+    spec = parse_document(
+        JobSpec, {"name": "g", "command": ["hpkit", "train"], "resilience": {"signal_grace_s": 300}}
+    )
+    assert Plan.from_json(supervise_plan(spec)).usr1_hold_s == 150
 
 
 def test_warm_start_keeps_one_zygote_step_over_every_node_for_the_run(tmp_path):

@@ -16,6 +16,7 @@ Every restart, in the allocation or by a requeue, is paid from one budget (hpkit
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import signal
 from collections.abc import Callable, Mapping, Sequence
@@ -84,6 +85,7 @@ class Supervisor:
         self.budget = Budget(plan.max_restarts)
         self.attempt = 0
         self.signalled = False
+        self._usr1_at = 0.0  # when USR1 came (the cluster's clock): Slurm's kill follows signal_grace_s later
         self.step: Step | None = None
         self._forwarded: Step | None = None
         self._held: Step | None = None
@@ -119,22 +121,31 @@ class Supervisor:
     def on_usr1(self) -> None:
         """Slurm's warning signal: remember it, and pass it to the step (once per step)."""
         if not self.signalled:
-            self.signalled = True
+            self.signalled, self._usr1_at = True, self.cluster.monotonic()
             self.say("USR1 received: asking the ranks to checkpoint and stop")
             self.event(ev.USR1)
         self._pass_usr1()
 
     def _pass_usr1(self) -> None:
         """Pass USR1 to the running step once, and only once its ranks have their handlers: before that, the
-        signal's default action would kill them (a step just started, or restarted, is still setting up)."""
+        signal's default action would kill them (a step just started, or restarted, is still setting up). Held
+        for at most plan.usr1_hold_s after it came: ranks that never say so (a rank stuck setting up, a ready
+        folder that cannot be written) must not keep the others from saving before Slurm's kill."""
         step = self.step
         if step is None or self._forwarded is step:
             return
         if self.plan.ranks_ready and not all_ready(self.ready_dir()):
-            if self._held is not step:
-                self._held = step
-                self.say("USR1 held until the step's ranks have installed their signal handlers")
-            return
+            held_s = self.cluster.monotonic() - self._usr1_at
+            if held_s < self.plan.usr1_hold_s:
+                if self._held is not step:
+                    self._held = step
+                    self.say("USR1 held until the step's ranks have installed their signal handlers")
+                return
+            self.say(
+                f"USR1 passed on {held_s:.0f} s after it came though not every rank has said its signal handler is "
+                "in place (half of resilience.signal_grace_s is all it waits): a rank still setting up ends, and the "
+                "job resumes from its last checkpoint"
+            )
         self._forwarded = step
         step.signal(signal.SIGUSR1)
 
@@ -339,9 +350,12 @@ class Supervisor:
     def step_env(self) -> dict[str, str]:
         first = self.step_nodes[0] if self.step_nodes else self.run_.batch_host
         ready = {READY_ENV: str(self.ready_dir())} if self.plan.ranks_ready else {}
+        # A SageMaker script's world is SM_HOSTS, and its rank 0 (the first host's) serves the store at MASTER_ADDR.
+        hosts = {"SM_HOSTS": json.dumps(self.step_nodes)} if self.plan.sagemaker_hosts else {}
         return {
             **self.env,
             **ready,
+            **hosts,
             "HPKIT_STEP_ATTEMPT": str(self.attempt),
             # Rendezvous on the step's first node, by its NodeAddr (node names need not resolve in DNS);
             # hpkit-torchrun serves the store there, and only there.

@@ -32,9 +32,14 @@ class Plan:
     # The step's ranks announce when their signal handlers are in place (hpkit train: hpkit.supervise.ready): a
     # USR1 is held until then.
     ranks_ready: bool = False
+    # How long that hold lasts at most, from the signal's arrival (half the grace: the other half is the save's).
+    usr1_hold_s: float = 60.0
     # resilience.warm_start: the zygote's command (hpkit.warm.zygote, shell text), run as a background step on
     # every node of the allocation for its whole length; "" for none.
     warm: str = ""
+    # sagemaker_env: SM_HOSTS is each step's nodes, its rendezvous node first (set here, not by the batch shell:
+    # spares are in the allocation but not in a step, and a swap changes a step's nodes).
+    sagemaker_hosts: bool = False
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -43,8 +48,10 @@ class Plan:
 
     def to_json(self) -> str:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        if not self.warm:  # absent unless set: the scripts of jobs without warm starts read as before
-            del data["warm"]
+        # Absent unless set: the scripts of jobs without them read as before.
+        for name in ("warm", "sagemaker_hosts"):
+            if not data[name]:
+                del data[name]
         return json.dumps(data, sort_keys=True)
 
 
