@@ -52,12 +52,12 @@ def test_degrees_that_do_not_make_the_world(world, kw, message):
 
 
 def test_every_schedule_a_spec_may_name_has_a_torch_class():
+    import torch.distributed.pipelining as pipelining
+
     from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES
     from hpkit.runtime.parallel import pipeline
 
-    assert sorted(pipeline.SCHEDULES) == sorted(SCHEDULES)
-    import torch.distributed.pipelining as pipelining
-
+    # The names and their classes sit side by side in arch: a name without a class fails here (a KeyError).
     for name in SCHEDULES:
         cls = pipeline.schedule_class(name)
         assert issubclass(cls, pipelining.schedules._PipelineSchedule), name

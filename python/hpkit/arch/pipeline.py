@@ -1,8 +1,8 @@
 """Pipeline parallel as plain numbers: the schedule names, which stages a pp rank holds, which blocks a stage
 holds, and the settings torch's schedules (2.13) refuse.
 
-The runtime (hpkit.runtime.parallel.pipeline, which maps each name to torch's class) and the planner (hpkit.plan) both
-call these functions: one placement, one set of rules.
+The runtime (hpkit.runtime.parallel.pipeline, which imports the class named here for each schedule) and the planner
+(hpkit.plan) both call these functions: one placement, one set of rules.
 """
 
 from __future__ import annotations
@@ -11,6 +11,14 @@ from typing import Literal, get_args
 
 Schedule = Literal["gpipe", "1f1b", "interleaved_1f1b", "zero_bubble"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
+# Each schedule's class in torch.distributed.pipelining (by name: this module is torch-free); a new schedule is a
+# name above and its class here (tests/unit/test_runtime_parallel_dims.py imports each).
+TORCH_CLASSES: dict[Schedule, str] = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "zero_bubble": "ScheduleZBVZeroBubble",
+}
 # Schedules that run several stages per pp rank (torch's PipelineScheduleMulti); the others run one.
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zero_bubble")
 # How stages are placed on pp ranks. torch's schedules derive the same map on their own

@@ -18,27 +18,25 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, microbatch_problem, stage_ids, stage_layers
+from hpkit.arch.pipeline import (
+    MULTI_STAGE_SCHEDULES,
+    TORCH_CLASSES,
+    microbatch_problem,
+    stage_ids,
+    stage_layers,
+)
 from hpkit.errors import SpecError
 from hpkit.runtime.adapters import ModelAdapter, adapter_of
 
-# Each schedule name (hpkit.arch.pipeline.SCHEDULES) -> the name of torch's class that runs it, in
-# torch.distributed.pipelining; those of MULTI_STAGE_SCHEDULES take a list of stages, the others one stage.
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved_1f1b": "ScheduleInterleaved1F1B",
-    "zero_bubble": "ScheduleZBVZeroBubble",
-}
-
 
 def schedule_class(schedule: str) -> type:
-    """torch's class that runs `schedule`. Imported when a pipeline is built, not with this module:
+    """torch's class that runs `schedule` (hpkit.arch.pipeline.TORCH_CLASSES): those of MULTI_STAGE_SCHEDULES take a
+    list of stages, the others one stage. Imported when a pipeline is built, not with this module:
     torch.distributed.pipelining imports torch._dynamo (0.5 CPU-s more for every rank, measured on CPU here),
     which only pipeline-parallel runs use."""
     import torch.distributed.pipelining as pipelining
 
-    return getattr(pipelining, SCHEDULES[schedule])
+    return getattr(pipelining, TORCH_CLASSES[schedule])
 
 
 def split_model(
