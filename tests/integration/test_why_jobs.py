@@ -366,9 +366,12 @@ def test_a_lost_node_is_a_node_failure_naming_it(ended):
     v = verdict_of(ended, "node_loss")
     assert (v["kind"], v["node"], v["state"]) == ("node_failure", ended["lost"], "NODE_FAIL"), v
     assert any(e["source"].endswith("slurmctld.log") and "on failed node" in e["text"] for e in v["evidence"])
-    # The surviving rank's error is in the log, and is not the verdict: it follows from the lost node.
+    # The surviving rank's error, where it reached the log, is not the verdict: it follows from the lost node. It
+    # reached it in 12 of 13 runs; in one (a loaded CI run, 160 ms steps against 25) the survivor printed nothing
+    # in the 29 s before slurmctld declared the node down and cancelled the job.
     log = ended["workdirs"]["node_loss"] / "logs" / f"node_loss-{ended['jobs']['node_loss']}.out"
-    assert "by peer" in log.read_text(), log.read_text()[-3000:]
+    survivor_said = "by peer" in log.read_text()
+    assert survivor_said or "DUE TO NODE FAILURE" in log.read_text(), log.read_text()[-3000:]
     assert not any("by peer" in e["text"] for e in v["evidence"])
 
 
