@@ -17,8 +17,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import FixedLocator, FuncFormatter
 
-from hpkit.metrics_file import MetricsLog
-from hpkit.metrics_records import CheckpointEvent, EvalEvent, StartEvent, StepRecord
+from hpkit.metrics.file import MetricsLog
+from hpkit.metrics.records import CheckpointEvent, EvalEvent, StartEvent, StepRecord
 from hpkit.netbench.results import BenchRow
 
 # (field of the step records, axis label, factor)

@@ -43,7 +43,7 @@
 #                          QOS high preempts (cancels, PreemptType=preempt/qos) normal jobs: sbatch --qos=high
 #   TOPOLOGY               none: no TopologyPlugin (default). tree | block (block: 24.11 only): TopologyPlugin=topology/...
 #                          and a topology.conf naming every node, TOPOLOGY_GROUP (default 2) nodes a leaf switch or a
-#                          block, rendered by hpkit (python3 -m hpkit.topology render), as HyperPod manages one
+#                          block, rendered by hpkit (python3 -m hpkit.slurm.topology render), as HyperPod manages one
 #
 # <dir>/etc/env sets SLURM_CONF (and PATH for 24.11): `. <dir>/etc/env` and sbatch, squeue, hpkit reach this cluster.
 set -euo pipefail
@@ -237,7 +237,7 @@ if ! alive "$dir/run/slurmctld.pid"; then
   if [[ $topo != none ]]; then
     # As HyperPod's clusters: the plugin, and a topology.conf that names every node (without one, 24.11's
     # slurmctld stops at start; with a node left out, sbatch refuses jobs that need it).
-    PYTHONPATH="$here/../../python${PYTHONPATH:+:$PYTHONPATH}" python3 -m hpkit.topology render --plugin "$topo" \
+    PYTHONPATH="$here/../../python${PYTHONPATH:+:$PYTHONPATH}" python3 -m hpkit.slurm.topology render --plugin "$topo" \
       --nodes "$(IFS=,; echo "${node_names_new[*]}")" --group-size "$topo_group" >"$dir/etc/topology.conf.tmp" ||
       die "cannot render a topology.conf for TOPOLOGY=$topo TOPOLOGY_GROUP=$topo_group (see above)"
     mv "$dir/etc/topology.conf.tmp" "$dir/etc/topology.conf"

@@ -18,8 +18,8 @@ from _gloo import run_ranks
 from prometheus_client.parser import text_string_to_metric_families
 
 from hpkit.errors import SpecError
-from hpkit.metrics_file import read_metrics
-from hpkit.metrics_records import EvalEvent, parse_record
+from hpkit.metrics.file import read_metrics
+from hpkit.metrics.records import EvalEvent, parse_record
 from hpkit.runtime.config import EvalSpec, PrometheusSpec, RunConfig
 from hpkit.runtime.env import DeviceInfo
 from hpkit.runtime.loop.evaluate import EvalSet, Evaluator, rank_rounds, token_weighted_mean

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpkit.metrics_file import MetricsReader
-from hpkit.metrics_records import (
+from hpkit.metrics.file import MetricsReader
+from hpkit.metrics.records import (
     CheckpointEvent,
     EndEvent,
     OtherEvent,

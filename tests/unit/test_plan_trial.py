@@ -13,8 +13,8 @@ import yaml
 
 from hpkit.cli import main as cli
 from hpkit.jobs.submission import prepare
-from hpkit.metrics_file import read_metrics
-from hpkit.metrics_records import EndEvent, StartEvent, StepRecord
+from hpkit.metrics.file import read_metrics
+from hpkit.metrics.records import EndEvent, StartEvent, StepRecord
 from hpkit.plan import trial
 from hpkit.plan.recipe import layout_spec
 from hpkit.plan.search import SearchResult, search

@@ -12,7 +12,7 @@ from matplotlib.colors import to_rgb
 from matplotlib.image import imread
 
 from hpkit import cli, plot
-from hpkit.metrics_file import read_metrics
+from hpkit.metrics.file import read_metrics
 from hpkit.netbench import nccl_tests
 from hpkit.netbench.results import BenchRow, to_csv
 

@@ -10,8 +10,8 @@ import pytest
 
 from hpkit.errors import HpkitError
 from hpkit.jobs.files import files_for, spec_of_script
-from hpkit.metrics_file import MetricsReader, read_metrics
-from hpkit.progress import progress
+from hpkit.jobs.progress import progress
+from hpkit.metrics.file import MetricsReader, read_metrics
 from hpkit.render import render
 from hpkit.runtime.checkpoints.checkpoint_record import CommitRecord, FileDigest, write_record
 from hpkit.spec import JobSpec

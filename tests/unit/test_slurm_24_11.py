@@ -367,7 +367,7 @@ def test_wait_ends_on_a_preemption_without_requeue_and_says_so(monkeypatch):
 
 
 def test_the_status_table_shows_a_requeued_preemption():
-    from hpkit.status_table import format_table
+    from hpkit.jobs.status_table import format_table
 
     job = CliBackend()._from_record(_preempted("9105", True, "24.11"), with_stdout=False)
     _header, row = format_table([job], now=job.start_time + 100).splitlines()

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from hpkit.jobs.status_table import format_table, slurm_duration
 from hpkit.slurm import JobInfo, JobState, poll_interval
-from hpkit.status_table import format_table, slurm_duration
 
 NOW = 1_800_000_000
 

@@ -1,4 +1,4 @@
-"""Slurm topology: hpkit.topology's reader and renderer, and `hpkit check`'s topology check, on what Slurm 22.05 and
+"""Slurm topology: hpkit.slurm.topology's reader and renderer, and `hpkit check`'s topology check, on what Slurm 22.05 and
 24.11 really printed (tests/fixtures/topology, captured on the local clusters with each TopologyPlugin)."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from hpkit import topology
 from hpkit.checks import slurm
 from hpkit.checks.context import Context, Roots
 from hpkit.checks.result import Status
+from hpkit.slurm import topology
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "topology"
 
@@ -135,7 +135,7 @@ def test_check_names_the_node_no_switch_or_block_holds(tmp_path: Path, version: 
     result = slurm.slurm_topology(cluster(tmp_path, version, case))
     assert result.status is Status.FAIL, result
     assert "1 of 2 nodes" in result.detail and "(node2)" in result.detail
-    assert "hpkit.topology render" in result.fix and "scontrol reconfigure" in result.fix
+    assert "hpkit.slurm.topology render" in result.fix and "scontrol reconfigure" in result.fix
 
 
 @pytest.mark.parametrize("version", ["22.05", "24.11"])

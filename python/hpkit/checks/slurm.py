@@ -9,12 +9,11 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
-from hpkit import topology
 from hpkit.checks.context import Context
 from hpkit.checks.probe import CmdResult, read_text, run_cmd, slurm_result, which
 from hpkit.checks.registry import check
 from hpkit.checks.result import Result
-from hpkit.slurm import client
+from hpkit.slurm import client, topology
 from hpkit.slurm.hostlist import compress
 
 PROFILES = ("login", "compute")
@@ -94,7 +93,7 @@ def _topology_file_problem(ctx: Context, why: str) -> Result:
             f"the controller does not answer ({why}); {conf} sets TopologyPlugin={plugin} and {topo} is missing: "
             "slurmctld stops at start without it (Slurm 24.11: 'fatal: something wrong with opening/reading "
             "topology.conf')",
-            f"write {topo} naming every node (`python3 -m hpkit.topology render --plugin {plugin} --nodes "
+            f"write {topo} naming every node (`python3 -m hpkit.slurm.topology render --plugin {plugin} --nodes "
             "NODELIST`), or drop TopologyPlugin; then restart slurmctld",
         )
     return Result.skip(f"`scontrol show config` failed ({why}); {topo} exists", "see the slurm check")
@@ -114,7 +113,7 @@ def slurm_topology(ctx: Context) -> Result:
         return Result.skip(f"TopologyPlugin={plugin}: hpkit checks topology/tree and topology/block only")
     fix_file = (
         "name every node in the cluster's topology.conf "
-        f"(`python3 -m hpkit.topology render --plugin {plugin} --nodes NODELIST` writes one), then "
+        f"(`python3 -m hpkit.slurm.topology render --plugin {plugin} --nodes NODELIST` writes one), then "
         "`scontrol reconfigure`"
     )
     asked = _ask(ctx, client.show_topology)

@@ -267,8 +267,8 @@ def _array_table(args: argparse.Namespace, backend) -> bool:
 def _status_table(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
+    from hpkit.jobs.status_table import format_table
     from hpkit.slurm import CliBackend, user_jobs
-    from hpkit.status_table import format_table
 
     rows = user_jobs(CliBackend())
     if args.json:

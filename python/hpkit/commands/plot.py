@@ -114,7 +114,7 @@ def _labels(inputs: list[str]) -> list[str]:
 
 
 def _training_run(text: str, label: str, plot):
-    from hpkit.metrics_file import read_metrics
+    from hpkit.metrics.file import read_metrics
 
     if not text.isdigit():
         return plot.TrainingRun(label, read_metrics(Path(text)))

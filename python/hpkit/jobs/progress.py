@@ -1,6 +1,6 @@
 """A training job's progress in one line: step, loss, speed, ETA, last checkpoint, restarts.
 
-Built from the job's metrics file (hpkit.metrics_file) and its checkpoint directory's commit records
+Built from the job's metrics file (hpkit.metrics.file) and its checkpoint directory's commit records
 (the last committed checkpoint is the one a restart resumes from, whatever the metrics say).
 """
 
@@ -10,8 +10,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpkit.metrics_file import MetricsLog
-from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
+from hpkit.metrics.file import MetricsLog
+from hpkit.metrics.records import CheckpointEvent, EndEvent, StartEvent
 from hpkit.runtime.checkpoints.checkpoint_record import RecordError, checkpoint_dirs, read_record
 
 # Steps averaged for the speed and the ETA: recent enough to follow a change, long enough to smooth noise.

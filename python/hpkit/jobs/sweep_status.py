@@ -13,7 +13,7 @@ from typing import Any
 from hpkit.errors import HpkitError
 from hpkit.jobs.files import ArrayTask
 from hpkit.jobs.sweep import describe
-from hpkit.metrics_file import read_metrics
+from hpkit.metrics.file import read_metrics
 from hpkit.slurm import Backend, TransientSlurmError
 
 

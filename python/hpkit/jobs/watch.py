@@ -14,8 +14,8 @@ from typing import Any, TextIO
 
 from hpkit.errors import SlurmError
 from hpkit.jobs.files import JobFiles, locate
-from hpkit.metrics_file import MetricsReader
-from hpkit.progress import Progress, progress
+from hpkit.jobs.progress import Progress, progress
+from hpkit.metrics.file import MetricsReader
 from hpkit.slurm import (
     OUTAGE_LIMIT_S,
     Backend,

@@ -56,7 +56,7 @@ from hpkit.jobs.why import (
     Finding,
     SlurmRecord,
 )
-from hpkit.metrics_records import EndEvent, StartEvent, StepRecord, parse_record
+from hpkit.metrics.records import EndEvent, StartEvent, StepRecord, parse_record
 from hpkit.slurm import AccountedRun, JobAccounting, parse_scontrol_record
 
 # `R: ` as srun --label and hpkit.line_label write it (right-aligned), then torch's own `[rankR]: `.

@@ -1,6 +1,6 @@
 """Reading a training run's metrics JSONL (written by hpkit.runtime.observe.metrics) without torch.
 
-The file holds two kinds of records, one JSON object a line (their fields: hpkit.metrics_records): step
+The file holds two kinds of records, one JSON object a line (their fields: hpkit.metrics.records): step
 records and event records with an "event" key (start, checkpoint, end, ...). A requeued job appends to
 the same file, so one file can hold several runs, each opened by a start record.
 
@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from hpkit import json_text
 from hpkit.errors import HpkitError
-from hpkit.metrics_records import Event, StartEvent, StepRecord, parse_record
+from hpkit.metrics.records import Event, StartEvent, StepRecord, parse_record
 
 E = TypeVar("E", bound=Event)
 

@@ -1,5 +1,5 @@
 """The records of a training run's metrics JSONL, field names in one place for the writer
-(hpkit.runtime.observe.metrics, run, report) and the readers (hpkit.metrics_file, progress, plot, status).
+(hpkit.runtime.observe.metrics, run, report) and the readers (hpkit.metrics.file, progress, plot, status).
 
 One JSON object a line. Step records have no "event" key; event records name their kind in it. The
 field names of these dataclasses are the file format: renaming one breaks every file already written
@@ -195,5 +195,5 @@ EVENT_KINDS: dict[str, type[Event]] = {
 
 
 def parse_record(data: dict[str, Any]) -> StepRecord | Event:
-    """A record read from the file; `data` must hold an integer "step" (hpkit.metrics_file checks)."""
+    """A record read from the file; `data` must hold an integer "step" (hpkit.metrics.file checks)."""
     return Event.from_json(data) if EVENT_KEY in data else StepRecord.from_json(data)

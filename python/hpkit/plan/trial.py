@@ -4,7 +4,7 @@ predicted, re-ranked by the measurement.
 Each trial is the spec `--write` would write for its layout (hpkit.plan.recipe.layout_spec) under a base spec's
 job fields (partition, time limit, output dir, container, launcher, ...), submitted through the normal path
 (hpkit.jobs.submission: prepare, submit) and waited for (hpkit.jobs.watch.wait_for). Its measured tokens/s
-and peak memory come from its metrics file (hpkit.metrics_file): the median over the steps after the warm-up.
+and peak memory come from its metrics file (hpkit.metrics.file): the median over the steps after the warm-up.
 A trial that cannot be submitted, runs out of memory or fails is a row saying so.
 
 The pure parts (`choose`, `trial_spec`, `measure`, `failure`, `rerank`, `table`) are apart from the one that
@@ -23,7 +23,7 @@ from typing import Any, TextIO
 import yaml
 
 from hpkit.errors import HpkitError, SlurmError
-from hpkit.metrics_file import MetricsLog
+from hpkit.metrics.file import MetricsLog
 from hpkit.plan.recipe import layout_spec
 from hpkit.plan.search import Candidate, SearchResult
 from hpkit.plan.speed import Hardware
@@ -259,7 +259,7 @@ def run_trials(
     from hpkit.jobs.files import files_for
     from hpkit.jobs.submission import job_workdir, prepare, submit, write_new
     from hpkit.jobs.watch import wait_for
-    from hpkit.metrics_file import read_metrics
+    from hpkit.metrics.file import read_metrics
 
     submitted: dict[str, Trial] = {}
     workdirs: dict[str, tuple[Path, Path]] = {}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from hpkit.errors import SpecError
 from hpkit.job_events import done_line, stopping_line
-from hpkit.metrics_records import CheckpointEvent, EndEvent, StartEvent
+from hpkit.metrics.records import CheckpointEvent, EndEvent, StartEvent
 from hpkit.runtime.checkpoints.checkpoint import Checkpointer
 from hpkit.runtime.checkpoints.checkpoint_record import CommitRecord, step_dir_name, step_of
 from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer

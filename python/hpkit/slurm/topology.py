@@ -9,7 +9,7 @@ Recent HyperPod clusters manage topology.conf (TopologyPlugin=topology/tree, or 
   not available" in 22.05 and under block).
 
 Torch-free and standard library only: `hpkit check` (checks/slurm.py) reads it on a login node, and
-slurm/dev/up.sh renders the local cluster's file with `python3 -m hpkit.topology render`.
+slurm/dev/up.sh renders the local cluster's file with `python3 -m hpkit.slurm.topology render`.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def render(plugin: str, nodes: Sequence[str], group_size: int) -> str:
     if not nodes:
         raise ValueError("no nodes to place")
     groups = [nodes[i : i + group_size] for i in range(0, len(nodes), group_size)]
-    lines = ["# Written by hpkit (python3 -m hpkit.topology render): every node of the cluster, once."]
+    lines = ["# Written by hpkit (python3 -m hpkit.slurm.topology render): every node of the cluster, once."]
     if plugin == TREE:
         for i, group in enumerate(groups, 1):
             lines.append(f"SwitchName=leaf{i} Nodes={_compress_run(group)}")
@@ -146,7 +146,9 @@ def switch_reaching_all(groups: Sequence[Group]) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m hpkit.topology", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python3 -m hpkit.slurm.topology", description=__doc__.splitlines()[0]
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     out = sub.add_parser("render", help="write a topology.conf for these nodes to stdout")
     out.add_argument("--plugin", choices=[TREE, BLOCK, "tree", "block"], required=True)
@@ -159,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         sys.stdout.write(render(plugin, expand(args.nodes), args.group_size))
     except (ValueError, HostlistError) as exc:
-        print(f"hpkit.topology: {exc}", file=sys.stderr)
+        print(f"hpkit.slurm.topology: {exc}", file=sys.stderr)
         return 2
     return 0
 

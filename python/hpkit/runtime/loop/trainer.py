@@ -61,7 +61,7 @@ class StepResult:
     step_time_s: float
     loss: float | None = None
     grad_norm: float | None = None
-    aux_loss: float | None = None  # MoE models: see hpkit.metrics_records.StepRecord
+    aux_loss: float | None = None  # MoE models: see hpkit.metrics.records.StepRecord
     expert_load: float | None = None
     window: Window | None = None  # a straggler window's verdict, on the step after the window ended
 

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from hpkit.catalog import peak_tflops_for
-from hpkit.metrics_records import EvalEvent, Event, StepRecord
+from hpkit.metrics.records import EvalEvent, Event, StepRecord
 
 
 def peak_tflops(device_name: str, device_type: str, mixed_precision: str) -> float | None:
@@ -142,7 +142,7 @@ class MetricsLogger:
             self._tb.add_scalar("eval_perplexity", event.perplexity, event.step)
 
     def event(self, event: Event) -> None:
-        """A record of something that happened (hpkit.metrics_records: start, checkpoint, end, ...)."""
+        """A record of something that happened (hpkit.metrics.records: start, checkpoint, end, ...)."""
         if self.enabled and self._file is not None:
             self._file.write(json.dumps(event.to_json(round(time.time(), 3))) + "\n")
             self._file.flush()

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from hpkit.metrics_records import EvalEvent, StepTimesEvent, StragglerEvent
+from hpkit.metrics.records import EvalEvent, StepTimesEvent, StragglerEvent
 from hpkit.runtime.loop.evaluate import EvalResult
 from hpkit.runtime.loop.trainer import StepResult, Trainer
 from hpkit.runtime.observe.metrics import MetricsLogger, StepStats, peak_memory_gib
