@@ -39,9 +39,7 @@ RUN_STARTED = (
 USR1 = "usr1"  # Slurm's warning signal reached the supervisor
 STEP_STARTED = "step_started"  # nodes, spares, logs (each log file's size then)
 STEP_ENDED = "step_ended"  # exit, signalled, tasks (srun's per-task errors: node, tasks, outcome, exit_code)
-STEP_FAILING = (
-    "step_failing"  # tasks (srun's per-task errors so far), verdict: the grace before the stop begins
-)
+STEP_FAILING = "step_failing"  # tasks (srun's per-task errors so far), ranks (torchrun agents' failed ranks), verdict: the grace before the stop begins
 PROBE = "probe"  # nodes asked; unanswering (srun), down (sinfo) or all_answer (one srun over all)
 SPARE_SWAP = "spare_swap"  # node, spare, spares_left
 REPLACE_ASKED = (

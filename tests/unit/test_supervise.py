@@ -579,6 +579,24 @@ def test_a_sigkilled_rank_whose_agent_srun_never_reported_restarts_the_step_from
     )
 
 
+def test_an_agents_rank_line_starts_the_failing_steps_grace_before_srun_reports_a_task(tmp_path):
+    """torchrun's agent prints its rank's failure, then closes the rendezvous (seconds, on a loaded cluster) before
+    it exits and srun says so: with spares, the step's grace and the probe start from the agent's line. Without it
+    they waited for srun's task line, here never (the step ran until it ended by itself)."""
+    lines = [f"1: {ev.rank_failed_line(1, 'node2', 1)}"]
+    cluster = FakeCluster(
+        [StepScript(exit=1, polls=100, agent_lines=lines), StepScript(exit=0)],
+        nodes=["node1", "node2", "node3"],
+    )
+    out = supervise(tmp_path, cluster, batch_host="node3", spare_nodes=1)
+    (failing,) = of(out, ev.STEP_FAILING)
+    assert failing["ranks"] == [{"rank": 1, "node": "node2", "exit_code": 1}] and failing["tasks"] == [], (
+        failing
+    )
+    # Stopped after the grace, not when the step ended by itself (100 polls).
+    assert cluster.started[0][2].status == 137 and "cancel steps" in cluster.calls
+
+
 def test_a_sigkilled_rank_with_no_restart_left_ends_the_job_as_the_programs_failure(tmp_path):
     cluster = FakeCluster([StepScript(exit=137, tasks=[TaskExit("node1", "0", "Exited with exit code 137")])])
     out = supervise(tmp_path, cluster, max_restarts=0)

@@ -404,13 +404,17 @@ class Supervisor:
                 if self.plan.spare_nodes and not self.signalled:
                     now = self.cluster.monotonic()
                     if failing_since is None:
-                        exits, verdict = step.task_exits(), self.verdict()
-                        if exits or verdict is not None:
+                        # srun's task lines, torchrun's agents' rank lines (an agent prints its rank's failure
+                        # before it closes the rendezvous, which may take seconds before srun hears of its exit),
+                        # or the hang watchdog's verdict.
+                        exits, ranks, verdict = step.task_exits(), step.failed_ranks(), self.verdict()
+                        if exits or ranks or verdict is not None:
                             failing_since = now
                             # When the fault was seen: a recovery's detection ends here (bench_recovery).
                             self.event(
                                 ev.STEP_FAILING,
                                 tasks=[{**asdict(t), "exit_code": t.exit_code} for t in exits],
+                                ranks=[asdict(r) for r in ranks],
                                 verdict=str(verdict) if verdict is not None else None,
                             )
                             # Probe while the step has its grace: the answer is ready when it is needed.
