@@ -58,6 +58,22 @@ def test_srun_fallback_uses_first_node_address():
     assert launch.source == "slurm"
 
 
+def test_srun_in_a_step_on_some_of_the_allocations_nodes_rendezvous_on_the_steps_first_node():
+    """`srun -w node2,node3` in a node[1-3] allocation: task 0 (rank 0, which serves the store) runs on node2, and
+    the job's first node runs no task of the step. Asked for the job's list, every rank waited on node1."""
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_NODELIST": "node[1-3]",
+        "SLURM_STEP_NODELIST": "node[2-3]",
+        "SLURM_JOB_ID": "1234",
+    }
+    asked = []
+    read_launch_env(env, resolve_host=lambda nodelist: asked.append(nodelist) or "10.0.0.2")
+    assert asked == ["node[2-3]"]
+
+
 def test_srun_with_exported_master_does_not_ask_slurm():
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
     launch = read_launch_env(env, resolve_host=lambda _: pytest.fail("must not ask Slurm"))
@@ -74,7 +90,7 @@ def test_single_process_without_any_launcher():
     [
         ({"RANK": "4", "WORLD_SIZE": "4"}, "outside the world"),
         ({"RANK": "x", "WORLD_SIZE": "4"}, "not an integer"),
-        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "SLURM_JOB_NODELIST is missing"),
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, "SLURM_STEP_NODELIST is missing"),
     ],
 )
 def test_launch_errors_say_what_is_missing(env, message):

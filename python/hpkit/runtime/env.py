@@ -107,10 +107,14 @@ def read_launch_env(
     elif "MASTER_ADDR" in env:
         addr = env["MASTER_ADDR"]
     else:
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        # The step's first node, where task 0 (rank 0, which serves the store) runs: a step on some of the
+        # allocation's nodes (srun -w, --exclude, -N less than the job's) need not include the job's first one.
+        nodelist = (
+            env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+        )
         if not nodelist:
             raise LaunchError(
-                "MASTER_ADDR is not set and SLURM_JOB_NODELIST is missing: launch with torchrun, or with srun "
+                "MASTER_ADDR is not set and SLURM_STEP_NODELIST is missing: launch with torchrun, or with srun "
                 "inside a Slurm allocation, or export MASTER_ADDR/MASTER_PORT"
             )
         addr = (resolve_host or slurm_first_node_addr)(nodelist)
