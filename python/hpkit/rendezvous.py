@@ -1,5 +1,6 @@
-"""The rendezvous port rule: one place, read by the sbatch template (as shell arithmetic) and the runtime;
-and free ports for launches on one host (tests, benches).
+"""The rendezvous port rule: one place, read by the sbatch template (as shell arithmetic) and the runtime; the
+node srun's ranks meet on without MASTER_ADDR (read by the runtime and the checker); and free ports for launches on
+one host (tests, benches).
 
 Every task of a job must agree on the port without talking first, and jobs sharing a node must not
 collide, so the port is derived from the job id. Torch-free and import-light.
@@ -24,6 +25,16 @@ def port_for_job(job_id: str | int | None) -> int:
     """The port for a Slurm job id; the default where the id is missing or not a number."""
     text = str(job_id) if job_id is not None else ""
     return PORT_BASE + int(text) % PORT_SPAN if text.isdigit() else DEFAULT_PORT
+
+
+def rendezvous_nodelist(env: Mapping[str, str]) -> tuple[str, str] | None:
+    """(variable, host list) whose first node srun's ranks meet on where MASTER_ADDR is not set: their step's, where
+    task 0 (rank 0, which serves the store) runs, else the allocation's. A step on some of the allocation's nodes
+    (srun -w, --exclude, fewer -N) need not include the allocation's first node. None outside Slurm."""
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        if env.get(name):
+            return name, env[name]
+    return None
 
 
 def port_shell_expression(job_id_var: str = "SLURM_JOB_ID") -> str:

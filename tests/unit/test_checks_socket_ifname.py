@@ -51,6 +51,15 @@ def test_outside_a_job_without_master_addr_there_is_nothing_to_reach():
     assert result.status == Status.SKIP and "MASTER_ADDR" in result.detail
 
 
+def test_in_a_step_the_rendezvous_host_is_the_steps_first_node_as_the_ranks_take_it():
+    from hpkit.checks.network_ifname import rendezvous_host
+
+    env = {"SLURM_JOB_NODELIST": "node[1-3]", "SLURM_STEP_NODELIST": "node[2-3]"}
+    assert rendezvous_host(Context(profile="compute", env=env)) == ("node2", "the step's first node, node2")
+    env = {"SLURM_JOB_NODELIST": "node[1-3]"}  # the batch script: no step yet
+    assert rendezvous_host(Context(profile="compute", env=env)) == ("node1", "the job's first node, node1")
+
+
 def test_a_rendezvous_on_loopback_passes_whatever_is_set():
     env = {"MASTER_ADDR": "127.0.0.1", "GLOO_SOCKET_IFNAME": "ib0"}
     assert check_socket_ifname(Context(profile="compute", env=env)).status == Status.PASS

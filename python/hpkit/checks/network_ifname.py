@@ -38,13 +38,14 @@ def _address(host: str, ctx: Context) -> str | None:
 
 
 def rendezvous_host(ctx: Context) -> tuple[str, str] | None:
-    """(host, where it came from): MASTER_ADDR, else the job's first node (where hpkit's rendezvous is)."""
+    """(host, where it came from): MASTER_ADDR, else the first node srun's ranks meet on
+    (rendezvous.rendezvous_nodelist)."""
     if ctx.env.get("MASTER_ADDR"):
         return ctx.env["MASTER_ADDR"], "MASTER_ADDR"
-    for name in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
-        host = hostlist.first(ctx.env.get(name, ""))
-        if host:
-            return host, f"the job's first node, {host}"
+    found = rendezvous.rendezvous_nodelist(ctx.env)
+    host = hostlist.first(found[1]) if found else None
+    if found and host:
+        return host, f"the {'step' if found[0] == 'SLURM_STEP_NODELIST' else 'job'}'s first node, {host}"
     return None
 
 

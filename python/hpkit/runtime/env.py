@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpkit.errors import HpkitError
-from hpkit.rendezvous import DEFAULT_PORT, port_for_job, socket_ifname_env
+from hpkit.rendezvous import DEFAULT_PORT, port_for_job, rendezvous_nodelist, socket_ifname_env
 from hpkit.slurm import client
 from hpkit.slurm.hostlist import HostlistError, expand
 
@@ -107,17 +107,13 @@ def read_launch_env(
     elif "MASTER_ADDR" in env:
         addr = env["MASTER_ADDR"]
     else:
-        # The step's first node, where task 0 (rank 0, which serves the store) runs: a step on some of the
-        # allocation's nodes (srun -w, --exclude, -N less than the job's) need not include the job's first one.
-        nodelist = (
-            env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
-        )
-        if not nodelist:
+        found = rendezvous_nodelist(env)
+        if found is None:
             raise LaunchError(
                 "MASTER_ADDR is not set and SLURM_STEP_NODELIST is missing: launch with torchrun, or with srun "
                 "inside a Slurm allocation, or export MASTER_ADDR/MASTER_PORT"
             )
-        addr = (resolve_host or slurm_first_node_addr)(nodelist)
+        addr = (resolve_host or slurm_first_node_addr)(found[1])
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else port_for_job(env.get("SLURM_JOB_ID"))
     return LaunchEnv(rank, world, local_rank, max(local_world, local_rank + 1), addr, port, source)
 
