@@ -564,6 +564,37 @@ def threads_expression(spec: SlurmJob) -> str:
 
 
 @dataclass(frozen=True)
+class ContainerBlock:
+    """What _container.sbatch.j2 reads, decided and quoted once for every job kind (training, nccl-tests)."""
+
+    image: str
+    mounts: str  # the spec's, /var/log first unless mount_var_log is off
+    workdir: str | None
+    hyperpod_log_mount: str | None  # HyperPod's log folder, mounted where the node has it
+    runtime: str  # pyxis | oci
+    oci_bundle: str | None  # runtime oci: the command that makes the job's bundle (--out follows)
+    oci_bundle_dir: str
+
+
+def container_block(job: SlurmJob) -> ContainerBlock | None:
+    """The job's container block; None where the job runs on the host."""
+    container = job.container
+    if container is None:
+        return None
+    return ContainerBlock(
+        image=shell_quote(container.image),
+        mounts=shell_quote(",".join(container_mounts(container))),
+        workdir=shell_quote(container.workdir) if container.workdir else None,
+        hyperpod_log_mount=shell_quote(f"{HYPERPOD_LOG_DIR}:{HYPERPOD_LOG_DIR}")
+        if container.mount_var_log
+        else None,
+        runtime=container.runtime,
+        oci_bundle=" ".join(oci_bundle_words(job)) or None,
+        oci_bundle_dir=_job_path(str(PurePosixPath(job.output_dir) / "oci-bundles")),
+    )
+
+
+@dataclass(frozen=True)
 class RenderContext:
     """Everything the template needs, already decided and quoted."""
 
@@ -576,13 +607,7 @@ class RenderContext:
     srun_options: list[str]
     sagemaker: bool
     sagemaker_env: list[tuple[str, str]]
-    container_image: str | None
-    container_mounts: str | None
-    container_workdir: str | None
-    hyperpod_log_mount: str | None
-    container_runtime: str | None
-    oci_bundle: str | None
-    oci_bundle_dir: str | None
+    container: ContainerBlock | None
     threads: str
     master_port: str
     signal_grace_s: int
@@ -606,7 +631,6 @@ def build_context(
     array: ArrayPlan | None = None,
 ) -> RenderContext:
     job, resilience = spec.job, spec.run.resilience
-    container = job.container
     if array is not None:
         spec_word: str | None = array_path_word(array.spec_pattern)
     else:
@@ -628,15 +652,7 @@ def build_context(
         srun_options=srun_options(job),
         sagemaker=job.sagemaker_env is not None,
         sagemaker_env=sagemaker_exports(job),
-        container_image=shell_quote(container.image) if container else None,
-        container_mounts=shell_quote(",".join(container_mounts(container))) if container else None,
-        container_workdir=shell_quote(container.workdir) if container and container.workdir else None,
-        hyperpod_log_mount=shell_quote(f"{HYPERPOD_LOG_DIR}:{HYPERPOD_LOG_DIR}")
-        if container and container.mount_var_log
-        else None,
-        container_runtime=container.runtime if container else None,
-        oci_bundle=" ".join(oci_bundle_words(job)) or None,
-        oci_bundle_dir=_job_path(str(PurePosixPath(job.output_dir) / "oci-bundles")),
+        container=container_block(job),
         threads=threads_expression(job),
         master_port=port_shell_expression(),
         signal_grace_s=spec.signal_grace_s,

@@ -69,6 +69,21 @@ def test_container_and_hostile_values_stay_literal(tmp_path):
     assert not canary.exists()
 
 
+def test_an_oci_container_gets_the_same_block_as_a_training_jobs(tmp_path):
+    """One container block for every job kind (hpkit.render.container_block). The nccl-tests script had its own
+    copy of the pyxis values and no runtime: with `container.runtime: oci` it asked srun for pyxis's
+    --container-image, which a cluster without pyxis refuses."""
+    from hpkit.render import container_block
+
+    job = spec(container={"image": "/fsx/img.tar", "runtime": "oci"})
+    script = render_nccl_tests(job, NcclTestsArgs())
+    check_script(script, tmp_path)
+    block = container_block(job)
+    assert block is not None and block.oci_bundle is not None
+    assert f"{block.oci_bundle} --out" in script and 'srun_args+=(--container="$oci_bundle")' in script
+    assert "--container-image" not in script
+
+
 def test_bad_arguments_are_one_line():
     with pytest.raises(SpecError, match="--tests: unknown nccl-tests binary nope"):
         NcclTestsArgs(tests=("nope",))

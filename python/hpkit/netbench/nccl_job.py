@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from hpkit import __version__
 from hpkit.errors import SpecError
 from hpkit.render import (
-    container_mounts,
+    ContainerBlock,
+    container_block,
     sbatch_directives,
     shell_quote,
     srun_options,
@@ -22,7 +23,7 @@ from hpkit.render import (
     template_environment,
 )
 from hpkit.sizes import human
-from hpkit.slurm_job import HYPERPOD_LOG_DIR, SlurmJob
+from hpkit.slurm_job import SlurmJob
 
 TESTS = (
     "all_reduce_perf",
@@ -88,10 +89,7 @@ class NcclTestsContext:
     args: str
     srun_options: list[str]
     task_wrapper: str  # before each test's binary: the image's start-up check, once per node
-    container_image: str | None
-    container_mounts: str | None
-    container_workdir: str | None
-    hyperpod_log_mount: str | None
+    container: ContainerBlock | None
     nodes: int
     ranks_per_node: int
 
@@ -115,12 +113,7 @@ def build_context(spec: SlurmJob, args: NcclTestsArgs, script_name: str) -> Nccl
         task_wrapper="".join(
             f"{word} " for word in task_wrapper(list(filter(None, [startup_check_step(container)])))
         ),
-        container_image=shell_quote(container.image) if container else None,
-        container_mounts=shell_quote(",".join(container_mounts(container))) if container else None,
-        container_workdir=shell_quote(container.workdir) if container and container.workdir else None,
-        hyperpod_log_mount=shell_quote(f"{HYPERPOD_LOG_DIR}:{HYPERPOD_LOG_DIR}")
-        if container and container.mount_var_log
-        else None,
+        container=container_block(spec),
         nodes=spec.nodes,
         ranks_per_node=spec.ranks_per_node,
     )
