@@ -128,6 +128,12 @@ INVALID = [
         ["--wrap=id"],
         "'--wrap=id': --wrap is not accepted here: it replaces the rendered script",
     ),
+    # hpkit runs arrays (sweeps) itself, each task with its own log, spec, metrics and checkpoints.
+    (
+        "sbatch_options",
+        ["--array=0-3"],
+        "--array is not accepted here: a sweep is hpkit's job array: `hpkit submit",
+    ),
     ("sbatch_options", ["--part=p"], "--part is not an sbatch option hpkit knows"),
     ("sbatch_options", ["-p=p"], "give a long option, --name=value"),
     ("sbatch_options", ["--comment=two words"], "the value 'two words' must be one token"),

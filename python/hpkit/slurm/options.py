@@ -165,7 +165,7 @@ _NOT_JOB_OPTIONS = {
     "quiet": "hpkit reads sbatch's answer itself",
     "wait": "use `hpkit submit --wait`",
     "test-only": "use `hpkit submit --dry-run`",
-    "array": "hpkit follows single jobs, not arrays",
+    "array": "a sweep is hpkit's job array: `hpkit submit SPEC --sweep KEY=A,B` (--max-parallel N for %N)",
     "pty": "the step runs in a batch job, without a terminal",
     "jobid": "the step runs inside the job hpkit submitted",
     "no-allocate": "the step runs inside the job hpkit submitted",
