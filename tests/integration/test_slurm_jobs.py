@@ -222,12 +222,23 @@ def test_pyslurm_backend_submits_through_sbatch(slurm_cluster, tmp_path):
 
 def test_slurm_options_reach_the_controller_and_the_step(slurm_cluster, tmp_path):
     """sbatch reads the typed fields and sbatch_options as written; srun_options reach the step."""
+    # A dependency that stays unfulfilled until released: slurmctld drops a fulfilled one from the job (a
+    # `singleton` here showed Dependency=(null) when the scheduler had looked before scontrol did, in one CI run).
+    first = subprocess.run(
+        ["sbatch", "--parsable", "--hold", "--job-name=options-first", "--wrap=true"],
+        capture_output=True,
+        text=True,
+        env=slurm_cluster,
+        cwd=tmp_path,
+        timeout=30,
+        check=True,
+    ).stdout.strip()
     spec = {
         "name": "options",
         "launcher": "srun",
         "exclude": "node2",
         "mem": "100M",
-        "dependency": "singleton",
+        "dependency": f"afterok:{first}",
         "mail_type": ["BEGIN", "END"],
         "mail_user": "ops@example.com",
         "signal": "B:USR1@90",
@@ -247,13 +258,14 @@ def test_slurm_options_reach_the_controller_and_the_step(slurm_cluster, tmp_path
         "JobState=PENDING Reason=JobHeldUser",
         "ExcNodeList=node2",
         "MinMemoryNode=100M",
-        "Dependency=singleton",
+        f"Dependency=afterok:{first}(unfulfilled)",
         "MailUser=ops@example.com MailType=BEGIN,END",
         "Comment=made;by`hpkit`",
         "Nice=5",
     ):
         assert expected in shown, (expected, shown)
-    subprocess.run(["scontrol", "release", job_id], check=True, env=slurm_cluster, timeout=30)
+    for held in (first, job_id):
+        subprocess.run(["scontrol", "release", held], check=True, env=slurm_cluster, timeout=30)
     info = wait(CliBackend(), job_id, poll_s=0.5, timeout_s=120)
     assert info.state == JobState.COMPLETED and info.nodes == "node1"
     assert "0: hello from the step" in output_of(info)  # srun --label prefixes the task number
