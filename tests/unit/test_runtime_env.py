@@ -74,6 +74,27 @@ def test_srun_in_a_step_on_some_of_the_allocations_nodes_rendezvous_on_the_steps
     assert asked == ["node[2-3]"]
 
 
+def test_a_steps_tasks_on_this_node_come_from_the_step_not_the_allocation():
+    """`srun -N2 -n2` in a --ntasks-per-node=2 job (22.05, measured): each task inherits SLURM_NTASKS_PER_NODE=2
+    from the allocation, and SLURM_STEP_TASKS_PER_NODE says 1(x2). One rank a node: each gets the node's cores
+    (and SMP's local_size() is 1), not half of them."""
+    env = {
+        "SLURM_PROCID": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "1",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        "SLURM_TASKS_PER_NODE": "2(x2)",
+        "MASTER_ADDR": "h",
+    }
+    assert read_launch_env(env).local_world_size == 1
+    # A step of its own shape: 3 tasks on the first node, 1 on the second.
+    env |= {"SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_STEP_TASKS_PER_NODE": "3,1"}
+    assert read_launch_env(env).local_world_size == 1
+    assert read_launch_env(env | {"SLURM_NODEID": "0", "SLURM_PROCID": "0"}).local_world_size == 3
+
+
 def test_srun_with_exported_master_does_not_ask_slurm():
     env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}
     launch = read_launch_env(env, resolve_host=lambda _: pytest.fail("must not ask Slurm"))

@@ -119,14 +119,18 @@ def read_launch_env(
 
 
 def _slurm_local_world(env: Mapping[str, str]) -> int:
+    """This node's tasks in the step. The step's own count first: a step's tasks inherit the allocation's
+    SLURM_NTASKS_PER_NODE (22.05, measured: `srun -N2 -n2` in a --ntasks-per-node=2 job gave each task 2, and
+    SLURM_STEP_TASKS_PER_NODE 1(x2)), and SLURM_NODEID counts the step's nodes."""
+    node = int(env.get("SLURM_NODEID", "0") or 0)
+    step = env.get("SLURM_STEP_TASKS_PER_NODE")
+    if step and node < len(counts := expand_tasks_per_node(step)):
+        return counts[node]
     if "SLURM_NTASKS_PER_NODE" in env and env["SLURM_NTASKS_PER_NODE"].isdigit():
         return int(env["SLURM_NTASKS_PER_NODE"])
-    tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if tasks:
-        node = int(env.get("SLURM_NODEID", "0") or 0)
-        counts = expand_tasks_per_node(tasks)
-        if node < len(counts):
-            return counts[node]
+    tasks = env.get("SLURM_TASKS_PER_NODE")
+    if tasks and node < len(counts := expand_tasks_per_node(tasks)):
+        return counts[node]
     return 1
 
 
