@@ -112,6 +112,31 @@ def test_hpkit_train_does_not_take_the_alias_for_smddp(tmp_path):
     ], proc.stderr
 
 
+def test_get_local_size_is_the_steps_ranks_on_this_node_not_the_allocations():
+    """`srun -N2 -n2` in a --ntasks-per-node=2 job: each task inherits SLURM_NTASKS_PER_NODE=2 (22.05, measured) and
+    runs alone on its node. SMDDP's get_local_size() said 2 from that variable."""
+    code = "import smdistributed.dataparallel.torch.distributed as d; print(d.get_local_rank(), d.get_local_size())"
+    env = {
+        "PATH": os.environ["PATH"],
+        "PYTHONPATH": f"{SHIM_DIR}:{PYTHON_DIR}",
+        "SLURM_LOCALID": "0",
+        "SLURM_NODEID": "1",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+    }
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    # (the import says first, on rank 0, that the backend is hpkit's alias)
+    assert proc.stdout.splitlines()[-1:] == ["0 1"], proc.stdout + proc.stderr
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**env, "LOCAL_WORLD_SIZE": "4"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.stdout.splitlines()[-1:] == ["0 4"], proc.stdout + proc.stderr  # torchrun's own
+
+
 @pytest.mark.parametrize("library", ["dataparallel", "modelparallel"])
 def test_tensorflow_scripts_are_told_only_pytorch_is_provided(library):
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": f"{SHIM_DIR}:{PYTHON_DIR}"}

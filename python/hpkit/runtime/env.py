@@ -83,7 +83,7 @@ def read_launch_env(
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
         local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else 0
-        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else _slurm_local_world(env)
+        local_world = local_world_size(env)
         source = "torchrun" if "TORCHELASTIC_RUN_ID" in env else "env"
     elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
@@ -116,6 +116,12 @@ def read_launch_env(
         addr = (resolve_host or slurm_first_node_addr)(found[1])
     port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else port_for_job(env.get("SLURM_JOB_ID"))
     return LaunchEnv(rank, world, local_rank, max(local_world, local_rank + 1), addr, port, source)
+
+
+def local_world_size(env: Mapping[str, str]) -> int:
+    """This node's ranks: the launcher's LOCAL_WORLD_SIZE (torchrun), else the step's tasks on this node (srun).
+    Read without asking Slurm anything (SMDDP's get_local_size() too)."""
+    return _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else _slurm_local_world(env)
 
 
 def _slurm_local_world(env: Mapping[str, str]) -> int:

@@ -22,4 +22,7 @@ def get_local_rank():
 
 
 def get_local_size():
-    return int(_os.environ.get("LOCAL_WORLD_SIZE", _os.environ.get("SLURM_NTASKS_PER_NODE", "1")))
+    # hpkit's rule (a step's tasks inherit the allocation's SLURM_NTASKS_PER_NODE, which need not be the step's).
+    from hpkit.runtime.env import local_world_size
+
+    return local_world_size(_os.environ)
