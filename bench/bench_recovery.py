@@ -14,13 +14,14 @@ seconds (PARTS: detect, stop, probe and swap, srun and the agents, import, rende
 tier, restore and its source, first step, steps redone), from the supervisor's events and the resumed run's start
 record (`phases`). --model runs them at another shape; --sides adds "warm": in-memory checkpoints with
 resilience.warm_start (the restarted ranks forked by each node's zygote, so "python + hpkit + torch import" is the
-cold sides' part it removes).
+cold sides' part it removes), and "stay": warm with resilience.keep_survivors (the survivor's process taken over
+by the restarted step; the rank held is then the lost node's, and the survivor waits in a collective).
 
 Targets (they were assertions in tests/integration/test_node_loss.py and test_resilience.py; the tests keep
 the events): spare <= 30 s and below SlurmdTimeout; spare / requeue <= 0.5; killed rank -> end < 45 s.
 
     python3 bench/bench_recovery.py [--rounds 1] [--only spare,killed,held] [--faults node,rank,partners,cut] [--model 125M]
-        [--sides memory,persistent,warm]
+        [--sides memory,persistent,warm,stay]
 """
 
 from __future__ import annotations
@@ -239,7 +240,7 @@ FAULTS = ("node", "rank")  # the default --faults
 # memory sides fall back to checkpoint.dir (the issue's fallback fault), measured against the plain persistent side.
 # "cut": rank 0's node's link cut, not held (cut_link_after_memory_step); the cluster is a NET=netns one then.
 ALL_FAULTS = (*FAULTS, "partners", "cut")
-SIDES = ("memory", "persistent", "warm")
+SIDES = ("memory", "persistent", "warm", "stay")
 
 
 def parts(timeline: dict[str, float]) -> dict[str, float]:
@@ -276,7 +277,8 @@ def main() -> int:
         "--sides",
         default="memory,persistent",
         help="the held scenarios' sides, run in turn: memory (checkpoint.memory), persistent (checkpoint.dir "
-        "only), warm (checkpoint.memory and resilience.warm_start: ranks forked by each node's zygote)",
+        "only), warm (checkpoint.memory and resilience.warm_start: ranks forked by each node's zygote), stay (warm "
+        "and resilience.keep_survivors: the survivors' processes taken over by the restarted step)",
     )
     parser.add_argument(
         "--model",
@@ -344,7 +346,7 @@ def main() -> int:
                                             f"held{fault}{side}",
                                             memory=side != "persistent",
                                             model={"name": args.model, "seq_len": 64} if args.model else None,
-                                            warm=side == "warm",
+                                            warm=side in ("warm", "stay"),
                                             node_memory=Path(mem),
                                         )
                                     )
@@ -357,8 +359,9 @@ def main() -> int:
                                     memory=side != "persistent",
                                     fault="node" if fault == "partners" else fault,
                                     model={"name": args.model, "seq_len": 64} if args.model else None,
-                                    warm=side == "warm",
+                                    warm=side in ("warm", "stay"),
                                     node_memory=Path(mem),
+                                    keep_survivors=side == "stay",
                                 )
                             held.setdefault((fault, side), []).append(timeline)
             finally:
@@ -434,6 +437,14 @@ def main() -> int:
             print(
                 f"RATIO recovery_{fault} memory/persistent (fault -> first new step) = {m / p:.2f} ({target})"
             )
+        if "stay" in sides:
+            print(
+                "  ranks that stayed in their processes: "
+                + ", ".join(str(t.get("stayed")) for t in sides["stay"])
+            )
+            if "warm" in sides:
+                w, k = (statistics.median(t["new_step"] for t in sides[s]) for s in ("warm", "stay"))
+                print(f"RATIO recovery_{fault} stay/warm (fault -> first new step) = {k / w:.2f}")
         for cold in ("persistent", "memory"):
             if {"warm", cold} <= set(sides):
                 c, w = (statistics.median(t["new_step"] for t in sides[s]) for s in (cold, "warm"))

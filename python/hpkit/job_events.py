@@ -39,7 +39,7 @@ RUN_STARTED = (
 USR1 = "usr1"  # Slurm's warning signal reached the supervisor
 STEP_STARTED = "step_started"  # nodes, spares, logs (each log file's size then)
 STEP_ENDED = "step_ended"  # exit, signalled, tasks (srun's per-task errors: node, tasks, outcome, exit_code)
-STEP_FAILING = "step_failing"  # tasks (srun's per-task errors so far), ranks (torchrun agents' failed ranks), verdict: the grace before the stop begins
+STEP_FAILING = "step_failing"  # tasks (srun's per-task errors so far), ranks (torchrun agents' failed ranks), stays (ranks staying in their processes), verdict: the grace before the stop begins
 PROBE = "probe"  # nodes asked; unanswering (srun), down (sinfo) or all_answer (one srun over all)
 SPARE_SWAP = "spare_swap"  # node, spare, spares_left
 REPLACE_ASKED = (
@@ -262,6 +262,28 @@ def parse_rank_failed_line(line: str) -> RankFailed | None:
 
 
 TRAIN_PREFIX = "hpkit train: "
+_STAYS = re.compile(rf"{re.escape(TRAIN_PREFIX)}rank (\d+) on (\S+) stays in process (\d+) for the next step")
+
+
+@dataclass(frozen=True)
+class RankStays:
+    rank: int
+    node: str
+    pid: int
+
+
+def stays_line(rank: int, node: str, pid: int, why: str) -> str:
+    """hpkit train's line for a rank whose process group broke and that stays in its process, parked, for the next
+    step (resilience.keep_survivors). Its task does not end, so the supervisor reads the line as a failing step."""
+    return f"{TRAIN_PREFIX}rank {rank} on {node} stays in process {pid} for the next step: {why}"
+
+
+def parse_stays_line(line: str) -> RankStays | None:
+    """A stays line, anywhere in the line (srun's --label puts the rank before it)."""
+    match = _STAYS.search(line)
+    return RankStays(int(match.group(1)), match.group(2), int(match.group(3))) if match else None
+
+
 _STOPPED = re.compile(rf"^{re.escape(TRAIN_PREFIX)}(stopping at step (\d+) on signal (\d+))")
 
 

@@ -31,6 +31,7 @@ from hpkit.slurm_job import (
     as_python_program,
     is_python,
     python_program_start,
+    runs_hpkit_train,
 )
 from hpkit.spec import JobSpec, ResilienceSpec
 from hpkit.supervise.plan import Plan
@@ -233,15 +234,8 @@ def supervise_plan(spec: JobSpec) -> str:
         usr1_hold_s=resilience.signal_grace_s / 2,
         warm=zygote_command(job, spec.warm_starts, spec.run.resilience.warm_preload),
         sagemaker_hosts=job.sagemaker_env is not None,
+        keep_survivors=resilience.keep_survivors,
     ).to_json()
-
-
-def runs_hpkit_train(spec: SlurmJob) -> bool:
-    """Whether the command is `hpkit train` (as `hpkit train` or `python -m hpkit train`)."""
-    words = list(spec.command)
-    return any(
-        PurePosixPath(w).name == "hpkit" and words[i + 1 : i + 2] == ["train"] for i, w in enumerate(words)
-    )
 
 
 def warm_client_words(job: SlurmJob, warm: bool) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Callable
+from pathlib import PurePosixPath
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -551,3 +552,11 @@ def oci_warm_problem(job: SlurmJob, warm: bool, read_version: Callable[[], tuple
             f"so no node's zygote can be told apart; drop warm_start, or run on Slurm {since} or later"
         )
     return None
+
+
+def runs_hpkit_train(spec: SlurmJob) -> bool:
+    """Whether the command is `hpkit train` (as `hpkit train` or `python -m hpkit train`)."""
+    words = list(spec.command)
+    return any(
+        PurePosixPath(w).name == "hpkit" and words[i + 1 : i + 2] == ["train"] for i, w in enumerate(words)
+    )

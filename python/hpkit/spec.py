@@ -33,6 +33,7 @@ from hpkit.slurm_job import (
     SlurmJob,
     as_python_program,
     python_program_start,
+    runs_hpkit_train,
 )
 from hpkit.validation import UNKNOWN_KEY, StrictModel, parse_document, read_document
 
@@ -131,22 +132,35 @@ class JobSpec(StrictModel):
         resilience = self.run.resilience
         if resilience.warm_start and (problem := warm_start_problem(self.job)):
             raise ValueError(f"resilience.warm_start: {problem}, or drop warm_start")
-        if resilience.warm_preload and not self.warm_starts:
-            why = (
-                "warm_start: false"
-                if resilience.warm_start is False
-                else warm_start_problem(self.job)
-                or (
-                    "warm starts are off in a container unless warm_start: true"
-                    if self.job.container is not None
-                    else "warm starts are off on GPU nodes unless warm_start: true"
-                )
-            )
+        if resilience.keep_survivors and not runs_hpkit_train(self.job):
             raise ValueError(
-                f"resilience.warm_preload: the ranks start cold in this job ({why}), so nothing would preload "
-                "them; start them warm, or drop warm_preload"
+                "resilience.keep_survivors: only hpkit train's ranks stay in their processes (the command is not "
+                "`hpkit train`); run hpkit train, or drop keep_survivors"
+            )
+        if resilience.keep_survivors and not self.warm_starts:
+            raise ValueError(
+                "resilience.keep_survivors: a rank stays in a process its node's warm process forked, and the ranks "
+                f"of this job start cold ({self._cold_why()}); turn resilience.warm_start on, or drop keep_survivors"
+            )
+        if resilience.warm_preload and not self.warm_starts:
+            raise ValueError(
+                f"resilience.warm_preload: the ranks start cold in this job ({self._cold_why()}), so nothing would "
+                "preload them; start them warm, or drop warm_preload"
             )
         return self
+
+    def _cold_why(self) -> str:
+        """Why a job's ranks start cold (warm_starts is false)."""
+        return (
+            "warm_start: false"
+            if self.run.resilience.warm_start is False
+            else warm_start_problem(self.job)
+            or (
+                "warm starts are off in a container unless warm_start: true"
+                if self.job.container is not None
+                else "warm starts are off on GPU nodes unless warm_start: true"
+            )
+        )
 
     @property
     def warm_starts(self) -> bool:

@@ -462,13 +462,19 @@ MEMORY_STEP = 15
 MEMORY_STEPS = MEMORY_STEP + 5
 
 
-def memory_spec(name: str, tmp_path: Path, node_memory: Path) -> tuple[dict, dict[str, str]]:
+def memory_spec(
+    name: str, tmp_path: Path, node_memory: Path, held_rank: int = 1
+) -> tuple[dict, dict[str, str]]:
     spec = training_spec(name, tmp_path, MEMORY_STEPS, interval=INTERVAL)
     spec["checkpoint"]["memory"] = {"every": 1}
     spec["resilience"].update(max_restarts=2, spare_nodes=1, collective_timeout_s=COLLECTIVE_TIMEOUT_S)
-    # Rank 1 sleeps before step MEMORY_STEP + 1 on the first attempt only: every rank has finished
-    # MEMORY_STEP and its in-memory copy, and no later step starts until the node is lost.
-    extra = {"HPKIT_FAULT": f"hang:rank=1,step={MEMORY_STEP + 1}", "HPKIT_MEMORY_ROOT": str(node_memory)}
+    # Rank `held_rank` sleeps before step MEMORY_STEP + 1 on the first attempt only: every rank has finished
+    # MEMORY_STEP and its in-memory copy, and no later step starts until the node is lost. The other rank waits
+    # in the step's first collective (held_rank 0, on the node that is lost: the survivor sees its peer go).
+    extra = {
+        "HPKIT_FAULT": f"hang:rank={held_rank},step={MEMORY_STEP + 1}",
+        "HPKIT_MEMORY_ROOT": str(node_memory),
+    }
     return spec, extra
 
 
@@ -487,19 +493,21 @@ def lose_node_held_after_memory_step(
     model: dict | None = None,
     warm: bool = False,
     node_memory: Path | None = None,
+    keep_survivors: bool = False,
 ):
     """Run `name` with in-memory checkpoints until it is held after MEMORY_STEP and kill rank 0's node, having
     moved checkpoint.dir away (a restore from it would find nothing) or, with `wipe_partner`, taken the partner
     node's memory (both copies of rank 0's state gone); without `memory` the same drill with persistent
     checkpoints only (bench/bench_recovery.py runs both side by side, and with `fault` "rank" kills rank 0's
     process alone, SIGKILL, its node left up, and with `model` trains that model for two steps past MEMORY_STEP;
-    `warm` turns resilience.warm_start on; `node_memory`: the nodes' memory root, default `tmp_path/shm` on the
+    `warm` turns resilience.warm_start on, and `keep_survivors` resilience.keep_survivors; `node_memory`: the nodes' memory root, default `tmp_path/shm` on the
     test's disk, bench_recovery's a tmpfs folder as on a real node). Returns the job's log, losses, last step before the kill, the two step nodes and the recovery's timeline
     (`recovery_timeline`)."""
     backend = CliBackend()
     tmp_path.mkdir(exist_ok=True)
     node_memory = tmp_path / "shm" if node_memory is None else node_memory
-    spec, extra = memory_spec(name, tmp_path, node_memory)
+    # A survivor must be in a collective when its peer goes, not held in the fault's sleep.
+    spec, extra = memory_spec(name, tmp_path, node_memory, held_rank=0 if keep_survivors else 1)
     patience = 1.0
     if model is not None:
         spec["model"] = model
@@ -512,12 +520,28 @@ def lose_node_held_after_memory_step(
     if not memory:
         del spec["checkpoint"]["memory"]
     spec["resilience"]["warm_start"] = warm
+    if keep_survivors:
+        spec["resilience"]["keep_survivors"] = True
     job = submit(spec, tmp_path, {**env, **extra})
     ckpt, metrics = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.jsonl"
     placed = wait_for(
         lambda: events_of(job_events(tmp_path / "logs", job), "run_started"), 240, "the run to start"
     )
     (rank0_node, other_node), _ = placed[0]["step_nodes"], placed[0]["spares"]
+    if keep_survivors:
+        # torchrun's rendezvous orders the ranks: the node lost is the one whose rank is held (rank 0), as the
+        # node's zygote names it.
+        def forked_rank0() -> str | None:
+            log = Path(backend.info(job).stdout or "/nonexistent")
+            found = (
+                re.search(r"warm start on (\S+): rank 0 \(attempt 0\) forked", log.read_text())
+                if log.exists()
+                else None
+            )
+            return found.group(1) if found else None
+
+        rank0_node = wait_for(forked_rank0, 240, "rank 0's zygote line")
+        other_node = next(n for n in placed[0]["step_nodes"] if n != rank0_node)
     held = (
         (lambda: memory_step_complete(node_memory, MEMORY_STEP, [rank0_node, other_node]))
         if memory
@@ -612,6 +636,7 @@ def recovery_timeline(
     marks["new_step"] = next(r["time"] for r in after if r.get("step") == past + 1 and "loss" in r)
     timeline: dict[str, Any] = {name: at - killed_wall for name, at in marks.items()}
     timeline["source"] = after[0].get("resumed_from")
+    timeline["stayed"] = after[0].get("stayed")
     return timeline
 
 
@@ -669,6 +694,35 @@ def test_a_node_lost_with_its_partners_memory_falls_back_to_the_checkpoint_dir(
         r"no in-memory checkpoint is left on the live nodes \([^)]*\): the states of every rank", log
     ), log
     assert re.search(rf"resumed from \S+{INTERVAL:08d} at step {INTERVAL}", log), log
+    assert sorted(got) == list(range(1, MEMORY_STEPS + 1))
+    for step, loss in got.items():
+        assert loss == pytest.approx(reference_losses[step], rel=1e-6, abs=1e-7), f"step {step}"
+
+
+def test_a_survivor_stays_in_its_process_and_the_restarted_step_takes_it_over(
+    three_nodes, reference_losses, tmp_path
+):
+    """resilience.keep_survivors: rank 0's node is lost after step 15, checkpoint.dir moved away. The other node's
+    rank leaves its broken group and stays in its process; the restarted step's rank on that node is that same
+    process (adopted, not forked), the spare's is forked. The run resumes from memory at step 15, its start
+    record says one rank stayed, and every loss equals the uninterrupted run's."""
+    log, got, stopped_at, (_, other), timeline = lose_node_held_after_memory_step(
+        three_nodes, tmp_path, "stays", wipe_partner=False, warm=True, keep_survivors=True
+    )
+    stays = re.findall(
+        r"hpkit train: rank \d+ on (\S+) stays in process (\d+) for the next step: its process group broke",
+        log,
+    )
+    assert [node for node, _ in stays] == [other], log
+    adopted = re.findall(r"hpkit: warm start on (\S+): rank \d+ \(attempt 1\) adopted process (\d+)", log)
+    assert adopted == stays, log
+    spare = re.findall(r"spare (\S+) takes its place", log)
+    forked = re.findall(r"hpkit: warm start on (\S+): rank \d+ \(attempt 1\) forked", log)
+    assert forked == spare, log
+    records = [json.loads(line) for line in (tmp_path / "stays.jsonl").read_text().splitlines()]
+    assert [r.get("stayed") for r in records if r.get("event") == "start"] == [0, 1], records
+    assert timeline["source"] == f"memory:step-{MEMORY_STEP:08d}", timeline
+    assert stopped_at == MEMORY_STEP
     assert sorted(got) == list(range(1, MEMORY_STEPS + 1))
     for step, loss in got.items():
         assert loss == pytest.approx(reference_losses[step], rel=1e-6, abs=1e-7), f"step {step}"

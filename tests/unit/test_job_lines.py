@@ -83,6 +83,14 @@ def test_the_agent_s_rank_line_reads_back() -> None:
     assert job_events.parse_rank_failed_line(" 0: " + line) == job_events.RankFailed(5, "ip-10-1-2-3", -9)
 
 
+def test_the_stays_line_reads_back() -> None:
+    line = job_events.stays_line(
+        3, "ip-10-1-2-3", 4242, "its process group broke (Connection closed by peer)"
+    )
+    assert job_events.parse_stays_line(line) == job_events.RankStays(3, "ip-10-1-2-3", 4242)
+    assert job_events.parse_stays_line("[rank3]: " + line) == job_events.RankStays(3, "ip-10-1-2-3", 4242)
+
+
 def test_a_line_of_another_kind_is_none_of_them() -> None:
     line = "hpkit train: resumed from /ckpt/step-00000010 at step 10"
     assert scan_output([f"0: {line}\n"], "job.out") == []
@@ -91,6 +99,7 @@ def test_a_line_of_another_kind_is_none_of_them() -> None:
     assert job_events.parse_stopping_line(line) is None
     assert job_events.parse_done_line(line) is None
     assert job_events.parse_rank_failed_line(line) is None
+    assert job_events.parse_stays_line(line) is None
 
 
 def test_the_watchdogs_hang_folder_is_where_the_supervisor_and_why_look(tmp_path: Path) -> None:

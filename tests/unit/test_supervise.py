@@ -91,6 +91,9 @@ class FakeStep:
         # The real step's parser over the agents' lines.
         return [r for line in self.script.agent_lines if (r := ev.parse_rank_failed_line(line))]
 
+    def staying_ranks(self) -> list[ev.RankStays]:
+        return [r for line in self.script.agent_lines if (r := ev.parse_stays_line(line))]
+
     def signal(self, signum: int) -> None:
         self.signals.append(signum)
         self.signalled_after.append(self.script.polls - self.polls)
@@ -972,3 +975,25 @@ def test_the_step_keeps_what_the_torchrun_agents_say_of_their_failed_ranks():
     step._reader.join(30)
     assert step.failed_ranks() == [ev.RankFailed(1, "node1", -9)]
     assert [(t.node, t.exit_code) for t in step.task_exits()] == [("node2", 1)]
+
+
+@pytest.mark.parametrize("spare_nodes", [0, 1])
+def test_a_rank_that_stays_in_its_process_starts_the_failing_steps_grace(tmp_path, spare_nodes):
+    """resilience.keep_survivors: a rank whose group broke stays parked and its task does not end, so its line
+    (hpkit train's own formatter, srun's label before it) starts the grace, spares or not, and the step is stopped
+    and restarted (a SIGKILLed peer's task). Without keep_survivors and spares, nothing watches the step: it runs
+    until it ends by itself (here after 100 polls), which a parked rank's never does."""
+    stays = f"1: {ev.stays_line(1, 'node2', 4242, 'its process group broke (Connection closed by peer)')}"
+    killed = TaskExit("node1", "0", "Killed")
+    for keep, stopped in ((True, True), (False, bool(spare_nodes))):
+        cluster = FakeCluster(
+            [StepScript(exit=1, polls=100, agent_lines=[stays], tasks=[killed]), StepScript(exit=0)],
+            nodes=["node1", "node2", "node3"],
+        )
+        (case := tmp_path / f"{keep}").mkdir()
+        out = supervise(case, cluster, batch_host="node3", spare_nodes=spare_nodes, keep_survivors=keep)
+        assert (cluster.started[0][2].status == 137) == stopped, (keep, out.lines)
+        if keep:
+            (failing,) = of(out, ev.STEP_FAILING)
+            assert failing["stays"] == [{"rank": 1, "node": "node2", "pid": 4242}], failing
+        assert len(of(out, ev.RESTART)) == 1 and out.exit == 0, out.lines

@@ -109,7 +109,7 @@ def script(tmp_path: Path) -> Path:
 
 
 def client(root: Path, argv: list[str], **kw) -> subprocess.Popen[str]:
-    env = job_env(root, WHO="me", **kw.pop("env", {}))
+    env = job_env(root, **{"WHO": "me", **kw.pop("env", {})})
     return subprocess.Popen(
         [PY, "-m", "hpkit.warm.client", "--", *argv],
         env=env,
@@ -527,6 +527,38 @@ def test_warm_preload_that_cannot_apply_is_one_line(change: dict, words: str) ->
     assert len(str(info.value).splitlines()) == 1
 
 
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (
+            {"resilience": {"warm_start": False, "keep_survivors": True}},
+            "resilience.keep_survivors: a rank stays in a process its node's warm process forked, and the ranks of "
+            "this job start cold (warm_start: false); turn resilience.warm_start on, or drop keep_survivors",
+        ),
+        (
+            {"gpus_per_node": 8, "resilience": {"keep_survivors": True}},
+            "(warm starts are off on GPU nodes unless warm_start: true)",
+        ),
+        (
+            {"command": ["python3", "train.py"], "resilience": {"keep_survivors": True}},
+            "resilience.keep_survivors: only hpkit train's ranks stay in their processes",
+        ),
+    ],
+)
+def test_keep_survivors_that_cannot_apply_is_one_line(change: dict, words: str) -> None:
+    with pytest.raises(SpecError) as info:
+        parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
+    assert words in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+
+
+def test_keep_survivors_reaches_the_supervisors_plan() -> None:
+    """The supervisor watches every step for a failing one where ranks may stay (their tasks do not end)."""
+    spec = parse_document(JobSpec, {**WARM_SPEC, "resilience": {"keep_survivors": True}}, "job.yaml")
+    assert '"keep_survivors": true' in render(spec)
+    assert "keep_survivors" not in render(parse_document(JobSpec, WARM_SPEC, "job.yaml"))
+
+
 def test_a_job_module_that_leaves_a_thread_running_makes_ranks_start_cold_with_one_line(
     tmp_path: Path,
 ) -> None:
@@ -624,3 +656,130 @@ def test_warm_preload_in_a_container_without_warm_start_says_warm_starts_are_off
         "resilience.warm_preload: the ranks start cold in this job (warm starts are off in a container unless "
         "warm_start: true)" in str(info.value)
     )
+
+
+# A rank that may stay (hpkit.warm.park): it says who it is, offers to park, and on "park" from its stdin parks;
+# adopted, it says who it is now, echoes its new stdin's next line and exits 5. "linger" never parks.
+STAYING_RANK = r"""
+import os, sys, signal
+from hpkit.warm import park
+park.offer()
+print("rank", os.getpid(), os.getppid(), os.environ.get("WHO"), park.available(), park.adoptions, flush=True)
+what = sys.stdin.readline().strip()
+if what == "park" and park.stay():
+    print("adopted", os.getpid(), os.environ.get("WHO"), os.getcwd(), park.adoptions, flush=True)
+    print("echo", sys.stdin.readline().strip(), flush=True)
+    sys.exit(5)
+if what == "linger":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("lingering", flush=True)
+    signal.pause()
+sys.exit(0)
+"""
+
+
+@pytest.fixture
+def short_park(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, list[str]]]:
+    """A zygote whose ranks have 2 s to park after their client went, and that ends a parked rank after 3 s;
+    its lines are kept."""
+    proc = subprocess.Popen(
+        [PY, "-m", "hpkit.warm.zygote", "--preload", "json", "--park-window-s", "2", "--park-s", "3"],
+        env=job_env(tmp_path),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    assert "ready" in proc.stdout.readline()
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
+    yield proc, tmp_path, lines
+    proc.terminate()
+    assert proc.wait(timeout=60) == 0
+
+
+def parked(lines: list[str], what: str) -> None:
+    """Waits (up to a minute) for a zygote line containing `what`."""
+    for _ in range(600):
+        if any(what in line for line in lines):
+            return
+        threading.Event().wait(0.1)
+    raise AssertionError(f"no line with {what!r} in {lines}")
+
+
+def wait_parked(pid: int) -> None:
+    """Waits (up to a minute) until the rank has parked: its stdout is /dev/null (hpkit.warm.park.stay)."""
+    for _ in range(600):
+        if os.readlink(f"/proc/{pid}/fd/1") == os.devnull:
+            return
+        threading.Event().wait(0.1)
+    raise AssertionError(f"process {pid} did not park")
+
+
+def test_a_parked_rank_is_adopted_by_the_next_client_of_its_command(short_park, tmp_path: Path) -> None:
+    """The rank parks, its client is killed, and the next client with the same command gets that same process,
+    which goes on with the new client's environment, folder, stdin and stdout, and ends with its status."""
+    proc, root, lines = short_park
+    script = tmp_path / "stay.py"
+    script.write_text(STAYING_RANK)
+    first = client(root, [PY, str(script)])
+    pid, parent = rank_line(first)
+    assert parent == proc.pid
+    assert first.stdin is not None
+    first.stdin.write("park\n")
+    first.stdin.flush()
+    wait_parked(pid)
+    first.kill()
+    first.wait(timeout=60)
+    later = tmp_path / "later"
+    later.mkdir()
+    second = client(root, [PY, str(script)], env={"WHO": "next"}, cwd=later)
+    out, _ = second.communicate("hello\n", timeout=60)
+    assert f"adopted {pid} next {later} 1" in out, (out, lines)
+    assert "echo hello" in out
+    assert second.returncode == 5
+    assert any(f"adopted process {pid}" in line for line in lines), lines
+
+
+def test_a_parked_rank_another_command_asks_for_is_left_and_ended_later(short_park, tmp_path: Path) -> None:
+    """A request for another command forks a new process; the parked one, adopted by none, ends after --park-s
+    with a line."""
+    _, root, lines = short_park
+    script = tmp_path / "stay.py"
+    script.write_text(STAYING_RANK)
+    first = client(root, [PY, str(script)])
+    pid, _ = rank_line(first)
+    assert first.stdin is not None
+    first.stdin.write("park\n")
+    first.stdin.flush()
+    wait_parked(pid)
+    first.kill()
+    first.wait(timeout=60)
+    other = client(root, [PY, str(script), "other"])
+    new_pid, _ = rank_line(other)
+    assert new_pid != pid
+    other.communicate("done\n", timeout=60)
+    parked(
+        lines, f"(process {pid}, attempt ?) stayed for the next step, and none took it over within 3 s: ended"
+    )
+    wait_gone(pid)
+
+
+def test_a_rank_that_may_stay_but_does_not_park_is_killed_after_the_window(
+    short_park, tmp_path: Path
+) -> None:
+    """A rank that said it may stay but is still busy (a collective that cannot be interrupted) when its client
+    goes is killed once the window has passed, with a line (one that never offered dies with its client at once:
+    test_client_killed_kills_its_rank)."""
+    _, root, lines = short_park
+    script = tmp_path / "stay.py"
+    script.write_text(STAYING_RANK)
+    first = client(root, [PY, str(script)])
+    pid, _ = rank_line(first)
+    assert first.stdin is not None and first.stdout is not None
+    first.stdin.write("linger\n")
+    first.stdin.flush()
+    assert first.stdout.readline().strip() == "lingering"
+    first.kill()
+    first.wait(timeout=60)
+    parked(lines, f"(process {pid}, attempt ?) had not left its step 2 s after the step ended")
+    wait_gone(pid)

@@ -6,7 +6,7 @@ import argparse
 import os
 
 from hpkit.errors import SpecError
-from hpkit.runtime.config import SPEC_ENV
+from hpkit.runtime.config import SPEC_ENV, RunConfig
 from hpkit.spec import load_run_config
 
 
@@ -30,12 +30,25 @@ def main(argv: list[str], prog: str = "hpkit train") -> int:
     args = parse_args(argv, prog)
     if not args.config:
         raise SpecError(f"no config: pass --config job.yaml or export {SPEC_ENV}")
+    cfg = _config(args)
+    # torch loads only now: `--help` and config errors answer without it.
+    from hpkit.runtime.run import run
+    from hpkit.runtime.stay import stay_for_next_step
+
+    while True:
+        try:
+            return run(cfg)
+        except Exception as exc:
+            # resilience.keep_survivors: this process stays for the next step, which has now taken it over.
+            if not stay_for_next_step(cfg, exc):
+                raise
+        cfg = _config(args)  # read again, in the next step's environment
+
+
+def _config(args: argparse.Namespace) -> RunConfig:
     cfg = load_run_config(args.config)
     if args.steps is not None:
         if args.steps < 1:
             raise SpecError("--steps must be at least 1")
         cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"steps": args.steps})})
-    # torch loads only now: `--help` and config errors answer without it.
-    from hpkit.runtime.run import run
-
-    return run(cfg)
+    return cfg

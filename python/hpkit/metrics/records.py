@@ -118,10 +118,13 @@ class StartEvent(Event):
     # When rank 0's start-up reached each part (Unix seconds; hpkit.runtime.run.START_PHASES): where a
     # restart's seconds go (bench/bench_recovery.py). Absent where not measured.
     phases: dict[str, float] | None = None
+    # resilience.keep_survivors: how many of the run's ranks stayed in their processes from an earlier step
+    # (hpkit.warm.park), the others having started anew. Absent without keep_survivors.
+    stayed: int | None = None
 
     def to_json(self, time: float) -> dict[str, Any]:
         out = super().to_json(time)
-        for optional in ("overrides", "phases"):
+        for optional in ("overrides", "phases", "stayed"):
             if out[optional] is None:
                 del out[optional]  # a run outside a sweep writes the fields it always wrote
         return out

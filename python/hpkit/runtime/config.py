@@ -615,6 +615,15 @@ class ResilienceSpec(StrictModel):
             "in the job's log, and the ranks import it themselves"
         ),
     )
+    keep_survivors: bool = Field(
+        default=False,
+        description=(
+            "with warm starts, a rank whose process group breaks (a peer lost) leaves the group and stays in its "
+            "process instead of ending; the next step on its node takes that process over (hpkit.warm.park), "
+            "keeping its imports, a GPU's context and compiled kernels. A rank blocked in a collective that "
+            "cannot be interrupted (a cut link under gloo) is restarted as without it"
+        ),
+    )
     requeue_on_failure: bool | None = Field(
         default=None,
         description=(

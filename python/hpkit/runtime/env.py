@@ -324,6 +324,14 @@ def distributed(
     try:
         yield Distributed(launch, device, threads)
         dist.barrier()
+    except BaseException:
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            # A communicator whose peer is gone can hold its destruction up; aborted, it lets go at once, and a
+            # rank that stays in its process (hpkit.runtime.stay) can join a new group.
+            from torch.distributed.distributed_c10d import _abort_process_group
+
+            _abort_process_group()
+        raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -31,9 +31,12 @@ from hpkit.runtime.observe.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.observe.report import StepReporter
 from hpkit.runtime.parallel.collectives import decide
 from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths, sweep_overrides
+from hpkit.runtime.stay import group_broke, may_stay, ranks_that_stayed
+from hpkit.runtime.stay import offer as offer_to_stay
 from hpkit.runtime.watchdog import faults
 from hpkit.runtime.watchdog.hang_watchdog import HangWatchdog, enable_flight_recorder
 from hpkit.supervise.ready import announce as announce_ready
+from hpkit.warm import park
 
 if TYPE_CHECKING:
     from hpkit.runtime.observe.prometheus import PrometheusExporter
@@ -47,7 +50,8 @@ START_PHASES = ("process", "imported", "group", "trainer", "memory", "restored")
 
 
 def run(cfg: RunConfig) -> int:
-    phases = {"process": _process_started(), "imported": time.time()}
+    # A process that stayed from an earlier step (hpkit.warm.park) began this run when that step took it over.
+    phases = {"process": park.adopted_at or _process_started(), "imported": time.time()}
     quiet_known_warnings()
     if cfg.resilience.hang.enabled:
         # The watchdog compares each rank's newest collectives from the flight recorder, which must be on
@@ -59,6 +63,7 @@ def run(cfg: RunConfig) -> int:
         choose_backend=lambda launch, device: choose_collectives(cfg, launch, device),
     ) as d:
         phases["group"] = time.time()
+        offer_to_stay(cfg)
         return _train(cfg, d.launch, d.device, phases)
 
 
@@ -173,6 +178,7 @@ def _validate_only_then_close(run: _Run, evaluator: Evaluator, resumed: bool) ->
 
 def _record_start(run: _Run, resumed: str | None) -> None:
     # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
+    stayed = ranks_that_stayed() if run.cfg.resilience.keep_survivors else None
     run.metrics.event(
         StartEvent(
             run.trainer.step,
@@ -182,6 +188,7 @@ def _record_start(run: _Run, resumed: str | None) -> None:
             world_size=run.launch.world_size,
             overrides=sweep_overrides(),
             phases=run.phases or None,
+            stayed=stayed,
         )
     )
 
@@ -198,7 +205,7 @@ def _loop_then_close(run: _Run, evaluator: Evaluator | None, summary: Throughput
     trainer = run.trainer
     last: StepResult | None = None
     try:
-        with _stop_on_signals(trainer.request_stop):
+        with _stop_on_signals(trainer.request_stop, may_stay(run.cfg)):
             # The job's supervisor holds a USR1 until every rank's handler is in place (it would kill the rank).
             announce_ready(os.environ, run.launch.rank, run.launch.world_size)
             last = _loop(run, evaluator, summary)
@@ -515,13 +522,22 @@ def _check_finite(result: StepResult) -> None:
 
 
 @contextmanager
-def _stop_on_signals(request_stop: Callable[[int], None]) -> Iterator[None]:
-    """Slurm sends SIGTERM (or the --signal one) before killing: finish the step, save, then stop."""
+def _stop_on_signals(request_stop: Callable[[int], None], may_stay: bool = False) -> Iterator[None]:
+    """Slurm sends SIGTERM (or the --signal one) before killing: finish the step, save, then stop.
+
+    `may_stay` (resilience.keep_survivors): where the run ends because its group broke, the stop signals are
+    ignored from then on instead of their defaults restored. The launcher saw the same failure and stops its
+    ranks (torchrun's agent sends SIGTERM within milliseconds); this rank is leaving to stay for the next step
+    (hpkit.runtime.stay), and a default action would kill it on the way."""
     previous = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for sig in STOP_SIGNALS:
         signal.signal(sig, lambda signum, _frame: request_stop(signum))
     try:
         yield
+    except Exception as exc:
+        if may_stay and group_broke(exc):
+            previous = dict.fromkeys((*STOP_SIGNALS, signal.SIGINT, signal.SIGHUP), signal.SIG_IGN)
+        raise
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

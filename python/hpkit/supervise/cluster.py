@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from hpkit.job_events import RankFailed, parse_rank_failed_line
+from hpkit.job_events import RankFailed, RankStays, parse_rank_failed_line, parse_stays_line
 from hpkit.slurm import client, hostlist
 from hpkit.supervise import probe
 from hpkit.supervise.probe import PROBE_TIMEOUT_S, launch_failed_node, silent_nodes
@@ -72,6 +72,11 @@ class Step(Protocol):
     def task_exits(self) -> list[TaskExit]: ...
     def failed_ranks(self) -> list[RankFailed]:
         """The ranks hpkit-torchrun said failed (job_events.rank_failed_line), each with its node."""
+        ...
+
+    def staying_ranks(self) -> list[RankStays]:
+        """The ranks hpkit train said stay in their processes for the next step (job_events.stays_line): their
+        group broke, and their tasks do not end."""
         ...
 
     def ready(self) -> set[str]:
@@ -161,6 +166,7 @@ class _SrunStep:
         self._proc = subprocess.Popen(list(argv), env=dict(env), stdout=stdout, stderr=subprocess.PIPE)
         self._exits: list[TaskExit] = []
         self._failed: list[RankFailed] = []
+        self._stays: list[RankStays] = []
         self._lock = threading.Lock()
         # Set by end(): srun's lines from then on are about the stop ("forcing job termination", each task
         # "Killed"), which read as a fault in a log that has just said the job completed.
@@ -195,11 +201,14 @@ class _SrunStep:
             line = raw.decode(errors="replace")
             task = TaskExit.parse(line)
             failed = parse_rank_failed_line(line) if task is None else None
+            stays = parse_stays_line(line) if task is None and failed is None else None
             with self._lock:
                 if task is not None:
                     self._exits.append(task)
                 if failed is not None:
                     self._failed.append(failed)
+                if stays is not None:
+                    self._stays.append(stays)
 
     def poll(self) -> int | None:
         return self._proc.poll()
@@ -215,6 +224,10 @@ class _SrunStep:
     def failed_ranks(self) -> list[RankFailed]:
         with self._lock:
             return list(self._failed)
+
+    def staying_ranks(self) -> list[RankStays]:
+        with self._lock:
+            return list(self._stays)
 
     def signal(self, signum: int) -> None:
         with contextlib.suppress(ProcessLookupError):

@@ -401,20 +401,24 @@ class Supervisor:
                 self._check_flag()
                 if self.signalled:
                     self._pass_usr1()  # held until the ranks' handlers are in place
-                if self.plan.spare_nodes and not self.signalled:
+                # Ranks that stay in their processes (resilience.keep_survivors) do not end their tasks: the step
+                # is stopped here, spares or not, and the next one takes them over.
+                if (self.plan.spare_nodes or self.plan.keep_survivors) and not self.signalled:
                     now = self.cluster.monotonic()
                     if failing_since is None:
                         # srun's task lines, torchrun's agents' rank lines (an agent prints its rank's failure
                         # before it closes the rendezvous, which may take seconds before srun hears of its exit),
-                        # or the hang watchdog's verdict.
+                        # hpkit train's lines for ranks that stay, or the hang watchdog's verdict.
                         exits, ranks, verdict = step.task_exits(), step.failed_ranks(), self.verdict()
-                        if exits or ranks or verdict is not None:
+                        stays = step.staying_ranks()
+                        if exits or ranks or stays or verdict is not None:
                             failing_since = now
                             # When the fault was seen: a recovery's detection ends here (bench_recovery).
                             self.event(
                                 ev.STEP_FAILING,
                                 tasks=[{**asdict(t), "exit_code": t.exit_code} for t in exits],
                                 ranks=[asdict(r) for r in ranks],
+                                stays=[asdict(r) for r in stays],
                                 verdict=str(verdict) if verdict is not None else None,
                             )
                             # Probe while the step has its grace: the answer is ready when it is needed.

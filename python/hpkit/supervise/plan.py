@@ -40,6 +40,9 @@ class Plan:
     # sagemaker_env: SM_HOSTS is each step's nodes, its rendezvous node first (set here, not by the batch shell:
     # spares are in the allocation but not in a step, and a swap changes a step's nodes).
     sagemaker_hosts: bool = False
+    # resilience.keep_survivors: ranks whose group broke stay in their processes and do not end their tasks, so
+    # the supervisor watches every step for a failing one (not only with spares).
+    keep_survivors: bool = False
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -49,7 +52,7 @@ class Plan:
     def to_json(self) -> str:
         data = {name: getattr(self, name) for name in self.__dataclass_fields__}
         # Absent unless set: the scripts of jobs without them read as before.
-        for name in ("warm", "sagemaker_hosts"):
+        for name in ("warm", "sagemaker_hosts", "keep_survivors"):
             if not data[name]:
                 del data[name]
         return json.dumps(data, sort_keys=True)

@@ -5,7 +5,8 @@ The launcher (torchrun's agent, or srun's task under launcher srun or mpi) start
 over a unix socket, hands it the command, its environment, its folder, its CPUs (affinity) and its stdin, stdout and stderr (the
 descriptors themselves), then stands for the rank: every signal it receives goes to the rank, and it exits
 with the rank's exit status, or dies of the signal that killed the rank. The zygote SIGKILLs the rank when this
-process's connection closes (it was SIGKILLed, its step cancelled), so no rank outlives its step; and this
+process's connection closes (it was SIGKILLed, its step cancelled), so no rank outlives its step unless it stays
+for the next one (hpkit.warm.park), whose client the zygote then answers with that process; and this
 process dies of SIGKILL when the zygote goes (the node's rank processes with it).
 
 No zygote, or one that cannot start this command warm (another interpreter, a start-up variable that differs,

@@ -11,7 +11,10 @@ user. Each rank it forks:
   as descriptors), signal dispositions, a session of its own, `__main__` fresh, and Python's and numpy's random
   state drawn again (they would otherwise repeat the zygote's in every rank);
 - dies when the zygote does (PR_SET_PDEATHSIG), and is SIGKILLed when its client's connection closes (the client
-  was killed, its step cancelled): no rank outlives its step;
+  was killed, its step cancelled): no rank outlives its step, but one that stays (resilience.keep_survivors,
+  hpkit.warm.park): it says on its channel that it may, is given PARK_WINDOW_S after its client went to park, and
+  parked, is handed the next request for its command on this node instead of a fork (adopted), or ended after
+  PARK_S;
 - reports its exit status or the signal that ended it to the client, which ends the same way.
 
 Forking after `import torch` is safe only while the zygote has no other thread and has not initialised CUDA (a
@@ -31,25 +34,24 @@ import builtins
 import contextlib
 import ctypes
 import importlib
-import io
 import os
-import random
 import runpy
 import selectors
 import signal
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 import traceback
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NoReturn
 
+from hpkit.warm import park
+from hpkit.warm.become import become
 from hpkit.warm.protocol import (
     SOCKET_ENV,
     env_difference,
@@ -65,11 +67,27 @@ PR_SET_PDEATHSIG = 1
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+# A rank that may stay (hpkit.warm.park) and whose client has gone has this long to park before it is killed: it
+# may still be leaving its broken group when its step ends. One that is blocked in a collective that cannot be
+# interrupted never parks, and the next step starts a new process in its place.
+PARK_WINDOW_S = 10.0
+# A parked rank that no step has adopted this long after its client went is ended: the next step's ranks were
+# started otherwise (another command, fewer ranks on the node), or the job is ending.
+PARK_S = 180.0
+
+
 @dataclass
 class _Rank:
     conn: socket.socket
     client: int  # the client's pid: the process the launcher started, and names in its reports
     pid: int | None = None
+    channel: socket.socket | None = None  # to the forked rank (hpkit.warm.park)
+    argv: list[str] = field(default_factory=list)
+    what: str = ""  # how the lines name it: "rank N", or a module or script
+    attempt: str = "?"
+    may_stay: bool = False  # it said it can park (resilience.keep_survivors)
+    parked_at: float | None = None  # when it parked (monotonic), until a step adopts it
+    orphaned_at: float | None = None  # when its client went
 
 
 def native_threads() -> int:
@@ -98,13 +116,23 @@ def cuda_initialised() -> bool:
 
 
 class Zygote:
-    def __init__(self, path: Path, say: Callable[[str], None], node: str = "", threads: int | None = None):
+    def __init__(
+        self,
+        path: Path,
+        say: Callable[[str], None],
+        node: str = "",
+        threads: int | None = None,
+        park_window_s: float = PARK_WINDOW_S,
+        park_s: float = PARK_S,
+    ):
         self.path, self.say, self.node = path, say, node
+        self.park_window_s, self.park_s = park_window_s, park_s
         self.env = dict(os.environ)  # what this interpreter started with (protocol.STARTUP_VARS)
         # What the preload left: forks may not find more (main: what hpkit's own preload left, so that threads a
         # user's warm_preload started refuse every fork).
         self.threads = native_threads() if threads is None else threads
         self.ranks: dict[int, _Rank] = {}  # by the connection's descriptor
+        self.channels: dict[int, _Rank] = {}  # by the channel's descriptor
         self.stopping = False
         self.started = 0
 
@@ -157,9 +185,11 @@ class Zygote:
         self._own_fds = [listener.fileno(), wake_r, wake_w]
         try:
             while not self.stopping:
-                for key, _ in self.selector.select():
+                for key, _ in self.selector.select(self._timeout()):
                     if key.data == "listen":
                         self._accept(listener)
+                    elif key.data == "channel":
+                        self._heard(key.fileobj)  # type: ignore[arg-type]
                     elif key.data == "wake":
                         with contextlib.suppress(OSError):
                             while os.read(wake_r, 512):
@@ -167,6 +197,7 @@ class Zygote:
                     else:
                         self._handle(key.fileobj)  # type: ignore[arg-type]
                 self._reap()
+                self._expire()
         finally:
             for rank in self.ranks.values():
                 if rank.pid is not None:
@@ -196,15 +227,16 @@ class Zygote:
         except (OSError, ValueError):
             message, fds = None, []
         if message is None:
-            # The client is gone (killed, its step cancelled): so is its rank.
-            if rank.pid is not None:
+            # The client is gone (killed, its step cancelled): so is its rank, unless it has parked or may still.
+            rank.orphaned_at = time.monotonic()
+            if rank.pid is not None and rank.parked_at is None and not rank.may_stay:
                 with contextlib.suppress(OSError):
                     os.kill(rank.pid, signal.SIGKILL)
             self._forget(rank, keep_pid=True)
             return
         if rank.pid is None and "argv" in message:
             self._start(rank, message, fds)
-        elif "signal" in message and rank.pid is not None:
+        elif "signal" in message and rank.pid is not None and rank.parked_at is None:
             with contextlib.suppress(OSError):
                 os.kill(rank.pid, int(message["signal"]))
         else:
@@ -222,6 +254,15 @@ class Zygote:
                 send(rank.conn, {"cold": why})
             self._forget(rank)
             return
+        env = request.get("env") or {}
+        argv = [str(a) for a in request["argv"]]
+        target = python_target(argv, sys.executable) or ["?"]
+        # A rank by its number; anything else (torchrun's agent) by its module or script.
+        rank.what = f"rank {env['RANK']}" if "RANK" in env else target[1] if target[0] == "-m" else target[0]
+        rank.argv, rank.attempt = argv, str(env.get("HPKIT_STEP_ATTEMPT", "?"))
+        parked = self._parked_for(argv, env.get("RANK"))
+        if parked is not None and self._adopt(parked, rank, request, fds):
+            return
         sys.stdout.flush()
         sys.stderr.flush()
         zygote = os.getpid()
@@ -229,22 +270,25 @@ class Zygote:
         # zygote that dies in between leaves the client without an answer, and it starts the command cold: the
         # command must not have begun here too.
         go_read, go_write = os.pipe()
+        # The rank's channel (hpkit.warm.park): it says there whether it may stay, and when it has parked.
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         pid = os.fork()
         if pid == 0:
             os.close(go_write)
+            mine.close()
+            park.attach(theirs)
             self._child(zygote, rank, request, fds, go_read)
         os.close(go_read)
+        theirs.close()
         for fd in fds:
             os.close(fd)
-        rank.pid = pid
+        rank.pid, rank.channel = pid, mine
+        self.channels[mine.fileno()] = rank
+        self.selector.register(mine, selectors.EVENT_READ, "channel")
         self.started += 1
-        env = request.get("env") or {}
-        target = python_target([str(a) for a in request["argv"]], sys.executable) or ["?"]
-        # A rank by its number; anything else (torchrun's agent) by its module or script.
-        what = f"rank {env['RANK']}" if "RANK" in env else target[1] if target[0] == "-m" else target[0]
         # torchrun's reports name the process it started, the client: the line maps it to the rank's own.
         self.say(
-            f"hpkit: warm start on {self.node}: {what} (attempt {env.get('HPKIT_STEP_ATTEMPT', '?')}) forked as "
+            f"hpkit: warm start on {self.node}: {rank.what} (attempt {rank.attempt}) forked as "
             f"process {pid} for process {rank.client}"
         )
         try:
@@ -256,6 +300,108 @@ class Zygote:
         finally:
             os.close(go_write)
 
+    def _parked_for(self, argv: list[str], rank: str | None) -> _Rank | None:
+        """A parked rank that the request for `argv` can adopt (the same command; the same rank number first),
+        whose client has gone."""
+        parked = [
+            r
+            for r in self.ranks.values()
+            if r.parked_at is not None and r.conn.fileno() < 0 and r.channel is not None and r.argv == argv
+        ]
+        same = [r for r in parked if r.what == f"rank {rank}"]
+        return (same or parked or [None])[0]
+
+    def _adopt(self, parked: _Rank, rank: _Rank, request: dict[str, Any], fds: list[int]) -> bool:
+        """Hand `rank`'s request to a parked process, which becomes its rank; False (the request still to start)
+        where the parked process cannot take it."""
+        assert parked.channel is not None and parked.pid is not None
+        try:
+            send(parked.channel, {"adopt": request}, fds)
+        except OSError:
+            return False
+        for fd in fds:
+            os.close(fd)
+        for key in [k for k, r in self.ranks.items() if r is parked]:
+            del self.ranks[key]
+        was = parked.attempt
+        parked.conn, parked.client, parked.what, parked.attempt = (
+            rank.conn,
+            rank.client,
+            rank.what,
+            rank.attempt,
+        )
+        parked.may_stay, parked.parked_at, parked.orphaned_at = False, None, None
+        self.ranks[rank.conn.fileno()] = parked
+        self.say(
+            f"hpkit: warm start on {self.node}: {parked.what} (attempt {parked.attempt}) adopted process "
+            f"{parked.pid}, which stayed from attempt {was}, for process {parked.client}"
+        )
+        try:
+            send(parked.conn, {"pid": parked.pid})
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.kill(parked.pid, signal.SIGKILL)
+        return True
+
+    def _heard(self, channel: socket.socket) -> None:
+        """A rank's word on its channel: it may stay, or it has parked."""
+        rank = self.channels.get(channel.fileno())
+        try:
+            message, _ = receive(channel)
+        except (OSError, ValueError):
+            message = None
+        if rank is None or message is None:  # the rank has ended (reaped next) or closed its end
+            self._close_channel(channel)
+            return
+        if message.get("may_stay"):
+            rank.may_stay = True
+        if message.get("parked"):
+            rank.parked_at = time.monotonic()
+
+    def _close_channel(self, channel: socket.socket) -> None:
+        rank = self.channels.pop(channel.fileno(), None)
+        with contextlib.suppress(KeyError, ValueError):
+            self.selector.unregister(channel)
+        channel.close()
+        if rank is not None:
+            rank.channel = None
+
+    def _timeout(self) -> float | None:
+        """How long the loop may wait: a second while a rank waits to park or is parked (_expire), else no limit."""
+        return 1.0 if any(self._staying(r) for r in self.ranks.values()) else None
+
+    @staticmethod
+    def _staying(rank: _Rank) -> bool:
+        """Whether a rank outlives its client: it has parked, or may still (its client gone)."""
+        return (
+            rank.orphaned_at is not None
+            and rank.pid is not None
+            and (rank.may_stay or rank.parked_at is not None)
+        )
+
+    def _expire(self) -> None:
+        """Kill a rank whose client went PARK_WINDOW_S ago and that has not parked, and a parked one that no step
+        has adopted within PARK_S."""
+        now = time.monotonic()
+        for rank in list(self.ranks.values()):
+            if not self._staying(rank) or rank.pid is None or rank.orphaned_at is None:
+                continue
+            if rank.parked_at is None and now - rank.orphaned_at >= self.park_window_s:
+                why = (
+                    f"had not left its step {self.park_window_s:.0f} s after the step ended (blocked in a collective "
+                    "that cannot be interrupted): killed; the next step starts a new process in its place"
+                )
+            elif rank.parked_at is not None and now - max(rank.parked_at, rank.orphaned_at) >= self.park_s:
+                why = f"stayed for the next step, and none took it over within {self.park_s:.0f} s: ended"
+            else:
+                continue
+            self.say(
+                f"hpkit: warm: {rank.what} on {self.node} (process {rank.pid}, attempt {rank.attempt}) {why}"
+            )
+            with contextlib.suppress(OSError):
+                os.kill(rank.pid, signal.SIGKILL)
+            rank.orphaned_at = None  # reaped next
+
     def _reap(self) -> None:
         while True:
             try:
@@ -266,15 +412,24 @@ class Zygote:
                 return
             for key, rank in list(self.ranks.items()):
                 if rank.pid == pid:
+                    ended = (
+                        {"signal": os.WTERMSIG(status)}
+                        if os.WIFSIGNALED(status)
+                        else {"exit": os.waitstatus_to_exitcode(status)}
+                    )
                     if rank.conn.fileno() >= 0:
-                        ended = (
-                            {"signal": os.WTERMSIG(status)}
-                            if os.WIFSIGNALED(status)
-                            else {"exit": os.waitstatus_to_exitcode(status)}
-                        )
                         with contextlib.suppress(OSError):
                             send(rank.conn, ended)
+                    elif self._staying(rank) and rank.parked_at is None and rank.orphaned_at is not None:
+                        how = f"signal {ended['signal']}" if "signal" in ended else f"exit {ended['exit']}"
+                        self.say(
+                            f"hpkit: warm: {rank.what} on {self.node} (process {pid}, attempt {rank.attempt}) ended "
+                            f"({how}) after its step did, before it had parked: the next step starts a new process in "
+                            "its place"
+                        )
                     rank.pid = None
+                    if rank.channel is not None:
+                        self._close_channel(rank.channel)
                     self._forget(rank)
                     self.ranks.pop(key, None)
 
@@ -301,24 +456,13 @@ class Zygote:
             for other in self.ranks.values():
                 if other.conn.fileno() >= 0:
                     other.conn.close()
+                if other.channel is not None:
+                    other.channel.close()
             for fd in self._own_fds:
                 with contextlib.suppress(OSError):
                     os.close(fd)
             os.setsid()
-            if (cpus := request.get("cpus")) is not None:
-                os.sched_setaffinity(0, cpus)
-            _signals(request.get("ignored_signals") or [])
-            os.umask(int(request.get("umask", 0o022)))
-            os.environ.clear()
-            os.environ.update({str(k): str(v) for k, v in (request.get("env") or {}).items()})
-            # tempfile keeps the folder it found first (torch's import asks): the rank's TMPDIR decides again.
-            tempfile.tempdir = None
-            os.chdir(request.get("cwd") or "/")
-            _descriptors(request.get("fds") or [], fds)
-            _streams(os.environ)
-            random.seed()
-            if (numpy := sys.modules.get("numpy")) is not None:
-                numpy.random.seed()
+            become(request, fds)
             target = python_target([str(a) for a in request["argv"]], sys.executable)
             assert target is not None
             if os.read(go, 2) != b"go":  # the client never heard of this process: it runs the command cold
@@ -411,58 +555,6 @@ def _die_with(zygote: int) -> None:
         os._exit(128 + signal.SIGKILL)
 
 
-def _signals(ignored: list[int]) -> None:
-    """The dispositions python starts with, and what the client's parent had ignored ignored still."""
-    for s in signal.valid_signals():
-        if s in (signal.SIGKILL, signal.SIGSTOP):
-            continue
-        with contextlib.suppress(ValueError):
-            signal.signal(s, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    for s in ignored:
-        with contextlib.suppress(ValueError):
-            signal.signal(s, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_SETMASK, [])
-
-
-def _descriptors(targets: list[int], fds: list[int]) -> None:
-    for target, fd in zip(targets, fds, strict=True):
-        os.dup2(fd, target)
-        if fd != target:
-            os.close(fd)
-    for target in (0, 1, 2):
-        if target not in targets:
-            with contextlib.suppress(OSError):
-                os.close(target)
-
-
-def _streams(env: dict[str, str] | os._Environ[str]) -> None:
-    """sys.stdin, stdout and stderr anew on the rank's descriptors: a terminal or a pipe decides their buffering,
-    and PYTHONUNBUFFERED, as at an interpreter's start."""
-    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
-    encoding = sys.stdout.encoding if sys.stdout is not None else "utf-8"
-
-    def stream(fd: int, write: bool, errors: str) -> io.TextIOWrapper | None:
-        try:
-            os.fstat(fd)
-        except OSError:
-            return None
-        raw = io.FileIO(fd, "w" if write else "r", closefd=False)
-        buffered: Any = io.BufferedWriter(raw) if write else io.BufferedReader(raw)
-        tty = raw.isatty()
-        return io.TextIOWrapper(
-            buffered,
-            encoding=encoding,
-            errors=errors,
-            line_buffering=write and (tty or fd == 2),
-            write_through=write and unbuffered,
-        )
-
-    sys.stdin = sys.__stdin__ = stream(0, False, "strict")  # type: ignore[misc]
-    sys.stdout = sys.__stdout__ = stream(1, True, "strict")  # type: ignore[misc]
-    sys.stderr = sys.__stderr__ = stream(2, True, "backslashreplace")  # type: ignore[misc]
-
-
 def preload(modules: list[str], say: Callable[[str], None]) -> list[str]:
     """Import each module; the ones that failed (one line each: the rank imports them itself, cold)."""
     failed = []
@@ -482,6 +574,15 @@ def main(argv: list[str] | None = None) -> int:
         "--preload-more",
         default="",
         help="the job's own modules to import after those (resilience.warm_preload), comma-separated",
+    )
+    parser.add_argument(
+        "--park-window-s",
+        type=float,
+        default=PARK_WINDOW_S,
+        help="how long a rank that may stay has to park after its client went",
+    )
+    parser.add_argument(
+        "--park-s", type=float, default=PARK_S, help="how long a parked rank waits for a step to adopt it"
     )
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     path = socket_path(os.environ)
@@ -508,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
             f"hpkit: warm: preloading {','.join(more)} left {native_threads() - left} more thread(s) running, which a "
             "fork would not copy: ranks start cold; take the module that starts them out of resilience.warm_preload"
         )
-    zygote = Zygote(path, say, node, threads=left)
+    zygote = Zygote(path, say, node, threads=left, park_window_s=args.park_window_s, park_s=args.park_s)
     preloaded = ",".join(m for m in (args.preload, args.preload_more) if m)
     zygote.serve(ready_line(node, time.monotonic() - began, preloaded, zygote.threads))
     return 0
