@@ -697,7 +697,7 @@ def short_park(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, li
     assert proc.wait(timeout=60) == 0
 
 
-def parked(lines: list[str], what: str) -> None:
+def zygote_said(lines: list[str], what: str) -> None:
     """Waits (up to a minute) for a zygote line containing `what`."""
     for _ in range(600):
         if any(what in line for line in lines):
@@ -758,7 +758,7 @@ def test_a_parked_rank_another_command_asks_for_is_left_and_ended_later(short_pa
     new_pid, _ = rank_line(other)
     assert new_pid != pid
     other.communicate("done\n", timeout=60)
-    parked(
+    zygote_said(
         lines, f"(process {pid}, attempt ?) stayed for the next step, and none took it over within 3 s: ended"
     )
     wait_gone(pid)
@@ -781,5 +781,31 @@ def test_a_rank_that_may_stay_but_does_not_park_is_killed_after_the_window(
     assert first.stdout.readline().strip() == "lingering"
     first.kill()
     first.wait(timeout=60)
-    parked(lines, f"(process {pid}, attempt ?) had not left its step 2 s after the step ended")
+    zygote_said(lines, f"(process {pid}, attempt ?) had not left its step 2 s after the step ended")
     wait_gone(pid)
+
+
+def test_a_rank_still_leaving_its_step_is_killed_when_the_next_one_starts_on_its_node(
+    short_park, tmp_path
+) -> None:
+    """The next step's process for the same command does not start beside one still leaving the old step (both
+    would hold the node's memory, a GPU's): that one is killed first, with a line, before the window is out."""
+    _, root, lines = short_park
+    script = tmp_path / "stay.py"
+    script.write_text(STAYING_RANK)
+    first = client(root, [PY, str(script)])
+    pid, _ = rank_line(first)
+    assert first.stdin is not None and first.stdout is not None
+    first.stdin.write("linger\n")
+    first.stdin.flush()
+    assert first.stdout.readline().strip() == "lingering"
+    first.kill()
+    first.wait(timeout=60)
+    second = client(root, [PY, str(script)])
+    new_pid, _ = rank_line(second)
+    zygote_said(
+        lines, f"(process {pid}, attempt ?) had not left its step when the next step's rank started here"
+    )
+    wait_gone(pid)
+    assert new_pid != pid
+    second.communicate("done\n", timeout=60)

@@ -263,6 +263,7 @@ class Zygote:
         parked = self._parked_for(argv, env.get("RANK"))
         if parked is not None and self._adopt(parked, rank, request, fds):
             return
+        self._end_leaving(argv)
         sys.stdout.flush()
         sys.stderr.flush()
         zygote = os.getpid()
@@ -342,6 +343,19 @@ class Zygote:
             with contextlib.suppress(OSError):
                 os.kill(parked.pid, signal.SIGKILL)
         return True
+
+    def _end_leaving(self, argv: list[str]) -> None:
+        """Kill the ranks of `argv` still leaving an ended step (not parked): a new process of the same command now
+        starts on this node, and both would hold its memory (a GPU's) at once."""
+        for rank in self.ranks.values():
+            if self._staying(rank) and rank.parked_at is None and rank.argv == argv and rank.pid is not None:
+                self.say(
+                    f"hpkit: warm: {rank.what} on {self.node} (process {rank.pid}, attempt {rank.attempt}) had not "
+                    "left its step when the next step's rank started here: killed"
+                )
+                with contextlib.suppress(OSError):
+                    os.kill(rank.pid, signal.SIGKILL)
+                rank.orphaned_at = None  # reaped next
 
     def _heard(self, channel: socket.socket) -> None:
         """A rank's word on its channel: it may stay, or it has parked."""
