@@ -172,8 +172,17 @@ def kill_node(env: dict[str, str], job: str, node: str) -> list[int]:
     return victims
 
 
-def kill_rank(job: str, node: str) -> list[int]:
-    """A rank's process SIGKILLed (the OOM killer, a crash), its node and torchrun's agent there left up."""
+def kill_rank(job: str, node: str, log: Path | None = None) -> list[int]:
+    """A rank's process SIGKILLed (the OOM killer, a crash), its node and torchrun's agent there left up. A rank
+    forked warm shows the zygote's environment in /proc: its process is the one the job's `log` names, forked for
+    rank 0 on `node` (the process found by its environment would be its client, whose death the rank outlives
+    with resilience.keep_survivors)."""
+    text = log.read_text() if log is not None and log.exists() else ""
+    if forked := re.findall(
+        rf"warm start on {re.escape(node)}: rank 0 \(attempt 0\) forked as process (\d+)", text
+    ):
+        os.kill(int(forked[0]), signal.SIGKILL)
+        return [int(forked[0])]
     for pid in job_processes_on(job, node):
         with contextlib.suppress(OSError):
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
@@ -555,7 +564,11 @@ def lose_node_held_after_memory_step(
     elif wipe_partner:
         for folder in node_memory.glob(f"hpkit-mem-*/*/{other_node}"):
             shutil.rmtree(folder)
-    victims = kill_node(env, job, rank0_node) if fault == "node" else kill_rank(job, rank0_node)
+    victims = (
+        kill_node(env, job, rank0_node)
+        if fault == "node"
+        else kill_rank(job, rank0_node, Path(backend.info(job).stdout or "/nonexistent"))
+    )
     killed_wall = time.time()
     assert victims, f"no processes of job {job} on {rank0_node}"
     try:

@@ -55,3 +55,22 @@ def test_a_rank_that_may_stay_ignores_stop_signals_once_its_group_broke(may_stay
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+def test_a_rank_told_its_step_ended_leaves_before_its_next_step_and_says_why(monkeypatch) -> None:
+    """park.STEP_ENDED_SIGNAL set the flag: the loop's check raises before another step is trained, and the run's
+    end is a reason to stay, as a broken group is."""
+    from hpkit.runtime.stay import leave_if_step_ended, why_leaving
+    from hpkit.warm import park
+
+    monkeypatch.setattr(park, "step_ended", False)
+    leave_if_step_ended()
+    monkeypatch.setattr(park, "step_ended", True)
+    with pytest.raises(park.StepEnded) as info:
+        leave_if_step_ended()
+    assert (
+        why_leaving(info.value)
+        == "its step ended while its group still worked (the launcher's process is gone)"
+    )
+    assert why_leaving(RuntimeError(GLOO_PEER_GONE)) == f"its process group broke ({GLOO_PEER_GONE})"
+    assert why_leaving(ValueError("bad batch")) is None

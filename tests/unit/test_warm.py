@@ -659,7 +659,8 @@ def test_warm_preload_in_a_container_without_warm_start_says_warm_starts_are_off
 
 
 # A rank that may stay (hpkit.warm.park): it says who it is, offers to park, and on "park" from its stdin parks;
-# adopted, it says who it is now, echoes its new stdin's next line and exits 5. "linger" never parks.
+# adopted, it says who it is now, echoes its new stdin's next line and exits 5. "linger" never parks (blocked); "train-on"
+# trains on until the zygote says its step ended, then parks.
 STAYING_RANK = r"""
 import os, sys, signal
 from hpkit.warm import park
@@ -670,10 +671,21 @@ if what == "park" and park.stay():
     print("adopted", os.getpid(), os.environ.get("WHO"), os.getcwd(), park.adoptions, flush=True)
     print("echo", sys.stdin.readline().strip(), flush=True)
     sys.exit(5)
-if what == "linger":
+if what == "train-on":  # healthy, its group whole: it learns from the zygote that its step has ended
+    import time
+    park.watch_step_end()
+    print("training", flush=True)
+    while not park.step_ended:
+        time.sleep(0.01)
+    if park.stay():
+        print("adopted", os.getpid(), os.environ.get("WHO"), os.getcwd(), park.adoptions, park.step_ended, flush=True)
+        sys.exit(6)
+if what == "linger":  # blocked (a collective that cannot be interrupted): told its step ended, it cannot act on it
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    park.watch_step_end()
     print("lingering", flush=True)
-    signal.pause()
+    while True:
+        signal.pause()
 sys.exit(0)
 """
 
@@ -809,3 +821,27 @@ def test_a_rank_still_leaving_its_step_is_killed_when_the_next_one_starts_on_its
     wait_gone(pid)
     assert new_pid != pid
     second.communicate("done\n", timeout=60)
+
+
+def test_a_rank_whose_client_goes_while_it_trains_on_is_told_its_step_ended_and_parks(
+    short_park, tmp_path
+) -> None:
+    """Its client killed while its group still works (its peers' clients too: a step stopped for another rank's
+    hang): the zygote tells it its step ended (park.STEP_ENDED_SIGNAL) instead of leaving it to train and save on in
+    a step that is over, and it parks, adopted by the next client of its command."""
+    _, root, _ = short_park
+    script = tmp_path / "stay.py"
+    script.write_text(STAYING_RANK)
+    first = client(root, [PY, str(script)])
+    pid, _ = rank_line(first)
+    assert first.stdin is not None and first.stdout is not None
+    first.stdin.write("train-on\n")
+    first.stdin.flush()
+    assert first.stdout.readline().strip() == "training"
+    first.kill()
+    first.wait(timeout=60)
+    wait_parked(pid)
+    second = client(root, [PY, str(script)], env={"WHO": "next"})
+    out, _ = second.communicate(timeout=60)
+    assert f"adopted {pid} next" in out and out.strip().endswith("1 False"), out
+    assert second.returncode == 6

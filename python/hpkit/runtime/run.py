@@ -31,7 +31,7 @@ from hpkit.runtime.observe.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.observe.report import StepReporter
 from hpkit.runtime.parallel.collectives import decide
 from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths, sweep_overrides
-from hpkit.runtime.stay import group_broke, may_stay, ranks_that_stayed
+from hpkit.runtime.stay import leave_if_step_ended, may_stay, ranks_that_stayed, why_leaving
 from hpkit.runtime.stay import offer as offer_to_stay
 from hpkit.runtime.watchdog import faults
 from hpkit.runtime.watchdog.hang_watchdog import HangWatchdog, enable_flight_recorder
@@ -232,6 +232,7 @@ def _loop(run: _Run, evaluator: Evaluator | None, summary: Throughput) -> StepRe
     """Steps until the last one, or until a signal asks the run to stop."""
     last: StepResult | None = None
     while run.trainer.step < run.cfg.train.steps:
+        leave_if_step_ended()  # resilience.keep_survivors
         last = _step(run, evaluator, summary)
         if run.trainer.stop_requested:
             run.say(stopping_line(run.trainer.step, run.trainer.stop_signal))
@@ -535,7 +536,7 @@ def _stop_on_signals(request_stop: Callable[[int], None], may_stay: bool = False
     try:
         yield
     except Exception as exc:
-        if may_stay and group_broke(exc):
+        if may_stay and why_leaving(exc):
             previous = dict.fromkeys((*STOP_SIGNALS, signal.SIGINT, signal.SIGHUP), signal.SIG_IGN)
         raise
     finally:

@@ -10,6 +10,7 @@ when the step ends; any other error ends the rank as before."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -39,9 +40,25 @@ THREADS_END_S = 10.0
 
 
 def offer(cfg: RunConfig) -> None:
-    """Say to the zygote, at the run's start, that this rank may stay (it waits for it to park, not kill it)."""
-    if cfg.resilience.keep_survivors:
+    """Say to the zygote, at the run's start, that this rank may stay (it waits for it to park, not kill it), and
+    have its word that the step ended (park.STEP_ENDED_SIGNAL) end the run at the next step."""
+    if may_stay(cfg):
+        park.watch_step_end()
         park.offer()
+
+
+def leave_if_step_ended() -> None:
+    """Before each step: a rank whose step has ended (its client gone, its group maybe whole) trains no further."""
+    if park.step_ended:
+        raise park.StepEnded("its step ended while its group still worked (the launcher's process is gone)")
+
+
+def why_leaving(exc: BaseException) -> str | None:
+    """Why a run that `exc` ended leaves for the next step: its step ended, or its group broke; None otherwise."""
+    if isinstance(exc, park.StepEnded):
+        return str(exc)
+    broke = group_broke(exc)
+    return f"its process group broke ({broke})" if broke is not None else None
 
 
 def may_stay(cfg: RunConfig) -> bool:
@@ -80,27 +97,30 @@ def stay_for_next_step(cfg: RunConfig, exc: BaseException) -> bool:
     (then `hpkit train` runs again); False to end as without keep_survivors."""
     if not may_stay(cfg):
         return False
-    why = group_broke(exc)
+    why = why_leaving(exc)
     if why is None:
         return False
     rank, node = int(os.environ.get("RANK", "-1")), node_name()
     running = _threads_left(THREADS_END_S)
     if running:
-        print(
-            f"hpkit train: rank {rank} on {node} cannot stay in its process: thread(s) {', '.join(running)} of the "
-            f"run still run {THREADS_END_S:.0f} s after its group broke; ending",
-            file=sys.stderr,
-            flush=True,
-        )
+        with contextlib.suppress(OSError):
+            print(
+                f"hpkit train: rank {rank} on {node} cannot stay in its process: thread(s) {', '.join(running)} of "
+                f"the run still run {THREADS_END_S:.0f} s after it ended ({why}); ending",
+                file=sys.stderr,
+                flush=True,
+            )
         return False
-    forget_the_run()
     gc.collect()
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
-    print(
-        stays_line(rank, node, os.getpid(), f"its process group broke ({why})"), file=sys.stderr, flush=True
-    )
-    return park.stay()
+    with contextlib.suppress(OSError):  # the step's pipes may be gone with its launcher
+        print(stays_line(rank, node, os.getpid(), why), file=sys.stderr, flush=True)
+    if not park.stay():
+        return False
+    # Taken over; what the old run's last daemon threads may have cached meanwhile goes too.
+    forget_the_run()
+    return True
 
 
 def forget_the_run() -> None:

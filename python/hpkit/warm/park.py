@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import sys
 import time
+from types import FrameType
 
 from hpkit.warm.become import become
 from hpkit.warm.protocol import receive, send
@@ -22,6 +24,26 @@ _channel: socket.socket | None = None
 # When a later step adopted this process (Unix seconds), and how many times: None and 0 in a process as forked.
 adopted_at: float | None = None
 adoptions = 0
+# What the zygote sends a rank that may stay when its client has gone while its group still works (a step stopped
+# for another rank's hang, its own client killed): its step has ended, and it must not train or save on in it.
+# A real-time signal: no program's own, and its default (ending the process) is what a rank that cannot stay
+# got before.
+STEP_ENDED_SIGNAL = signal.SIGRTMIN + 3
+step_ended = False
+
+
+class StepEnded(Exception):
+    """Raised by a rank that may stay where its step has ended (STEP_ENDED_SIGNAL): it leaves its group and parks."""
+
+
+def watch_step_end() -> None:
+    """Have STEP_ENDED_SIGNAL set `step_ended` (from then on, in this process)."""
+    signal.signal(STEP_ENDED_SIGNAL, _ended)
+
+
+def _ended(_signum: int, _frame: FrameType | None) -> None:
+    global step_ended
+    step_ended = True
 
 
 def attach(channel: socket.socket) -> None:
@@ -47,7 +69,7 @@ def stay() -> bool:
     """Park until a later step on this node adopts this process; True once it has (this process is then that
     step's rank: environment, folder and streams), False where the zygote is gone. Its streams go to /dev/null
     meanwhile: the old step's pipes close with it."""
-    global adopted_at, adoptions
+    global adopted_at, adoptions, step_ended
     if _channel is None:
         return False
     for stream in (sys.stdout, sys.stderr):
@@ -72,7 +94,7 @@ def stay() -> bool:
             return False
         if "adopt" in message:
             become(message["adopt"], fds)
-            adopted_at, adoptions = time.time(), adoptions + 1
+            adopted_at, adoptions, step_ended = time.time(), adoptions + 1, False
             return True
         for fd in fds:
             os.close(fd)

@@ -229,9 +229,10 @@ class Zygote:
         if message is None:
             # The client is gone (killed, its step cancelled): so is its rank, unless it has parked or may still.
             rank.orphaned_at = time.monotonic()
-            if rank.pid is not None and rank.parked_at is None and not rank.may_stay:
+            if rank.pid is not None and rank.parked_at is None:
+                # One that may stay is told its step has ended (it may still be training, its group whole).
                 with contextlib.suppress(OSError):
-                    os.kill(rank.pid, signal.SIGKILL)
+                    os.kill(rank.pid, park.STEP_ENDED_SIGNAL if rank.may_stay else signal.SIGKILL)
             self._forget(rank, keep_pid=True)
             return
         if rank.pid is None and "argv" in message:
