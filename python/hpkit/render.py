@@ -235,6 +235,7 @@ def supervise_plan(spec: JobSpec) -> str:
         warm=zygote_command(job, spec.warm_starts, spec.run.resilience.warm_preload),
         sagemaker_hosts=job.sagemaker_env is not None,
         keep_survivors=resilience.keep_survivors,
+        ranks=job.world_size,
     ).to_json()
 
 

@@ -997,3 +997,28 @@ def test_a_rank_that_stays_in_its_process_starts_the_failing_steps_grace(tmp_pat
             (failing,) = of(out, ev.STEP_FAILING)
             assert failing["stays"] == [{"rank": 1, "node": "node2", "pid": 4242}], failing
         assert len(of(out, ev.RESTART)) == 1 and out.exit == 0, out.lines
+
+
+def test_a_step_whose_every_rank_ended_or_stays_is_stopped_without_its_grace(tmp_path):
+    """keep_survivors: rank 0 died of SIGKILL (its agent's line) and rank 1 stays in its process: nothing more will
+    come, so the step is stopped at once, not STEP_GRACE_S later. With rank 0 unaccounted for (under torchrun srun's
+    task line names the agent, not the rank), after the grace."""
+    stays = f"1: {ev.stays_line(1, 'node2', 4242, 'its process group broke (Connection closed by peer)')}"
+    killed = TaskExit("node1", "0", "Killed")
+    for lines, at_once in (([ev.rank_failed_line(0, "node1", -9), stays], True), ([stays], False)):
+        cluster = FakeCluster(
+            [StepScript(exit=1, polls=100, agent_lines=lines, tasks=[killed]), StepScript(exit=0)],
+            nodes=["node1", "node2", "node3"],
+        )
+        (case := tmp_path / str(at_once)).mkdir()
+        out = supervise(case, cluster, batch_host="node3", spare_nodes=1, keep_survivors=True, ranks=2)
+        step = cluster.started[0][2]
+        assert step.killed_at is not None
+        assert (step.killed_at - cluster.started_at[0] < STEP_GRACE_S) == at_once, (at_once, step.killed_at)
+        assert any("every rank of the step has ended or stays" in line for line in out.lines) == at_once
+        assert len(of(out, ev.RESTART)) == 1 and out.exit == 0, out.lines
+
+
+def test_srun_task_ids_expand_as_srun_writes_them():
+    assert TaskExit("node1", "0,2-3", "Killed").task_ids == [0, 2, 3]
+    assert TaskExit("node1", "5", "Exited with exit code 1").task_ids == [5]

@@ -845,3 +845,23 @@ def test_a_rank_whose_client_goes_while_it_trains_on_is_told_its_step_ended_and_
     out, _ = second.communicate(timeout=60)
     assert f"adopted {pid} next" in out and out.strip().endswith("1 False"), out
     assert second.returncode == 6
+
+
+def test_a_parked_rank_whose_old_client_still_waits_is_adopted_and_the_old_client_ends(
+    short_park, tmp_path
+) -> None:
+    """The old step's task can outlive the next step's start (its cancel still under way): the parked rank is
+    adopted all the same, and its old client ends as a rank killed would have, of SIGKILL."""
+    _, root, _ = short_park
+    script = tmp_path / "stay.py"
+    script.write_text(STAYING_RANK)
+    first = client(root, [PY, str(script)])
+    pid, _ = rank_line(first)
+    assert first.stdin is not None
+    first.stdin.write("park\n")
+    first.stdin.flush()
+    wait_parked(pid)
+    second = client(root, [PY, str(script)], env={"WHO": "next"})
+    out, _ = second.communicate("hello\n", timeout=60)
+    assert f"adopted {pid} next" in out and second.returncode == 5, out
+    assert first.wait(timeout=60) == -signal.SIGKILL

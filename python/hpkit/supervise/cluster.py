@@ -55,6 +55,16 @@ class TaskExit:
         its agent reports a rank that did (hpkit-torchrun exits 128 + the signal then)."""
         return self.outcome == "Killed" or self.exit_code == 128 + signal.SIGKILL
 
+    @property
+    def task_ids(self) -> list[int]:
+        """The task ids `tasks` names ("0,2-3" -> [0, 2, 3])."""
+        ids: list[int] = []
+        for part in self.tasks.split(","):
+            first, _, last = part.strip().partition("-")
+            if first.isdigit():
+                ids += range(int(first), int(last if last.isdigit() else first) + 1)
+        return ids
+
     @classmethod
     def parse(cls, line: str) -> TaskExit | None:
         match = _TASK_ERROR.match(line.strip())

@@ -424,11 +424,19 @@ class Supervisor:
                             # Probe while the step has its grace: the answer is ready when it is needed.
                             self._probe = pool.submit(self.cluster.unanswering, list(self.step_nodes))
                     silent = self._probe.result() if self._probe is not None and self._probe.done() else []
-                    if silent or (failing_since is not None and now - failing_since >= STEP_GRACE_S):
-                        # A node that does not answer cannot finish the step: no grace is waited for.
+                    all_left = failing_since is not None and self._every_rank_left(step)
+                    if (
+                        silent
+                        or all_left
+                        or (failing_since is not None and now - failing_since >= STEP_GRACE_S)
+                    ):
+                        # A node that does not answer cannot finish the step, nor can ranks that have all ended or
+                        # stay in their processes: no grace is waited for.
                         self.say(
                             f"the step is failing and node(s) {' '.join(silent)} do not answer: stopping it"
                             if silent
+                            else "every rank of the step has ended or stays in its process: stopping it"
+                            if all_left
                             else f"the step is failing and still running {STEP_GRACE_S:.0f} s later: stopping it"
                         )
                         self.task_exits, self.failed_ranks, stopped = (
@@ -454,6 +462,17 @@ class Supervisor:
             tasks=[{**asdict(t), "exit_code": t.exit_code} for t in step.task_exits()],
         )
         return status
+
+    def _every_rank_left(self, step: Step) -> bool:
+        """resilience.keep_survivors: whether every rank of the step has ended (srun's task lines under launcher
+        srun, torchrun's agents' rank lines) or said it stays in its process: nothing more will come, and the
+        grace would only delay the restart."""
+        if not self.plan.keep_survivors or not self.plan.ranks:
+            return False
+        left = {r.rank for r in step.staying_ranks()} | {r.rank for r in step.failed_ranks()}
+        if self.plan.launcher != "torchrun":  # one task per rank: srun's task ids are the ranks
+            left |= {i for t in step.task_exits() for i in t.task_ids}
+        return len(left) >= self.plan.ranks
 
     def verdict(self) -> Path | None:
         # The watchdog names its folders as the job's files are named (hpkit.job_events.job_key).

@@ -43,6 +43,9 @@ class Plan:
     # resilience.keep_survivors: ranks whose group broke stay in their processes and do not end their tasks, so
     # the supervisor watches every step for a failing one (not only with spares).
     keep_survivors: bool = False
+    # The step's ranks (nodes x ranks per node): with keep_survivors, a step whose every rank has ended or stays is
+    # stopped without its grace. 0: unknown.
+    ranks: int = 0
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

@@ -303,12 +303,13 @@ class Zygote:
             os.close(go_write)
 
     def _parked_for(self, argv: list[str], rank: str | None) -> _Rank | None:
-        """A parked rank that the request for `argv` can adopt (the same command; the same rank number first),
-        whose client has gone."""
+        """A parked rank that the request for `argv` can adopt (the same command; the same rank number first). Its
+        old client may still wait: the old step's tasks can outlive the start of the next (srun killed, the step's
+        cancel still under way; measured under torchrun after a rank's SIGKILL)."""
         parked = [
             r
             for r in self.ranks.values()
-            if r.parked_at is not None and r.conn.fileno() < 0 and r.channel is not None and r.argv == argv
+            if r.parked_at is not None and r.channel is not None and r.argv == argv
         ]
         same = [r for r in parked if r.what == f"rank {rank}"]
         return (same or parked or [None])[0]
@@ -323,6 +324,9 @@ class Zygote:
             return False
         for fd in fds:
             os.close(fd)
+        # The old client, if it still waits, hears the connection close and ends as its rank would have, of SIGKILL:
+        # its step is over.
+        self._forget(parked)
         for key in [k for k, r in self.ranks.items() if r is parked]:
             del self.ranks[key]
         was = parked.attempt
