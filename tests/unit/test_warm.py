@@ -847,11 +847,12 @@ def test_a_rank_whose_client_goes_while_it_trains_on_is_told_its_step_ended_and_
     assert second.returncode == 6
 
 
-def test_a_parked_rank_whose_old_client_still_waits_is_adopted_and_the_old_client_ends(
+def test_a_parked_ranks_client_ends_with_the_stayed_status_and_the_next_client_adopts_the_rank(
     short_park, tmp_path
 ) -> None:
-    """The old step's task can outlive the next step's start (its cancel still under way): the parked rank is
-    adopted all the same, and its old client ends as a rank killed would have, of SIGKILL."""
+    """Once its rank has parked, the client ends by itself (protocol.STAYED_EXIT), so its launcher (torchrun's
+    agent, srun) ends the step as for a failed rank instead of waiting for a process that will not end; the rank
+    stays, and the next client of its command gets it."""
     _, root, _ = short_park
     script = tmp_path / "stay.py"
     script.write_text(STAYING_RANK)
@@ -860,8 +861,7 @@ def test_a_parked_rank_whose_old_client_still_waits_is_adopted_and_the_old_clien
     assert first.stdin is not None
     first.stdin.write("park\n")
     first.stdin.flush()
-    wait_parked(pid)
+    assert first.wait(timeout=60) == protocol.STAYED_EXIT
     second = client(root, [PY, str(script)], env={"WHO": "next"})
     out, _ = second.communicate("hello\n", timeout=60)
     assert f"adopted {pid} next" in out and second.returncode == 5, out
-    assert first.wait(timeout=60) == -signal.SIGKILL

@@ -1,5 +1,6 @@
 """A warm rank that outlives its step (resilience.keep_survivors): when its process group breaks under it (a peer
-lost), the rank leaves the group, tells its node's zygote it is parked, and waits; the next step's request on that
+lost), or its step ends while the group still works (its client gone: the zygote sends STEP_ENDED_SIGNAL), the rank
+leaves the group, tells its node's zygote it is parked, and waits; the next step's request on that
 node for the same command adopts it instead of forking a new process, and it goes on in the same process with
 that step's environment, folder, stdin, stdout and stderr (hpkit.warm.become), keeping what the process had
 made: its imports, a GPU's context, compiled kernels.

@@ -29,6 +29,10 @@ STARTUP_VARS = (
 )
 
 
+# The exit status of a client whose rank stays in its process for the next step (hpkit.warm.park): its launcher
+# sees its rank end, as a failed one, and ends its step without waiting for a process that will not end.
+STAYED_EXIT = 86
+
 _READY = re.compile(r"hpkit: warm: (\S+) ready in ")
 
 

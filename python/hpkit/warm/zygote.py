@@ -54,6 +54,7 @@ from hpkit.warm import park
 from hpkit.warm.become import become
 from hpkit.warm.protocol import (
     SOCKET_ENV,
+    STAYED_EXIT,
     env_difference,
     private_folder,
     python_target,
@@ -376,6 +377,11 @@ class Zygote:
             rank.may_stay = True
         if message.get("parked"):
             rank.parked_at = time.monotonic()
+            if (
+                rank.conn.fileno() >= 0
+            ):  # its client still stands for it: it ends, and its launcher's step with it
+                with contextlib.suppress(OSError):
+                    send(rank.conn, {"exit": STAYED_EXIT})
 
     def _close_channel(self, channel: socket.socket) -> None:
         rank = self.channels.pop(channel.fileno(), None)
