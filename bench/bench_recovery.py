@@ -137,6 +137,7 @@ def cut_link_after_memory_step(
     model: dict | None,
     warm: bool,
     node_memory: Path,
+    keep_survivors: bool = False,
 ) -> dict[str, Any]:
     """The held drill's run (test_node_loss.memory_spec: 2 step nodes and a spare), not held: rank 0's node's link
     cut (devcluster.cut) once every rank has finished MEMORY_STEP, brought back once the job has ended. Returns
@@ -158,6 +159,8 @@ def cut_link_after_memory_step(
     if not memory:
         del spec["checkpoint"]["memory"]
     spec["resilience"]["warm_start"] = warm
+    if keep_survivors:
+        spec["resilience"]["keep_survivors"] = True
     job = submit(spec, work, {**env, **extra})
     metrics = work / f"{name}.jsonl"
     placed = wait_for(
@@ -211,6 +214,8 @@ def cut_link_after_memory_step(
     timeline["detected_by"] = (
         "hang watchdog"
         if failing["verdict"]
+        else "a rank that stays"
+        if failing.get("stays")
         else "task exit " + ",".join(str(t["exit_code"]) for t in failing["tasks"])
     )
     timeline["trained"] = trained
@@ -348,6 +353,7 @@ def main() -> int:
                                             model={"name": args.model, "seq_len": 64} if args.model else None,
                                             warm=side in ("warm", "stay"),
                                             node_memory=Path(mem),
+                                            keep_survivors=side == "stay",
                                         )
                                     )
                                     continue
