@@ -851,10 +851,27 @@ def test_a_usr1_is_held_for_ranks_that_never_say_they_are_ready_only_for_half_th
     assert step.signals == [signal.SIGUSR1], step.signals
     # Polled every POLL_S on the cluster's clock, from the signal's arrival.
     assert 30 <= step.signalled_after[0] * POLL_S <= 31, step.signalled_after
-    assert any(line.startswith("hpkit: USR1 passed on 30 s after it came though") for line in out.lines), (
-        out.lines
-    )
+    passed = [
+        line for line in out.lines if line.startswith("hpkit: USR1 passed on 30 s after it came though")
+    ]
+    assert passed and passed[0].endswith("the job resumes from its last checkpoint"), out.lines
     assert of(out, ev.REQUEUE)[0]["reason"] == "usr1"
+    # No restart left: the line does not promise a resume.
+    (spent := tmp_path / "spent").mkdir()
+    cluster = FakeCluster([StepScript(exit=0, polls=10**4, exit_on_usr1=0)])
+    out = supervise(
+        spent,
+        cluster,
+        usr1_flag=flag,
+        requeue_on_failure=False,
+        ranks_ready=True,
+        usr1_hold_s=30,
+        max_restarts=0,
+    )
+    passed = [
+        line for line in out.lines if line.startswith("hpkit: USR1 passed on 30 s after it came though")
+    ]
+    assert passed and passed[0].endswith("no restart is left (resilience.max_restarts=0)"), out.lines
     # The rendered job holds it for half its grace.
     from hpkit.render import supervise_plan
     from hpkit.spec import JobSpec

@@ -141,10 +141,14 @@ class Supervisor:
                     self._held = step
                     self.say("USR1 held until the step's ranks have installed their signal handlers")
                 return
+            then = (
+                "the job resumes from its last checkpoint"
+                if self.budget.can_restart()
+                else f"no restart is left (resilience.max_restarts={self.plan.max_restarts})"
+            )
             self.say(
                 f"USR1 passed on {held_s:.0f} s after it came though not every rank has said its signal handler is "
-                "in place (half of resilience.signal_grace_s is all it waits): a rank still setting up ends, and the "
-                "job resumes from its last checkpoint"
+                f"in place (half of resilience.signal_grace_s is all it waits): a rank still setting up ends, and {then}"
             )
         self._forwarded = step
         step.signal(signal.SIGUSR1)
