@@ -304,6 +304,7 @@ class Distributed:
 def distributed(
     timeout_s: float = 600.0,
     choose_backend: Callable[[LaunchEnv, DeviceInfo], DeviceInfo] | None = None,
+    abort_on_error: bool = False,
 ) -> Iterator[Distributed]:
     """Join the job's process group for the body of a `with`, and leave it cleanly.
 
@@ -311,7 +312,7 @@ def distributed(
     `choose_backend`, a backend other than the device's default), and initialises torch.distributed.
     A body that ends normally waits at a barrier so that every rank's last sends (pipeline stages,
     async checkpoints) land before any rank tears its communicators down; one that raises does not,
-    since its peers may be gone.
+    since its peers may be gone (with `abort_on_error`, NCCL's communicators are aborted first).
     """
     import torch.distributed as dist
 
@@ -325,12 +326,13 @@ def distributed(
         yield Distributed(launch, device, threads)
         dist.barrier()
     except BaseException:
-        if dist.is_initialized() and dist.get_backend() == "nccl":
-            # A communicator whose peer is gone can hold its destruction up; aborted, it lets go at once, and a
-            # rank that stays in its process (hpkit.runtime.stay) can join a new group.
-            from torch.distributed.distributed_c10d import _abort_process_group
+        if abort_on_error and dist.is_initialized() and dist.get_backend() == "nccl":
+            # A rank that stays in its process (hpkit.runtime.stay) joins a new group next: a communicator whose
+            # peer is gone can hold its destruction up, and aborted it lets go at once. (Not run on a GPU yet.)
+            with contextlib.suppress(Exception):
+                from torch.distributed.distributed_c10d import _abort_process_group
 
-            _abort_process_group()
+                _abort_process_group()
         raise
     finally:
         if dist.is_initialized():

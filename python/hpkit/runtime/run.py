@@ -61,6 +61,7 @@ def run(cfg: RunConfig) -> int:
     with distributed(
         timeout_s=cfg.resilience.collective_timeout_s,
         choose_backend=lambda launch, device: choose_collectives(cfg, launch, device),
+        abort_on_error=may_stay(cfg),
     ) as d:
         phases["group"] = time.time()
         offer_to_stay(cfg)
