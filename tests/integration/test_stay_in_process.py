@@ -24,6 +24,9 @@ def config(tmp: Path, name: str) -> Path:
     spec = training_spec(name, tmp, STEPS, interval=STEPS, launcher="srun")
     # No persistent checkpoint to resume from: the second run's state comes from the in-memory tier.
     spec["checkpoint"] = {"memory": {"every": 1}}
+    # The second run's rendezvous waits for the spare, a cold process: on a loaded 2-core host its start alone can
+    # take tens of seconds (the survivor's first failure comes from a closed socket, not from this timeout).
+    spec["resilience"]["collective_timeout_s"] = 120
     path.write_text(yaml.safe_dump(spec))
     return path
 

@@ -449,6 +449,14 @@ def test_warm_start_left_out_is_on_where_it_can_be_in_a_job_without_gpus(change:
     assert ("hpkit.warm.client" in script) is warm
 
 
+def refused_in_one_line(change: dict, words: str) -> None:
+    """WARM_SPEC with `change` is refused with one line holding `words`."""
+    with pytest.raises(SpecError) as info:
+        parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
+    assert words in str(info.value)
+    assert len(str(info.value).splitlines()) == 1
+
+
 @pytest.mark.parametrize(
     ("change", "words"),
     [
@@ -472,10 +480,7 @@ def test_warm_start_left_out_is_on_where_it_can_be_in_a_job_without_gpus(change:
     ],
 )
 def test_warm_start_where_it_cannot_apply_is_one_line(change: dict, words: str) -> None:
-    with pytest.raises(SpecError) as info:
-        parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
-    assert words in str(info.value)
-    assert len(str(info.value).splitlines()) == 1
+    refused_in_one_line(change, words)
 
 
 def test_warm_preload_adds_its_modules_to_the_zygotes_preload_once() -> None:
@@ -521,10 +526,7 @@ def test_warm_preload_adds_its_modules_to_the_zygotes_preload_once() -> None:
     ],
 )
 def test_warm_preload_that_cannot_apply_is_one_line(change: dict, words: str) -> None:
-    with pytest.raises(SpecError) as info:
-        parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
-    assert words in str(info.value)
-    assert len(str(info.value).splitlines()) == 1
+    refused_in_one_line(change, words)
 
 
 @pytest.mark.parametrize(
@@ -546,10 +548,7 @@ def test_warm_preload_that_cannot_apply_is_one_line(change: dict, words: str) ->
     ],
 )
 def test_keep_survivors_that_cannot_apply_is_one_line(change: dict, words: str) -> None:
-    with pytest.raises(SpecError) as info:
-        parse_document(JobSpec, {**WARM_SPEC, **change}, "job.yaml")
-    assert words in str(info.value)
-    assert len(str(info.value).splitlines()) == 1
+    refused_in_one_line(change, words)
 
 
 def test_keep_survivors_reaches_the_supervisors_plan() -> None:
@@ -690,13 +689,23 @@ sys.exit(0)
 """
 
 
-@pytest.fixture
-def short_park(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, list[str]]]:
-    """A zygote whose ranks have 2 s to park after their client went, and that ends a parked rank after 3 s;
-    its lines are kept."""
+@contextlib.contextmanager
+def park_zygote(root: Path, window_s: float) -> Iterator[tuple[subprocess.Popen[str], Path, list[str]]]:
+    """A zygote whose ranks have `window_s` to park after their client went, and that ends a parked rank after
+    3 s; its lines are kept."""
     proc = subprocess.Popen(
-        [PY, "-m", "hpkit.warm.zygote", "--preload", "json", "--park-window-s", "2", "--park-s", "3"],
-        env=job_env(tmp_path),
+        [
+            PY,
+            "-m",
+            "hpkit.warm.zygote",
+            "--preload",
+            "json",
+            "--park-window-s",
+            str(window_s),
+            "--park-s",
+            "3",
+        ],
+        env=job_env(root),
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -704,9 +713,17 @@ def short_park(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, li
     assert "ready" in proc.stdout.readline()
     lines: list[str] = []
     threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()  # type: ignore[arg-type]
-    yield proc, tmp_path, lines
+    yield proc, root, lines
     proc.terminate()
     assert proc.wait(timeout=60) == 0
+
+
+@pytest.fixture
+def short_park(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[str], Path, list[str]]]:
+    """park_zygote with a window long enough for a rank to park on a loaded machine (30 s): only the window's own
+    test waits one out."""
+    with park_zygote(tmp_path, 30) as zygote:
+        yield zygote
 
 
 def zygote_said(lines: list[str], what: str) -> None:
@@ -776,25 +793,23 @@ def test_a_parked_rank_another_command_asks_for_is_left_and_ended_later(short_pa
     wait_gone(pid)
 
 
-def test_a_rank_that_may_stay_but_does_not_park_is_killed_after_the_window(
-    short_park, tmp_path: Path
-) -> None:
+def test_a_rank_that_may_stay_but_does_not_park_is_killed_after_the_window(tmp_path: Path) -> None:
     """A rank that said it may stay but is still busy (a collective that cannot be interrupted) when its client
     goes is killed once the window has passed, with a line (one that never offered dies with its client at once:
     test_client_killed_kills_its_rank)."""
-    _, root, lines = short_park
-    script = tmp_path / "stay.py"
-    script.write_text(STAYING_RANK)
-    first = client(root, [PY, str(script)])
-    pid, _ = rank_line(first)
-    assert first.stdin is not None and first.stdout is not None
-    first.stdin.write("linger\n")
-    first.stdin.flush()
-    assert first.stdout.readline().strip() == "lingering"
-    first.kill()
-    first.wait(timeout=60)
-    zygote_said(lines, f"(process {pid}, attempt ?) had not left its step 2 s after the step ended")
-    wait_gone(pid)
+    with park_zygote(tmp_path, 2) as (_, root, lines):
+        script = tmp_path / "stay.py"
+        script.write_text(STAYING_RANK)
+        first = client(root, [PY, str(script)])
+        pid, _ = rank_line(first)
+        assert first.stdin is not None and first.stdout is not None
+        first.stdin.write("linger\n")
+        first.stdin.flush()
+        assert first.stdout.readline().strip() == "lingering"
+        first.kill()
+        first.wait(timeout=60)
+        zygote_said(lines, f"(process {pid}, attempt ?) had not left its step 2 s after the step ended")
+        wait_gone(pid)
 
 
 def test_a_rank_still_leaving_its_step_is_killed_when_the_next_one_starts_on_its_node(
