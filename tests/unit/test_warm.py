@@ -663,6 +663,7 @@ def test_warm_preload_in_a_container_without_warm_start_says_warm_starts_are_off
 STAYING_RANK = r"""
 import os, sys, signal
 from hpkit.warm import park
+park.watch_step_end()  # as hpkit train's offer does: the zygote's "step ended" word may come at any time from here
 park.offer()
 print("rank", os.getpid(), os.getppid(), os.environ.get("WHO"), park.available(), park.adoptions, flush=True)
 what = sys.stdin.readline().strip()
@@ -672,7 +673,6 @@ if what == "park" and park.stay():
     sys.exit(5)
 if what == "train-on":  # healthy, its group whole: it learns from the zygote that its step has ended
     import time
-    park.watch_step_end()
     print("training", flush=True)
     while not park.step_ended:
         time.sleep(0.01)
@@ -681,7 +681,6 @@ if what == "train-on":  # healthy, its group whole: it learns from the zygote th
         sys.exit(6)
 if what == "linger":  # blocked (a collective that cannot be interrupted): told its step ended, it cannot act on it
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    park.watch_step_end()
     print("lingering", flush=True)
     while True:
         signal.pause()
