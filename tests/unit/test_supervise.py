@@ -943,15 +943,16 @@ def test_no_warm_start_no_zygote_step(tmp_path):
 
 
 # Stands in for srun: a task's exit line, then on SIGTERM what srun says when it stops a step (measured on 22.05).
+# Unbuffered writes: the SIGTERM can land while the first line's flush has not yet returned (the reader has the
+# line, the writer is still in the call), and a handler writing through the same buffered stderr then fails with
+# "reentrant call" and exit 1, as it did once in a loaded run.
 _SRUN_LIKE = """
-import signal, sys, time
+import os, signal, time
 def stop(*_):
-    sys.stderr.write("srun: forcing job termination\\nsrun: error: node2: task 1: Killed\\n")
-    sys.stderr.flush()
-    sys.exit(0)
+    os.write(2, b"srun: forcing job termination\\nsrun: error: node2: task 1: Killed\\n")
+    os._exit(0)
 signal.signal(signal.SIGTERM, stop)
-sys.stderr.write("srun: error: node1: task 0: Exited with exit code 3\\n")
-sys.stderr.flush()
+os.write(2, b"srun: error: node1: task 0: Exited with exit code 3\\n")
 time.sleep(60)
 """
 
