@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -35,6 +36,7 @@ CRED_EXPIRE_S = 8
 # MinJobAge < 60): the reading taken at a job's end has this long at least. At 2 s, readings (hpkit why and status,
 # seconds each at a load of 15 to 30 on 2 cores) missed the controller in 3 of 9 runs.
 MIN_JOB_AGE_S = 10
+MARIADB_SH = Path(__file__).resolve().parents[2] / "slurm" / "dev" / "mariadb.sh"
 PURGE_WAIT_S = 240  # slurmctld purges ended jobs every max(10, MinJobAge) s here (MinJobAge < 60); room for a loaded machine
 
 
@@ -128,6 +130,10 @@ def test_why_and_status_of_a_forgotten_job_read_accounting_and_agree_with_the_co
     env["CRED_EXPIRE"] = str(CRED_EXPIRE_S)
     work = tmp_path_factory.mktemp("accounting-jobs")
     with devcluster.running(env):
+        # The machine's MariaDB outlives this run: its temporary tables must not live in the run's TMPDIR, which
+        # the next run removes (every accounting cluster after it then failed to start).
+        tmpdir = _run([str(MARIADB_SH), "tmpdir"], env).stdout.strip()
+        assert tmpdir and Path(tmpdir).is_dir() and not Path(tmpdir).is_relative_to(tempfile.gettempdir()), tmpdir
         jobs = {
             "failed": _sbatch(env, work, "-J", "failed", "-w", "node1", "--wrap", 'srun sh -c "exit 3"'),
             # Its first run waits to lose its node; the run after the requeue completes.
