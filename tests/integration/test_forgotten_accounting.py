@@ -133,7 +133,9 @@ def test_why_and_status_of_a_forgotten_job_read_accounting_and_agree_with_the_co
         # The machine's MariaDB outlives this run: its temporary tables must not live in the run's TMPDIR, which
         # the next run removes (every accounting cluster after it then failed to start).
         tmpdir = _run([str(MARIADB_SH), "tmpdir"], env).stdout.strip()
-        assert tmpdir and Path(tmpdir).is_dir() and not Path(tmpdir).is_relative_to(tempfile.gettempdir()), tmpdir
+        assert tmpdir and Path(tmpdir).is_dir() and not Path(tmpdir).is_relative_to(tempfile.gettempdir()), (
+            tmpdir
+        )
         jobs = {
             "failed": _sbatch(env, work, "-J", "failed", "-w", "node1", "--wrap", 'srun sh -c "exit 3"'),
             # Its first run waits to lose its node; the run after the requeue completes.

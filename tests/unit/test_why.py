@@ -312,6 +312,57 @@ def test_the_job_s_first_failure_is_the_earliest_block_that_is_not_a_consequence
     assert (v.kind, v.rank) == (why.SIGNAL, 1), v.summary
 
 
+# resilience.keep_survivors: rank 0 (node2) stayed in its process when rank 1 (node1) was SIGKILLed. Its agent's block
+# (exit 86, hpkit.warm.protocol.STAYED_EXIT, no traceback) is the earlier one here, as srun may interleave them.
+STAYED_TWO_BLOCKS = """\
+hpkit: job 6621 (restart 0 of at most 0) on node[1-2]
+0: step     5 | loss 5.1813 | grad_norm 0.749 | lr 3.00e-04 | 729 tok/s
+0: hpkit train: rank 0 on node2 stays in process 4535 for the next step: its process group broke ([/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:12212: Connection reset by peer.)
+hpkit-torchrun: rank 0 failed on node2 (exit code 86)
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_13:56:22
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 86 (pid: 4508)
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================
+hpkit-torchrun: rank 1 failed on node1 (exit code -9)
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-12-01_13:56:23
+  host      : localhost
+  rank      : 1 (local_rank: 0)
+  exitcode  : -9 (pid: 4507)  (SIGKILL)
+  error_file: <N/A>
+  traceback : Signal 9 (SIGKILL) received by PID 4507
+=====================================================
+srun: error: node2: task 1: Exited with exit code 1
+srun: error: node1: task 0: Exited with exit code 137
+hpkit: the training program failed on healthy nodes (exit 137); not requeued
+"""
+
+# The same under srun's own launch (task id = rank): rank 1's client exits 86 once its rank stays, and srun may
+# report that task before the SIGKILLed one.
+STAYED_SRUN = """\
+hpkit: job 6622 (restart 0 of at most 0) on node[1-2]
+1: hpkit train: rank 1 on node2 stays in process 4535 for the next step: its process group broke (Connection closed by peer)
+srun: error: node2: task 1: Exited with exit code 86
+srun: error: node1: task 0: Killed
+hpkit: the training program failed on healthy nodes (exit 137); not requeued
+"""
+
+
+@pytest.mark.parametrize("text, torchrun", [(STAYED_TWO_BLOCKS, True), (STAYED_SRUN, False)])
+def test_a_rank_that_stayed_in_its_process_is_never_the_first_failure(text, torchrun):
+    """Its launcher's exit (86) comes without a traceback and may come first: the verdict is the killed rank's."""
+    v = decide(facts(text, [record("FAILED", exit_code="137:0")], torchrun=torchrun))
+    expected = (why.SIGNAL, 1, "node1") if torchrun else (why.SIGNAL, 0, "node1")
+    assert (v.kind, v.rank, v.node) == expected, v.summary
+    assert not any("exit code 86" in e.text or "stays in process" in e.text for e in v.evidence), v.evidence
+
+
 def test_the_killed_rank_s_node_is_the_task_whose_exit_says_the_signal_whatever_srun_s_order():
     # srun reported node2's agent (exit 1: its rank died of the reset connection) before node1's (137: it passed the
     # SIGKILL on), as in a CI run of test_why_jobs: the verdict named node2 for rank 1, which ran on node1.

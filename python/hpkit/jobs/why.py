@@ -35,6 +35,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from hpkit.warm.protocol import STAYED_EXIT
+
 # Verdict kinds.
 COMPLETED = "completed"
 PROGRAM_ERROR = "program_error"
@@ -56,6 +58,7 @@ TRACEBACK = "traceback"  # a Python traceback's exception line; rank from the li
 LAUNCHER_ROOT = "launcher_root"  # torchrun's "Root Cause (first observed failure)" block
 TASK_FAILED = "task_failed"  # srun's "srun: error: NODE: task N: Exited with exit code C" / "task N: Killed"
 RANK_FAILED_ON = "rank_failed_on"  # hpkit-torchrun's "rank R failed on NODE": a torchrun rank's node
+RANK_STAYED = "rank_stayed"  # hpkit train's "rank R on NODE stays in process P for the next step: ..."
 FAULT = "fault"  # "hpkit: fault injected (HPKIT_FAULT): exit on rank R before step N"
 PROGRAM_FAILED = "program_failed"  # the supervisor ended the job: the step failed on healthy nodes
 HANG_LINE = "hang_line"  # rank 0's "hpkit: hang: rank R on NODE held up step N ...; stacks ... in DIR"
@@ -453,7 +456,12 @@ def _program(found: _Found, torchrun: bool | None) -> _Call | None:
     causes = [t for t in tracebacks if not t.follow_on]
     faults = [f for f in found.of(FAULT) if f.detail == "exit"]
     via_torchrun = bool(roots) if torchrun is None else torchrun
-    root = _first_root(roots, tracebacks)
+    # A rank that stayed in its process for the next step (resilience.keep_survivors) left because another failed:
+    # its launcher's exit (STAYED_EXIT) is never the first failure.
+    stayed = {f.rank for f in found.of(RANK_STAYED)}
+    if not via_torchrun:  # srun started every rank: its task id is the rank
+        tasks = [t for t in tasks if t.rank not in stayed and t.exit_code != STAYED_EXIT]
+    root = _first_root(roots, tracebacks, stayed)
     first_task = tasks[0] if tasks else None
     if root is None and first_task is not None and not via_torchrun:
         root = first_task  # srun started every rank: its task id is the rank
@@ -530,11 +538,14 @@ def _program(found: _Found, torchrun: bool | None) -> _Call | None:
     return None
 
 
-def _first_root(roots: Sequence[Finding], tracebacks: Sequence[Finding]) -> Finding | None:
+def _first_root(
+    roots: Sequence[Finding], tracebacks: Sequence[Finding], stayed: set[int | None] | None = None
+) -> Finding | None:
     """The job's first failure among torchrun's blocks: each node's agent prints one, naming its own node's first
     failure, and srun interleaves the nodes' output in no set order. A block whose rank's own traceback is a
-    consequence (a peer's reset connection) goes after the others, whatever the file order: its rank died of
-    another's failure. Then the earliest `time` (to the second), then the file order."""
+    consequence (a peer's reset connection), or whose rank stayed in its process (`stayed`, its exit
+    STAYED_EXIT), goes after the others, whatever the file order: its rank left for another's failure. Then the
+    earliest `time` (to the second), then the file order."""
 
     # One pass over the tracebacks (a 16k-rank job has one block per node and a traceback per rank): the ranks with a
     # traceback, and those with one that is not a consequence.
@@ -542,6 +553,8 @@ def _first_root(roots: Sequence[Finding], tracebacks: Sequence[Finding]) -> Find
     caused = {t.rank for t in tracebacks if t.rank is not None and not t.follow_on}
 
     def consequence(root: Finding) -> bool:
+        if root.exit_code == STAYED_EXIT or root.rank in (stayed or set()):
+            return True
         return root.rank in traced and root.rank not in caused
 
     return min(roots, key=lambda r: (consequence(r), r.when), default=None)

@@ -42,6 +42,7 @@ from hpkit.jobs.why import (
     PREEMPT_RECORD,
     PROGRAM_FAILED,
     RANK_FAILED_ON,
+    RANK_STAYED,
     REQUEUE,
     REQUEUED_AFTER_NODE,
     REQUEUED_STATE,
@@ -270,6 +271,8 @@ def _hpkit_findings(content: str, ev: Evidence) -> list[Finding]:
         ]
     if placed := job_events.parse_rank_failed_line(content):
         return [Finding(RANK_FAILED_ON, (ev,), rank=placed.rank, node=placed.node)]
+    if stays := job_events.parse_stays_line(content):
+        return [Finding(RANK_STAYED, (ev,), rank=stays.rank, node=stays.node, follow_on=True)]
     if fault := job_events.parse_fault_line(content):
         kind, rank, _ = fault
         return [Finding(FAULT, (ev,), rank=rank, detail=kind)]
