@@ -159,8 +159,8 @@ def cut_link_after_memory_step(
     if not memory:
         del spec["checkpoint"]["memory"]
     spec["resilience"]["warm_start"] = warm
-    if keep_survivors:
-        spec["resilience"]["keep_survivors"] = True
+    # As asked, not the default (on for warm CPU ranks): the warm side is the restart it is measured against.
+    spec["resilience"]["keep_survivors"] = keep_survivors
     job = submit(spec, work, {**env, **extra})
     metrics = work / f"{name}.jsonl"
     placed = wait_for(

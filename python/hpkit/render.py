@@ -234,7 +234,7 @@ def supervise_plan(spec: JobSpec) -> str:
         usr1_hold_s=resilience.signal_grace_s / 2,
         warm=zygote_command(job, spec.warm_starts, spec.run.resilience.warm_preload),
         sagemaker_hosts=job.sagemaker_env is not None,
-        keep_survivors=resilience.keep_survivors,
+        keep_survivors=spec.keeps_survivors,
         ranks=job.world_size,
     ).to_json()
 

@@ -179,6 +179,16 @@ class JobSpec(StrictModel):
         )
 
     @property
+    def keeps_survivors(self) -> bool:
+        """Whether the ranks whose group broke stay in their processes for the next step (resilience.keep_survivors,
+        or its default): only `hpkit train`'s ranks, forked warm."""
+        return (
+            self.warm_starts
+            and runs_hpkit_train(self.job)
+            and self.run.resilience.survivors_stay(on_gpus=self.job.gpus_per_node > 0)
+        )
+
+    @property
     def signal_grace_s(self) -> int:
         """Seconds between the warning signal and the kill: from `signal` when given (Slurm's default
         is 60), else resilience.signal_grace_s."""

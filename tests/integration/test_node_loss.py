@@ -529,8 +529,8 @@ def lose_node_held_after_memory_step(
     if not memory:
         del spec["checkpoint"]["memory"]
     spec["resilience"]["warm_start"] = warm
-    if keep_survivors:
-        spec["resilience"]["keep_survivors"] = True
+    # As asked, not the default (on for warm CPU ranks): the warm side is the restart it is measured against.
+    spec["resilience"]["keep_survivors"] = keep_survivors
     job = submit(spec, tmp_path, {**env, **extra})
     ckpt, metrics = tmp_path / f"{name}-ckpt", tmp_path / f"{name}.jsonl"
     placed = wait_for(

@@ -74,3 +74,21 @@ def test_a_rank_told_its_step_ended_leaves_before_its_next_step_and_says_why(mon
     )
     assert why_leaving(RuntimeError(GLOO_PEER_GONE)) == f"its process group broke ({GLOO_PEER_GONE})"
     assert why_leaving(ValueError("bad batch")) is None
+
+
+@pytest.mark.parametrize(
+    "keep, on_gpus, stays",
+    [
+        (None, False, True),
+        (None, True, False),
+        (True, True, True),
+        (False, False, False),
+        (True, False, True),
+    ],
+)
+def test_survivors_stay_where_asked_and_left_out_on_cpus_only(keep, on_gpus, stays) -> None:
+    """keep_survivors left out: gloo's ranks stay (a lost peer closes its sockets, which every drill has run);
+    NCCL's only when asked, its communicator's abort not yet run on a GPU. The rank and the spec ask this one rule."""
+    from hpkit.runtime.config import ResilienceSpec
+
+    assert ResilienceSpec(keep_survivors=keep).survivors_stay(on_gpus=on_gpus) is stays

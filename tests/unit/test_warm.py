@@ -551,11 +551,29 @@ def test_keep_survivors_that_cannot_apply_is_one_line(change: dict, words: str) 
     refused_in_one_line(change, words)
 
 
-def test_keep_survivors_reaches_the_supervisors_plan() -> None:
-    """The supervisor watches every step for a failing one where ranks may stay (their tasks do not end)."""
-    spec = parse_document(JobSpec, {**WARM_SPEC, "resilience": {"keep_survivors": True}}, "job.yaml")
-    assert '"keep_survivors": true' in render(spec)
-    assert "keep_survivors" not in render(parse_document(JobSpec, WARM_SPEC, "job.yaml"))
+@pytest.mark.parametrize(
+    "change, kept",
+    [
+        ({}, True),  # left out: on for warm ranks on CPUs
+        ({"resilience": {"keep_survivors": True}}, True),
+        ({"resilience": {"keep_survivors": False}}, False),
+        ({"resilience": {"warm_start": False}}, False),
+        ({"command": ["python3", "train.py"]}, False),
+        ({"gpus_per_node": 8, "resilience": {"warm_start": True}}, False),  # left out: off on GPUs (NCCL)
+        ({"gpus_per_node": 8, "resilience": {"warm_start": True, "keep_survivors": True}}, True),
+    ],
+)
+def test_keep_survivors_or_its_default_reaches_the_supervisors_plan(change: dict, kept: bool) -> None:
+    """The supervisor watches every step for a failing one where ranks may stay (their tasks do not end): where
+    keep_survivors is left out, for warm `hpkit train` ranks on CPUs, and never for ranks that start cold or run
+    another command."""
+    document = {
+        **WARM_SPEC,
+        **change,
+        "resilience": {**WARM_SPEC["resilience"], **change.get("resilience", {})},
+    }
+    script = render(parse_document(JobSpec, document, "job.yaml"))
+    assert ('"keep_survivors": true' in script) == kept, change
 
 
 def test_a_job_module_that_leaves_a_thread_running_makes_ranks_start_cold_with_one_line(

@@ -615,13 +615,15 @@ class ResilienceSpec(StrictModel):
             "in the job's log, and the ranks import it themselves"
         ),
     )
-    keep_survivors: bool = Field(
-        default=False,
+    keep_survivors: bool | None = Field(
+        default=None,
         description=(
             "with warm starts, a rank whose process group breaks (a peer lost) leaves the group and stays in its "
             "process instead of ending; the next step on its node takes that process over (hpkit.warm.park), "
             "keeping its imports, a GPU's context and compiled kernels. A rank blocked in a collective that "
-            "cannot be interrupted (a cut link under gloo) is restarted as without it"
+            "cannot be interrupted (a cut link under gloo) is restarted as without it. Left out: on where the "
+            "ranks of `hpkit train` start warm on CPUs (gloo, where a lost peer closes its sockets); set true to "
+            "have it on GPU nodes (NCCL's communicator abort, not yet run on a GPU), false to end survivors"
         ),
     )
     requeue_on_failure: bool | None = Field(
@@ -656,6 +658,13 @@ class ResilienceSpec(StrictModel):
                 "or drop spare_nodes"
             )
         return self
+
+    def survivors_stay(self, on_gpus: bool) -> bool:
+        """Whether a warm `hpkit train` rank whose group broke stays in its process (keep_survivors, or its
+        default): the one rule the spec (for the supervisor) and the rank itself both ask."""
+        if self.keep_survivors is None:
+            return not on_gpus
+        return self.keep_survivors
 
     def requeues_on_failure(self) -> bool:
         """Whether Slurm may requeue the job after a node failure (the field, or its default)."""

@@ -31,7 +31,7 @@ from hpkit.runtime.observe.metrics import MetricsLogger, peak_tflops
 from hpkit.runtime.observe.report import StepReporter
 from hpkit.runtime.parallel.collectives import decide
 from hpkit.runtime.run_identity import RunIdentity, RunPaths, run_paths, sweep_overrides
-from hpkit.runtime.stay import leave_if_step_ended, may_stay, ranks_that_stayed, why_leaving
+from hpkit.runtime.stay import leave_if_step_ended, may_stay, ranks_that_stayed, survivors_stay, why_leaving
 from hpkit.runtime.stay import offer as offer_to_stay
 from hpkit.runtime.watchdog import faults
 from hpkit.runtime.watchdog.hang_watchdog import HangWatchdog, enable_flight_recorder
@@ -179,7 +179,7 @@ def _validate_only_then_close(run: _Run, evaluator: Evaluator, resumed: bool) ->
 
 def _record_start(run: _Run, resumed: str | None) -> None:
     # `hpkit status` and `hpkit plot` read runs, restarts and the step total from these records.
-    stayed = ranks_that_stayed() if run.cfg.resilience.keep_survivors else None
+    stayed = ranks_that_stayed() if survivors_stay(run.cfg) else None
     run.metrics.event(
         StartEvent(
             run.trainer.step,

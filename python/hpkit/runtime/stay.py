@@ -62,8 +62,15 @@ def why_leaving(exc: BaseException) -> str | None:
 
 
 def may_stay(cfg: RunConfig) -> bool:
-    """Whether this rank stays in its process when its group breaks: keep_survivors, and a zygote forked it."""
-    return cfg.resilience.keep_survivors and park.available()
+    """Whether this rank stays in its process when its group breaks: a zygote forked it, and the run's survivors
+    stay."""
+    return park.available() and survivors_stay(cfg)
+
+
+def survivors_stay(cfg: RunConfig) -> bool:
+    """Whether the run's survivors stay (keep_survivors, or its default for the ranks' device): alike on every
+    rank, where whether a zygote forked this one is not (one that none answered starts cold)."""
+    return cfg.resilience.survivors_stay(on_gpus=torch.cuda.is_available())
 
 
 def ranks_that_stayed() -> int:
