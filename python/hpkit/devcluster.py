@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
+import threading
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -106,18 +108,47 @@ def up(env: Mapping[str, str]) -> None:
 
 
 def down(env: Mapping[str, str]) -> None:
-    """Stop the daemons that `up` started for `env`. Best effort: it runs on the way out of errors too."""
-    subprocess.run([_script("down.sh")], env=dict(env), capture_output=True, timeout=SCRIPT_TIMEOUT_S)
+    """Stop the daemons that `up` started for `env`. Best effort: it runs on the way out of errors too, in a
+    session of its own, so that a second Ctrl-C at the terminal does not stop it half way."""
+    subprocess.run(
+        [_script("down.sh")],
+        env=dict(env),
+        capture_output=True,
+        timeout=SCRIPT_TIMEOUT_S,
+        start_new_session=True,
+    )
 
 
 @contextlib.contextmanager
 def running(env: Mapping[str, str]) -> Iterator[Mapping[str, str]]:
-    """The cluster up for the body of a `with`, and down afterwards whatever happened."""
-    up(env)
+    """The cluster up for the body of a `with`, and down afterwards whatever happened: an error, Ctrl-C, or a
+    SIGTERM (a `timeout` wrapper's, a CI runner's), which would otherwise end Python without its `finally` and
+    leave the daemons running. Also a cluster that failed half way up goes down."""
+    with _terminate_as_exit():
+        try:
+            up(env)
+            yield env
+        finally:
+            down(env)
+
+
+@contextlib.contextmanager
+def _terminate_as_exit() -> Iterator[None]:
+    """SIGTERM raises SystemExit(143) in the main thread for the body, where nothing else handles it."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL
+    ):
+        yield
+        return
+
+    def exit_on_term(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, exit_on_term)
     try:
-        yield env
+        yield
     finally:
-        down(env)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 # The fault helpers of a NET=netns cluster (slurm/dev/net.sh), for tests and drills. `node` is a node name

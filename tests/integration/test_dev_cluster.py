@@ -95,3 +95,45 @@ def test_a_port_another_process_holds_is_named_with_its_holder_before_anything_s
             assert pids(state) == {}, "something started before the check"
         finally:
             run(repo / "slurm/dev/down.sh", env)
+
+
+# A bench or script holding a cluster for its body, then stopped as a `timeout` wrapper or a CI runner stops it.
+_HOLDS_A_CLUSTER = """
+import sys, time
+from hpkit import devcluster
+env = devcluster.client_env(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), nodes=1, cpus=1)
+with devcluster.running(env):
+    print("up", flush=True)
+    time.sleep(300)
+"""
+
+
+def test_a_script_stopped_by_sigterm_inside_running_takes_its_cluster_down(repo, tmp_path):
+    """Without the handler, Python ends at SIGTERM without running `finally`, and munged, slurmctld and slurmd
+    outlive the script (a bench stopped by its wrapper left them so)."""
+    import signal
+    import sys
+
+    state = tmp_path / "c"
+    port, first_job_id = slot("dev-cluster")
+    env = {**os.environ, "PYTHONPATH": str(repo / "python")}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", _HOLDS_A_CLUSTER, str(state), str(port), str(first_job_id)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "up", holder.stderr.read()
+        started = pids(state)
+        assert started and all(alive(p) for p in started.values())
+        holder.send_signal(signal.SIGTERM)
+        assert holder.wait(timeout=120) == 143
+        deadline = time.monotonic() + 10
+        while any(alive(p) for p in started.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(alive(p) for p in started.values()), pids(state)
+    finally:
+        holder.kill()
+        run(repo / "slurm/dev/down.sh", devcluster.client_env(state, port, first_job_id, nodes=1, cpus=1))
