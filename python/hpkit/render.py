@@ -21,7 +21,7 @@ from hpkit.catalog import lookup
 from hpkit.job_events import hangs_dir
 from hpkit.oci import IMAGE_PATH_VAR
 from hpkit.rendezvous import port_shell_expression
-from hpkit.slurm_job import (
+from hpkit.slurm.job import (
     HYPERPOD_LOG_DIR,
     OCI_TASKS_SINCE_TEXT,
     TASK_PYTHON,
@@ -524,7 +524,7 @@ def oci_bundle_words(spec: SlurmJob) -> list[str]:
 def runtime_notes(spec: SlurmJob, warm: bool = False) -> list[str]:
     """One line for each thing the spec asks that its container runtime cannot do (printed at render time).
     `warm`: the ranks fork warm (JobSpec.warm_starts), which `hpkit submit` checks against the cluster's Slurm
-    (slurm_job.oci_warm_problem) and a script rendered and submitted by hand does not."""
+    (hpkit.slurm.job.oci_warm_problem) and a script rendered and submitted by hand does not."""
     container = spec.container
     if container is None or container.runtime != "oci":
         return []

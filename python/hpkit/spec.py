@@ -1,6 +1,6 @@
 """The training job spec: what a user writes in YAML for `hpkit submit`, validated before anything reaches Slurm.
 
-A JobSpec holds two parts: `job`, a SlurmJob (hpkit.slurm_job: every field that reaches the sbatch script), and
+A JobSpec holds two parts: `job`, a SlurmJob (hpkit.slurm.job: every field that reaches the sbatch script), and
 `run`, a RunConfig (hpkit.runtime.config: the training blocks `hpkit train` reads); and it owns the checks that
 need both. The YAML stays flat: both parts' keys at its top level.
 """
@@ -24,7 +24,7 @@ from hpkit.runtime.config import (
     RunConfig,
     TrainSpec,
 )
-from hpkit.slurm_job import (
+from hpkit.slurm.job import (
     COMPAT_LAYERS,
     HYPERPOD_LOG_DIR,
     VAR_LOG_MOUNT,
@@ -171,7 +171,7 @@ class JobSpec(StrictModel):
         if chosen is not None:
             return chosen
         # In a container only when asked: Slurm 22.05 cannot tell one node's OCI container from another's, which
-        # `hpkit submit` checks against the cluster's version (slurm_job.oci_warm_problem).
+        # `hpkit submit` checks against the cluster's version (hpkit.slurm.job.oci_warm_problem).
         return (
             self.job.gpus_per_node == 0
             and self.job.container is None

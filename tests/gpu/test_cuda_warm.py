@@ -22,7 +22,7 @@ import yaml
 from _gpu import TINY_MODEL, series, single_process_env, worst_relative
 
 from hpkit.render import zygote_command
-from hpkit.slurm_job import SlurmJob
+from hpkit.slurm.job import SlurmJob
 
 pytestmark = pytest.mark.gpu
 

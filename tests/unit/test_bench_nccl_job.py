@@ -12,7 +12,7 @@ import pytest
 
 from hpkit.errors import SpecError
 from hpkit.netbench.nccl_job import NcclTestsArgs, render_nccl_tests
-from hpkit.slurm_job import SlurmJob
+from hpkit.slurm.job import SlurmJob
 from hpkit.validation import parse_document
 
 

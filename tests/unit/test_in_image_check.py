@@ -14,7 +14,7 @@ from hpkit.checks import container
 from hpkit.checks.context import Context, Roots
 from hpkit.checks.result import Status
 from hpkit.render import in_image_step
-from hpkit.slurm_job import ContainerSpec
+from hpkit.slurm.job import ContainerSpec
 
 
 def root_id(path: Path) -> str:

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpkit.render import user_command
-from hpkit.slurm_job import SlurmJob
+from hpkit.slurm.job import SlurmJob
 from hpkit.validation import parse_document
 
 REPO = Path(__file__).resolve().parents[2]

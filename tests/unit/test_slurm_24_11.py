@@ -206,7 +206,7 @@ def test_why_reads_a_run_that_24_11_logged_as_pending_as_requeued():
 
 
 def _oci_job(launcher: str = "srun"):
-    from hpkit.slurm_job import SlurmJob
+    from hpkit.slurm.job import SlurmJob
     from hpkit.validation import parse_document
 
     data = {
@@ -226,7 +226,7 @@ def _sinfo_prints(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, text: str, st
 
 
 def test_oci_srun_launcher_runs_on_24_11(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from hpkit.slurm_job import oci_launcher_problem
+    from hpkit.slurm.job import oci_launcher_problem
 
     _sinfo_prints(
         monkeypatch, tmp_path, (FIXTURES / "sinfo-version.txt").read_text().strip()
@@ -237,7 +237,7 @@ def test_oci_srun_launcher_runs_on_24_11(monkeypatch: pytest.MonkeyPatch, tmp_pa
 def test_oci_srun_launcher_is_refused_on_22_05_in_one_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from hpkit.slurm_job import oci_launcher_problem
+    from hpkit.slurm.job import oci_launcher_problem
 
     _sinfo_prints(monkeypatch, tmp_path, "slurm-wlm 22.05.8")  # the host's Debian 12 sinfo --version
     problem = oci_launcher_problem(_oci_job(), slurm.slurm_version)
@@ -250,7 +250,7 @@ def test_oci_srun_launcher_is_refused_on_22_05_in_one_line(
 
 
 def test_oci_srun_launcher_without_a_version_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    from hpkit.slurm_job import oci_launcher_problem
+    from hpkit.slurm.job import oci_launcher_problem
 
     _sinfo_prints(monkeypatch, tmp_path, "sinfo: error: Could not establish a configuration source", status=1)
     problem = oci_launcher_problem(_oci_job(), slurm.slurm_version)

@@ -275,7 +275,7 @@ def test_example_job_specs_are_valid(repo):
 def test_a_job_spec_is_a_slurm_job_and_the_training_blocks():
     """Every job kind shares SlurmJob's fields and checks; only training jobs carry RunConfig's blocks."""
     from hpkit.runtime.config import RunConfig
-    from hpkit.slurm_job import SlurmJob
+    from hpkit.slurm.job import SlurmJob
     from hpkit.validation import document_fields
 
     assert set(document_fields(JobSpec)) == set(SlurmJob.model_fields) | set(RunConfig.model_fields)

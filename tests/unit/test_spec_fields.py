@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from hpkit.errors import SpecError
 from hpkit.job_identity import JobIdentity
 from hpkit.runtime.config import RunConfig
-from hpkit.slurm_job import SlurmJob
+from hpkit.slurm.job import SlurmJob
 from hpkit.spec import JobSpec
 from hpkit.validation import document_fields, parse_document
 

@@ -22,7 +22,7 @@ import pytest
 
 from hpkit.errors import HpkitError, SpecError
 from hpkit.render import render
-from hpkit.slurm_job import oci_warm_problem
+from hpkit.slurm.job import oci_warm_problem
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 from hpkit.warm import protocol

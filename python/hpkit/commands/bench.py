@@ -175,7 +175,7 @@ def _render_args(argv: list[str], prog: str) -> argparse.Namespace:
 
 def _render(args: argparse.Namespace) -> int:
     from hpkit.netbench.nccl_job import NcclTestsArgs, render_nccl_tests
-    from hpkit.slurm_job import SlurmJob
+    from hpkit.slurm.job import SlurmJob
     from hpkit.validation import parse_document
 
     data: dict = {

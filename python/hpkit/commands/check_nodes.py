@@ -23,7 +23,7 @@ from hpkit.errors import HpkitError, SlurmError, SpecError
 from hpkit.netbench.pairs import DEFAULT_ROUNDS, DEFAULT_SIZE
 from hpkit.slurm import hostlist
 from hpkit.slurm.hostlist import compress, natural_key
-from hpkit.slurm_job import SlurmJob
+from hpkit.slurm.job import SlurmJob
 
 # Node states in which a node can run the check job (sinfo's short forms, without the *~#... suffix).
 _USABLE = {"idle", "mix", "alloc", "comp", "resv", "plnd", "mixed", "allocated", "completing", "planned"}

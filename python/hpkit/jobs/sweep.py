@@ -27,7 +27,7 @@ import yaml
 from hpkit import json_text
 from hpkit.errors import SpecError
 from hpkit.runtime.config import RunConfig
-from hpkit.slurm_job import SlurmJob
+from hpkit.slurm.job import SlurmJob
 from hpkit.spec import JobSpec
 from hpkit.validation import MAX_VALUES, count_values, document_fields, parse_document, read_document
 

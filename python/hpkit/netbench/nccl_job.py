@@ -23,7 +23,7 @@ from hpkit.render import (
     template_environment,
 )
 from hpkit.sizes import human
-from hpkit.slurm_job import SlurmJob
+from hpkit.slurm.job import SlurmJob
 
 TESTS = (
     "all_reduce_perf",
