@@ -201,6 +201,9 @@ def _run_all(env, tmp_path_factory, started):
             **training("hang", work / "hang", hang={"min_s": 5, "start_s": 120}),
             "env": {"HPKIT_FAULT": "hang:rank=1,step=6"},
         },
+        # hpkit train's own exit on rank 1: rank 0's group breaks and it stays in its process (keep_survivors left
+        # out, on for warm CPU ranks), so its agent's block says exit 86 and carries no traceback.
+        "exit": {**training("exit", work / "exit"), "env": {"HPKIT_FAULT": "exit:rank=1,step=6,code=3"}},
         "oom": spec("oom", work, mem="200M", command=[python, str(work / "over_memory.py")]),
         "node_loss": {**training("node_loss", work / "node_loss"), "exclude": None, "nodelist": OTHERS},
         "cancel": spec("cancel", work, command=["sleep", "600"]),
@@ -355,6 +358,16 @@ def test_a_sigkilled_rank_is_named_with_its_signal(ended):
     assert f"hpkit-torchrun: rank 1 failed on {killed['node']} (exit code -9)" in [
         e["text"] for e in v["evidence"]
     ], v
+
+
+def test_a_rank_s_own_exit_is_the_program_error_not_the_survivor_that_stayed_in_its_process(ended):
+    v = verdict_of(ended, "exit")
+    assert (v["kind"], v["rank"]) == ("program_error", 1), v
+    assert v["summary"].startswith("program error on rank 1: exit code 3"), v
+    assert not any("exit code 86" in e["text"] or "exitcode  : 86" in e["text"] for e in v["evidence"]), v
+    # The case this is about: the survivor did stay (without it, rank 0 ends with a traceback of its own).
+    log = ended["workdirs"]["exit"] / "logs" / f"exit-{ended['jobs']['exit']}.out"
+    assert "hpkit train: rank 0 on " in log.read_text() and " stays in process " in log.read_text()
 
 
 def test_a_program_over_its_memory_limit_is_out_of_memory(ended):
