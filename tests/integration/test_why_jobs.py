@@ -17,6 +17,7 @@ import json
 import os
 import pwd
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -35,6 +36,9 @@ from hpkit.runtime.watchdog.hang_board import clear_reports, reports_of
 pytestmark = [pytest.mark.cluster, pytest.mark.dist]
 
 OTHERS = "node[3-4]"  # the lost node's pair: no other job may run there
+# How long after its peer's node was killed a survivor may say nothing before its stacks are taken (it says "by peer"
+# within 0.4 s on a loaded machine; twice in CI it said nothing until the job was cancelled, 28-29 s later).
+SURVIVOR_SILENT_S = 5.0
 LIVE = ("PENDING", "RUNNING", "COMPLETING", "UNLISTED")  # not yet ended (a job scontrol does not list counts)
 
 RAISE_ON_RANK_2 = """\
@@ -125,6 +129,22 @@ def job_states(env) -> dict[str, str]:
         ["scontrol", "show", "job", "-o"], env=env, capture_output=True, text=True, check=True, timeout=30
     ).stdout
     return dict(re.findall(r"^JobId=(\d+) .*?\bJobState=(\w+)", out, re.M))
+
+
+def native_stacks(pid: int, out: Path) -> str:
+    """A live process's threads, native and Python frames (gdb, where the machine has it), written to `out`;
+    what was written, or why nothing was."""
+    if shutil.which("gdb") is None:
+        return f"no stacks of {pid}: gdb is not installed"
+    commands = ["-ex", "thread apply all bt 40", "-ex", "thread apply all py-bt"]
+    done = subprocess.run(
+        ["gdb", "-p", str(pid), "-batch", "-nx", "-iex", "set auto-load safe-path /", *commands],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out.write_text(done.stdout + done.stderr)
+    return f"stacks of {pid} in {out}"
 
 
 def _restart(env, node: str) -> None:
@@ -230,6 +250,8 @@ def _run_all(env, tmp_path_factory, started):
     pending = {"sigkill", "node_loss", "cancel", "preempt", "hold"}
     deadline = time.monotonic() + 240
     killed_beat: dict = {}
+    survivor_pids: list[int] = []
+    survivor_stacks: list[str] = []
     lost_node = ""
     lost_at = 0.0  # when it was killed (Unix seconds: the logs' and metrics' clock)
     while pending and time.monotonic() < deadline:
@@ -243,10 +265,20 @@ def _run_all(env, tmp_path_factory, started):
             # The node that is not the batch host dies (its slurmd, its steps, its ranks) once its rank trains.
             if lost := [x["node"] for x in b if x["node"] != batch_host]:
                 lost_node = lost[0]
+                survivor_pids = [x["pid"] for x in b if x["node"] != lost_node]
                 assert kill_node(env, jobs["node_loss"], lost_node)
                 lost_at = time.time()
                 pending.discard("node_loss")
+                pending.add("survivor")
                 events["node_loss"] = time.monotonic() - started
+        if "survivor" in pending and time.time() - lost_at > SURVIVOR_SILENT_S:
+            # A survivor silent this long after its peer's death (2 CI runs so far): its stacks while it still runs.
+            log = workdirs["node_loss"] / "logs" / f"node_loss-{jobs['node_loss']}.out"
+            if "by peer" not in (log.read_text() if log.exists() else ""):
+                survivor_stacks = [
+                    native_stacks(pid, work / f"survivor-{pid}.stacks") for pid in survivor_pids
+                ]
+            pending.discard("survivor")
         for name in ("cancel", "preempt"):
             if name in pending and step_started(jobs[name], env):
                 if name == "cancel":
@@ -303,6 +335,7 @@ def _run_all(env, tmp_path_factory, started):
         "killed": killed_beat,
         "lost": lost_node,
         "lost_at": lost_at,
+        "survivor_stacks": survivor_stacks,
         "workdirs": workdirs,
     }
 
@@ -393,7 +426,8 @@ def test_a_lost_node_is_a_node_failure_naming_it(ended):
         metrics = log.with_name(log.name.replace(".out", ".metrics.jsonl"))
         last = [line for line in metrics.read_text().splitlines() if '"loss"' in line][-1:]
         warnings.warn(
-            f"node_loss: the survivor said nothing; {ended['lost']} killed at {ended['lost_at']:.2f}, last step {last}",
+            f"node_loss: the survivor said nothing; {ended['lost']} killed at {ended['lost_at']:.2f}, last step {last}; "
+            f"{'; '.join(ended['survivor_stacks']) or 'no stacks taken'}",
             stacklevel=1,
         )
     assert survivor_said or "DUE TO NODE FAILURE" in log.read_text(), log.read_text()[-3000:]
