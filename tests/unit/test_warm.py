@@ -810,6 +810,19 @@ def test_a_parked_rank_another_command_asks_for_is_left_and_ended_later(short_pa
     wait_gone(pid)
 
 
+def lingering_rank_whose_client_died(root: Path, script: Path) -> int:
+    """A rank that offered to stay and is blocked (STAYING_RANK's "linger"), its client then killed: its pid."""
+    first = client(root, [PY, str(script)])
+    pid, _ = rank_line(first)
+    assert first.stdin is not None and first.stdout is not None
+    first.stdin.write("linger\n")
+    first.stdin.flush()
+    assert first.stdout.readline().strip() == "lingering"
+    first.kill()
+    first.wait(timeout=60)
+    return pid
+
+
 def test_a_rank_that_may_stay_but_does_not_park_is_killed_after_the_window(tmp_path: Path) -> None:
     """A rank that said it may stay but is still busy (a collective that cannot be interrupted) when its client
     goes is killed once the window has passed, with a line (one that never offered dies with its client at once:
@@ -817,14 +830,7 @@ def test_a_rank_that_may_stay_but_does_not_park_is_killed_after_the_window(tmp_p
     with park_zygote(tmp_path, 2) as (_, root, lines):
         script = tmp_path / "stay.py"
         script.write_text(STAYING_RANK)
-        first = client(root, [PY, str(script)])
-        pid, _ = rank_line(first)
-        assert first.stdin is not None and first.stdout is not None
-        first.stdin.write("linger\n")
-        first.stdin.flush()
-        assert first.stdout.readline().strip() == "lingering"
-        first.kill()
-        first.wait(timeout=60)
+        pid = lingering_rank_whose_client_died(root, script)
         zygote_said(lines, f"(process {pid}, attempt ?) had not left its step 2 s after the step ended")
         wait_gone(pid)
 
@@ -837,14 +843,7 @@ def test_a_rank_still_leaving_its_step_is_killed_when_the_next_one_starts_on_its
     _, root, lines = short_park
     script = tmp_path / "stay.py"
     script.write_text(STAYING_RANK)
-    first = client(root, [PY, str(script)])
-    pid, _ = rank_line(first)
-    assert first.stdin is not None and first.stdout is not None
-    first.stdin.write("linger\n")
-    first.stdin.flush()
-    assert first.stdout.readline().strip() == "lingering"
-    first.kill()
-    first.wait(timeout=60)
+    pid = lingering_rank_whose_client_died(root, script)
     second = client(root, [PY, str(script)])
     new_pid, _ = rank_line(second)
     zygote_said(

@@ -539,7 +539,7 @@ def _program(found: _Found, torchrun: bool | None) -> _Call | None:
 
 
 def _first_root(
-    roots: Sequence[Finding], tracebacks: Sequence[Finding], stayed: set[int | None] | None = None
+    roots: Sequence[Finding], tracebacks: Sequence[Finding], stayed: set[int | None]
 ) -> Finding | None:
     """The job's first failure among torchrun's blocks: each node's agent prints one, naming its own node's first
     failure, and srun interleaves the nodes' output in no set order. A block whose rank's own traceback is a
@@ -553,7 +553,7 @@ def _first_root(
     caused = {t.rank for t in tracebacks if t.rank is not None and not t.follow_on}
 
     def consequence(root: Finding) -> bool:
-        if root.exit_code == STAYED_EXIT or root.rank in (stayed or set()):
+        if root.exit_code == STAYED_EXIT or root.rank in stayed:
             return True
         return root.rank in traced and root.rank not in caused
 
