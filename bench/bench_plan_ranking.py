@@ -172,7 +172,7 @@ def hardware(measured: dict):
 
 
 def predicted(hw) -> dict[str, float]:
-    from hpkit.arch.llama.shape import shape_named
+    from hpkit.models.llama.shape import shape_named
     from hpkit.plan.layout import Layout
     from hpkit.plan.speed import predict
     from hpkit.runtime.config import RunConfig

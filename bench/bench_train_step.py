@@ -60,7 +60,7 @@ def _compare(args: argparse.Namespace, device_info) -> None:
     import torch.nn.functional as F
     from torch.distributed.fsdp import fully_shard
 
-    from hpkit.models.llama import build_model
+    from hpkit.models.llama.model import build_model
     from hpkit.runtime.config import RunConfig, resolve_mixed_precision
     from hpkit.runtime.loop.trainer import Trainer
     from hpkit.runtime.parallel.fsdp import mixed_precision_policy

@@ -42,7 +42,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from hpkit.models.llama import build_model, config_for
+    from hpkit.models.llama.model import build_model, config_for
     from hpkit.runtime.observe.metrics import peak_tflops
     from hpkit.runtime.parallel.activation_checkpoint import apply_ac
     from hpkit.runtime.parallel.compile import apply_compile

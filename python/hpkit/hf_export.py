@@ -22,9 +22,9 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from hpkit.errors import HpkitError, SpecError
-from hpkit.hf.config import HfMapping
 from hpkit.hf.load import INDEX_NAME, to_hf_rows
-from hpkit.runtime.adapters import ADAPTERS, ModelAdapter
+from hpkit.models.adapters import ADAPTERS, ModelAdapter
+from hpkit.models.llama.hf_format import HfMapping
 from hpkit.runtime.checkpoints.checkpoint_record import RECORD_NAME, RecordError, read_record, verify_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

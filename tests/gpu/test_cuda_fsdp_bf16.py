@@ -22,7 +22,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import torch, torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from hpkit.models.llama import build_model, config_for
+    from hpkit.models.llama.model import build_model, config_for
     from hpkit.runtime.parallel.fsdp import apply_fsdp, mixed_precision_policy
 
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))

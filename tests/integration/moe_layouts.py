@@ -91,7 +91,7 @@ def starve_last_experts(trainer: Any) -> list[list[int]]:
     went to those experts, all slots] to (counted on this rank's tokens)."""
     import torch
 
-    from hpkit.models.moe import MoE
+    from hpkit.models.llama.moe import MoE
 
     routed: list[list[int]] = []
     bias = torch.zeros(EXPERTS)

@@ -69,7 +69,7 @@ def test_mixtral_loads_with_the_logits_of_transformers(mixtral_dir, tmp_path, np
 def _hpkit_logits_from_checkpoint(step_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
     import torch.distributed.checkpoint as dcp
 
-    from hpkit.models.llama import build_model, config_from_dict
+    from hpkit.models.llama.model import build_model, config_from_dict
     from hpkit.runtime.checkpoints.checkpoint_record import read_record
 
     record = read_record(step_dir)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 
 from hpkit.commands import ckpt
 from hpkit.errors import HpkitError
-from hpkit.models.llama import build_model, config_from_dict
+from hpkit.models.llama.model import build_model, config_from_dict
 from hpkit.runtime.checkpoints.checkpoint_record import read_record
 
 sys.path.insert(0, str(REPO / "tests" / "unit"))

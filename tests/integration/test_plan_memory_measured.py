@@ -153,7 +153,7 @@ def test_peak_per_rank_within_ten_percent(measured, world, name):
 # against torch's FSDPMemTracker following the runtime's own FSDP2 model under FakeTensor (--check-with-torch).
 @pytest.mark.parametrize("ac", ["none", "selective"])
 def test_fsdp_bf16_within_ten_percent_of_torchs_fsdp_tracker(ac):
-    from hpkit.arch.llama.shape import shape_named
+    from hpkit.models.llama.shape import shape_named
     from hpkit.plan.torch_check import check_with_torch
 
     model = dict(_script().MODEL)

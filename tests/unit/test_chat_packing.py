@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hpkit.models.llama import LlamaConfig, build_model, document_mask
+from hpkit.models.llama.model import LlamaConfig, build_model, document_mask
 
 CFG = LlamaConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48, vocab_size=64, max_seq_len=32)
 LENGTHS = (7, 5, 8)  # three documents, 20 tokens

@@ -19,9 +19,9 @@ if TYPE_CHECKING:
     from transformers import LlamaForCausalLM
 
 from hpkit.errors import SpecError
-from hpkit.hf.config import parse_hf_config, read_hf_config
 from hpkit.hf.load import INDEX_NAME, load_hf_weights, to_hf_rows, to_runtime_rows
-from hpkit.models.llama import SHAPES, build_model
+from hpkit.models.llama.hf_format import parse_hf_config, read_hf_config
+from hpkit.models.llama.model import SHAPES, build_model
 from hpkit.runtime.config import RunConfig
 from hpkit.validation import parse_document
 
@@ -199,7 +199,7 @@ def test_fields_a_config_leaves_out_take_transformers_own_defaults(model_type: s
     # defaults differ (Mixtral: 8 KV heads, rope_theta 1e6, eps 1e-5), and every default was Llama's.
     from transformers import AutoConfig
 
-    from hpkit.arch.llama.hf import HF_DEFAULTS, HF_FAMILIES
+    from hpkit.models.llama.config_json import HF_DEFAULTS, HF_FAMILIES
 
     assert set(HF_DEFAULTS) == set(HF_FAMILIES)
     given = {"hidden_size": 256, "num_attention_heads": 16, "num_hidden_layers": 2, "intermediate_size": 512}

@@ -542,8 +542,8 @@ def test_a_config_json_past_any_model_is_one_line_not_an_overflow_traceback(
 ) -> None:
     # 10^20 blocks ended in "OverflowError: Python int too large to convert to C ssize_t" from the planner's stage
     # placement; 10^12 would have counted parameters block by block for hours.
-    from hpkit.arch.llama.hf import parse_hf_config
-    from hpkit.arch.llama.shape import shape_named
+    from hpkit.models.llama.config_json import parse_hf_config
+    from hpkit.models.llama.shape import shape_named
 
     data = {
         "model_type": "llama",
@@ -563,7 +563,7 @@ def test_a_config_json_past_any_model_is_one_line_not_an_overflow_traceback(
 
 
 def test_a_config_json_or_network_file_nested_thousands_deep_is_one_line(tmp_path: Path) -> None:
-    from hpkit.arch.llama.hf import load_config_json
+    from hpkit.models.llama.config_json import load_config_json
     from hpkit.plan.problem import inter_node_gbs
 
     (tmp_path / "config.json").write_text('{"x": ' + "[" * 20000 + "]" * 20000 + "}")

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from _gloo import run_ranks
 
 from hpkit.errors import SpecError
-from hpkit.models.llama import build_model, config_for, named_parameters_unwrapped
-from hpkit.models.moe import MoEConfig
-from hpkit.runtime.adapters import adapter_for
+from hpkit.models.adapters import adapter_for
+from hpkit.models.llama.model import build_model, config_for, named_parameters_unwrapped
+from hpkit.models.llama.moe import MoEConfig
 from hpkit.runtime.config import LORA_TARGETS, LoraSpec, RunConfig
 from hpkit.runtime.loop.lora import (
     LoRALinear,

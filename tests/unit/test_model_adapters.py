@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hpkit.arch.families import FAMILIES, SHAPE_NAMES, family_of
-from hpkit.runtime.adapters import ADAPTERS, adapter_for, adapter_of
+from hpkit.models.adapters import ADAPTERS, adapter_for, adapter_of
+from hpkit.models.families import FAMILIES, SHAPE_NAMES, family_of
 from hpkit.runtime.config import ModelSpec
 from hpkit.validation import parse_document
 
@@ -15,9 +15,27 @@ def test_every_family_has_an_adapter_that_builds_each_of_its_shapes():
     assert set(FAMILIES) == set(ADAPTERS)
     for family, names in FAMILIES.items():
         for name in names:
-            cfg = adapter_for(name).config(ModelSpec(name=name))
+            cfg = adapter_for(name).config(ModelSpec(name=name).named_shape())
             assert adapter_for(name) is ADAPTERS[family]
             assert (cfg.moe is not None) == (family == "moe"), name
+
+
+def test_each_family_is_one_folder_its_adapter_model_and_hugging_face_names_share():
+    """A family's adapter, the model it builds, its Hugging Face tensor names and its torch-free shape all come
+    from one folder, hpkit.models.<folder>: adding a family is a folder, not edits across the runtime."""
+    for family, names in FAMILIES.items():
+        adapter = ADAPTERS[family]
+        folder = type(adapter).__module__.rpartition(".")[0]
+        assert folder.startswith("hpkit.models.") and folder != "hpkit.models", (family, folder)
+        shape = ModelSpec(name=names[0]).named_shape()
+        model = adapter.build(adapter.config(shape), "meta")
+        homes = {
+            "model": type(model).__module__,
+            "shape": type(shape).__module__,
+            "hf tensor names": adapter.hf.tensor_name.__module__ if adapter.hf else folder,
+            "config.json": adapter.hf.read_config.__module__ if adapter.hf else folder,
+        }
+        assert all(home.startswith(folder + ".") for home in homes.values()), (family, folder, homes)
 
 
 def test_a_shape_name_finds_its_family_and_an_unknown_one_is_refused():
@@ -37,7 +55,9 @@ def test_model_name_is_validated_against_the_table():
 
 def test_the_llama_adapter_describes_its_model():
     adapter = adapter_for("debug")
-    cfg = adapter.config(ModelSpec(name="debug", dim=32, n_layers=3, n_heads=4, ffn_dim=64, vocab_size=50))
+    cfg = adapter.config(
+        ModelSpec(name="debug", dim=32, n_layers=3, n_heads=4, ffn_dim=64, vocab_size=50).named_shape()
+    )
     model = adapter.build(cfg, "meta")
     assert adapter_of(model) is adapter
     assert list(adapter.blocks(model)) == ["0", "1", "2"]

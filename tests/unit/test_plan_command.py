@@ -141,7 +141,7 @@ def test_judging_a_pipeline_whose_local_batch_the_microbatches_do_not_divide_giv
 ) -> None:
     # The search never builds such a layout (its local batches are multiples of pp and its microbatches are
     # chosen to divide them), so only a spec written by hand reaches this rule: it must not be judged to fit.
-    from hpkit.arch.pipeline import microbatch_problem
+    from hpkit.layout_rules.pipeline import microbatch_problem
 
     demo = (REPO / "slurm/jobs/demo.yaml").read_text()
     piped = demo.replace("  tp: 2\n", "  pp: 2\n  microbatches: 2\n").replace(

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hpkit.arch.llama.shape import shape_named
 from hpkit.cli import main as cli
+from hpkit.models.llama.shape import shape_named
 from hpkit.plan.host_memory import HOST_RAM_SHARE, host_bytes_per_rank, state_bytes_per_rank
 from hpkit.plan.layout import Layout
 from hpkit.plan.memory import predict

@@ -31,7 +31,7 @@ def test_hpkits_selective_policy_keeps_what_the_runtime_saves() -> None:
 
 
 def test_a_v100_has_no_flash_kernel_and_keeps_what_the_efficient_one_keeps() -> None:
-    from hpkit.arch.llama.shape import shape_named
+    from hpkit.models.llama.shape import shape_named
     from hpkit.plan.layout import Layout
     from hpkit.plan.memory import predict
 

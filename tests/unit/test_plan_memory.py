@@ -29,7 +29,7 @@ def test_params_of_a_tiny_shape_by_hand():
 def test_a_shapes_parameter_count_is_the_built_models():
     """The one count (ModelShape.params, which LlamaConfig.num_params calls) against the tensors the runtime
     builds: dense, grouped-query, an explicit head size, and MoE with shared experts and dense blocks."""
-    from hpkit.models.llama import build_model, config_of_shape
+    from hpkit.models.llama.model import build_model, config_of_shape
 
     moe = {"experts": 4, "top_k": 2, "shared_experts": 1, "every": 2, "expert_ffn_dim": 48}
     for shape in (
@@ -44,7 +44,7 @@ def test_a_shapes_parameter_count_is_the_built_models():
 
 
 def test_a_spec_model_block_is_the_shape_the_adapter_builds():
-    from hpkit.runtime.adapters import adapter_for
+    from hpkit.models.adapters import adapter_for
 
     for block in (
         {"name": "debug", "dim": 64, "n_heads": 4},
@@ -52,7 +52,9 @@ def test_a_spec_model_block_is_the_shape_the_adapter_builds():
         {"name": "debug-moe", "moe": {"top_k": 2}, "n_layers": 4},
     ):
         spec = ModelSpec(**block)
-        cfg = adapter_for("moe" if spec.moe or spec.name == "debug-moe" else "llama").config(spec)
+        cfg = adapter_for("moe" if spec.moe or spec.name == "debug-moe" else "llama").config(
+            spec.named_shape()
+        )
         assert cfg.shape == replace(shape_of_spec(spec), seq_len=cfg.max_seq_len, name="custom"), block
 
 
@@ -70,7 +72,7 @@ MIXTRAL = {
 
 
 def test_a_hf_folder_plans_the_shape_the_runtime_loads_and_refuses_what_it_refuses(tmp_path):
-    from hpkit.hf.config import read_hf_config
+    from hpkit.models.llama.hf_format import read_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(MIXTRAL))
     shape = resolve_model(tmp_path, 256)

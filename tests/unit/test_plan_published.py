@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from hpkit.arch.llama.shape import shape_named
+from hpkit.models.llama.shape import shape_named
 from hpkit.plan.kernels import LOOPS
 from hpkit.plan.layout import Layout
 from hpkit.plan.memory import GiB, predict

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from hpkit import catalog
-from hpkit.arch.llama.shape import shape_named
+from hpkit.models.llama.shape import shape_named
 from hpkit.plan.layout import Layout
 from hpkit.plan.speed import (
     MATMUL_EFFICIENCY,

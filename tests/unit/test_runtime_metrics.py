@@ -6,7 +6,7 @@ import json
 import pytest
 
 from hpkit.errors import SpecError
-from hpkit.models.llama import SHAPES, config_for
+from hpkit.models.llama.model import SHAPES, config_for
 from hpkit.runtime.observe.metrics import MetricsLogger, StepStats, peak_tflops
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hpkit.errors import SpecError
-from hpkit.models.llama import build_model, config_for
+from hpkit.models.llama.model import build_model, config_for
 from hpkit.runtime.parallel.activation_checkpoint import apply_ac
 from hpkit.runtime.parallel.compile import ALLOW_COMPILE_TP_ENV, check_compile_allowed
 from hpkit.runtime.parallel.pipeline import split_model

@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from hpkit.arch.pipeline import stage_ids
 from hpkit.errors import SpecError
+from hpkit.layout_rules.pipeline import stage_ids
 from hpkit.runtime.parallel.parallel_dims import ParallelDims
 from hpkit.spec import ParallelismSpec
 
@@ -54,7 +54,7 @@ def test_degrees_that_do_not_make_the_world(world, kw, message):
 def test_every_schedule_a_spec_may_name_has_a_torch_class():
     import torch.distributed.pipelining as pipelining
 
-    from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES
+    from hpkit.layout_rules.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES
     from hpkit.runtime.parallel import pipeline
 
     # The names and their classes sit side by side in arch: a name without a class fails here (a KeyError).
@@ -103,7 +103,7 @@ def test_sequence_parallel_needs_the_whole_model():
 
 
 def test_seq_len_must_divide_only_under_sequence_parallel():
-    from hpkit.models.llama import build_model, config_for
+    from hpkit.models.llama.model import build_model, config_for
     from hpkit.runtime.parallel.tensor_parallel import check_tp_shape
 
     model = build_model(config_for("debug", seq_len=30), "meta")

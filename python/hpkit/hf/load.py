@@ -26,8 +26,8 @@ from torch.distributed.tensor import DTensor
 
 from hpkit import json_text
 from hpkit.errors import SpecError
-from hpkit.hf.config import LLAMA, HfMapping, HfModel
-from hpkit.models.llama import LlamaConfig, named_parameters_unwrapped
+from hpkit.models.llama.hf_format import LLAMA, HfMapping, HfModel
+from hpkit.models.llama.model import LlamaConfig, named_parameters_unwrapped
 
 INDEX_NAME = "model.safetensors.index.json"
 

@@ -9,7 +9,7 @@ from hpkit.plan import memory, speed
 from hpkit.plan.kernels import HPKIT, TrainingLoop, sdpa_kernel
 
 if TYPE_CHECKING:
-    from hpkit.arch.llama.shape import ModelShape
+    from hpkit.models.llama.shape import ModelShape
     from hpkit.plan.search import Candidate
 
 GiB = 1024**3

@@ -16,7 +16,7 @@ from hpkit import catalog
 from hpkit.runtime.config import MemoryCheckpointSpec
 
 if TYPE_CHECKING:
-    from hpkit.arch.llama.shape import ModelShape
+    from hpkit.models.llama.shape import ModelShape
     from hpkit.plan.layout import Layout
     from hpkit.plan.memory import MemoryPlan
 

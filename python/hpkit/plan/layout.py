@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import ValidationError
 
-from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, Schedule
 from hpkit.errors import SpecError
+from hpkit.layout_rules.pipeline import MULTI_STAGE_SCHEDULES, Schedule
 from hpkit.runtime.config import ParallelismSpec, resolve_mixed_precision
 from hpkit.runtime.parallel.parallel_dims import ParallelDims
 

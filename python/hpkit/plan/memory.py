@@ -42,8 +42,8 @@ import math
 from dataclasses import dataclass, fields
 
 from hpkit import catalog
-from hpkit.arch.llama.shape import ModelShape
-from hpkit.arch.pipeline import stage_ids, stage_layers
+from hpkit.layout_rules.pipeline import stage_ids, stage_layers
+from hpkit.models.llama.shape import ModelShape
 from hpkit.plan.fixed_costs import fixed_costs
 from hpkit.plan.kernels import HPKIT, TrainingLoop, sdpa_kernel
 from hpkit.plan.layout import Layout

@@ -18,7 +18,7 @@ from hpkit.plan.search import SearchResult, search
 from hpkit.slurm.options import MAX_NODES
 
 if TYPE_CHECKING:
-    from hpkit.arch.llama.shape import ModelShape
+    from hpkit.models.llama.shape import ModelShape
     from hpkit.plan.speed import Hardware
     from hpkit.spec import JobSpec
 

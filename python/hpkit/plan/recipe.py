@@ -16,7 +16,7 @@ DEFAULT_STEPS = 1000
 
 def model_block(target: str, seq: int) -> dict[str, Any]:
     """The spec's model: a shape name, or a Hugging Face folder (its shape and weights: init_from)."""
-    from hpkit.arch.llama.named import SHAPE_TABLE
+    from hpkit.models.llama.named import SHAPE_TABLE
 
     if target in SHAPE_TABLE:
         return {"name": target, "seq_len": seq}

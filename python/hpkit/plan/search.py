@@ -16,10 +16,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from hpkit.arch.llama.shape import ModelShape
-from hpkit.arch.parallel import tp_problem
-from hpkit.arch.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, microbatch_problem, stages_problem
 from hpkit.errors import SpecError
+from hpkit.layout_rules.parallel import tp_problem
+from hpkit.layout_rules.pipeline import MULTI_STAGE_SCHEDULES, SCHEDULES, microbatch_problem, stages_problem
+from hpkit.models.llama.shape import ModelShape
 from hpkit.plan import memory
 from hpkit.plan.host_memory import plan_host
 from hpkit.plan.layout import Layout
@@ -114,7 +114,7 @@ def runtime_problem(shape: ModelShape, layout: Layout, gpus_per_node: int | None
         message = first["msg"].removeprefix("Value error, ")
         return f"{where}: {message}" if where else message
     # The rules the trainer checks with the shape in hand (the adapter's check_tp, the pipeline's
-    # check_microbatches and stage count): the same functions, hpkit.arch's.
+    # check_microbatches and stage count): the same functions, hpkit.layout_rules's.
     if layout.tp > 1 and (
         problem := tp_problem(
             layout.tp, **shape.tp_dims(), sequence_parallel=layout.sequence_parallel_on("cuda")

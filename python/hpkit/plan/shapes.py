@@ -1,7 +1,7 @@
-"""Where the planner finds a model's shape (hpkit.arch.llama.shape.ModelShape): a shape name, a spec's `model:`
+"""Where the planner finds a model's shape (hpkit.models.llama.shape.ModelShape): a shape name, a spec's `model:`
 block (a named shape with overrides, or `init_from`), or a Hugging Face config.json folder (Llama, Mixtral).
 
-Each is read by the function the runtime reads it with (ModelSpec.named_shape, hpkit.arch's config.json
+Each is read by the function the runtime reads it with (ModelSpec.named_shape, hpkit.layout_rules's config.json
 parser), so the planner and the trainer cannot disagree on a shape.
 """
 
@@ -11,11 +11,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from hpkit.arch.families import SHAPE_NAMES, family_for
-from hpkit.arch.llama.hf import CONFIG_NAME, load_config_json, parse_hf_config
-from hpkit.arch.llama.named import SHAPE_TABLE
-from hpkit.arch.llama.shape import ModelShape, shape_named
 from hpkit.errors import SpecError
+from hpkit.models.families import SHAPE_NAMES, family_for
+from hpkit.models.llama.config_json import CONFIG_NAME, load_config_json, parse_hf_config
+from hpkit.models.llama.named import SHAPE_TABLE
+from hpkit.models.llama.shape import ModelShape, shape_named
 
 if TYPE_CHECKING:
     from hpkit.runtime.config import ModelSpec

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from hpkit import catalog
-from hpkit.arch.pipeline import stage_ids, stage_layers
+from hpkit.layout_rules.pipeline import stage_ids, stage_layers
 from hpkit.plan.kernels import HPKIT, MATMULS, TrainingLoop, sdpa_kernel
 
 if TYPE_CHECKING:
-    from hpkit.arch.llama.shape import ModelShape
+    from hpkit.models.llama.shape import ModelShape
     from hpkit.plan.layout import Layout
 
 # The fraction of the data sheet's dense peak that a large bf16/tf32 GEMM reaches: cuBLAS on H100 SXM and A100

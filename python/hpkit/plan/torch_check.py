@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hpkit.arch.llama.shape import ModelShape
 from hpkit.errors import SpecError
+from hpkit.models.llama.shape import ModelShape
 from hpkit.plan.layout import Layout
 
 
@@ -41,7 +41,7 @@ def check_with_torch(shape: ModelShape, layout: Layout) -> TorchCheck:
 
 
 def _llama_config(shape: ModelShape):
-    from hpkit.models.llama import config_of_shape
+    from hpkit.models.llama.model import config_of_shape
 
     return config_of_shape(shape)
 
@@ -54,7 +54,7 @@ def _track(shape: ModelShape, layout: Layout) -> TorchCheck:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from hpkit.runtime.adapters import adapter_for
+    from hpkit.models.adapters import adapter_for
     from hpkit.runtime.loop.loss import masked_loss_sum
     from hpkit.runtime.parallel.activation_checkpoint import apply_ac
     from hpkit.runtime.parallel.fsdp import apply_fsdp

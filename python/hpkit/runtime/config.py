@@ -13,11 +13,11 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from hpkit.arch.families import SHAPE_NAMES, family_of
-from hpkit.arch.llama.shape import MAX_LAYERS, MAX_WIDTH, ModelShape, shape_named
-from hpkit.arch.parallel import ep_problem
-from hpkit.arch.pipeline import Schedule, schedule_problem, stages_problem
 from hpkit.job_identity import JobIdentity
+from hpkit.layout_rules.parallel import ep_problem
+from hpkit.layout_rules.pipeline import Schedule, schedule_problem, stages_problem
+from hpkit.models.families import SHAPE_NAMES, family_of
+from hpkit.models.llama.shape import MAX_LAYERS, MAX_WIDTH, ModelShape, shape_named
 from hpkit.smp_params import DEGREE_ALIASES
 from hpkit.validation import StrictModel, check_no_control_chars
 
@@ -231,7 +231,7 @@ class LoraSpec(StrictModel):
 
 
 class ModelSpec(StrictModel):
-    """A model family's named shape (hpkit.arch.families), optionally with some dimensions overridden, or
+    """A model family's named shape (hpkit.models.families), optionally with some dimensions overridden, or
     the shape and weights of a Hugging Face Llama checkpoint (init_from)."""
 
     name: Literal[SHAPE_NAMES] = "debug"  # type: ignore[valid-type]

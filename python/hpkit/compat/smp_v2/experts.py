@@ -2,7 +2,7 @@
 [E, H, I]): each ep rank holds E / ep experts and tokens travel to them and back by all-to-all.
 
 The weights become DTensors sharded on dim 0 over the ep mesh, so checkpoints keep whole [E, ...] tensors.
-The exchange is hpkit's own (hpkit.models.moe: AllToAll with autograd, and the 1/ep gradient scale that
+The exchange is hpkit's own (hpkit.models.llama.moe: AllToAll with autograd, and the 1/ep gradient scale that
 makes an expert's gradient the mean over the ep ranks' batches, as data parallel does for dense weights).
 """
 
@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from hpkit.compat.smp_v2.state import bad_config
-from hpkit.models.moe import ScaleGrad, exchange_with_experts
+from hpkit.models.llama.moe import ScaleGrad, exchange_with_experts
 
 
 def _local(weight: torch.Tensor, ep: int) -> torch.Tensor:
@@ -47,7 +47,7 @@ class ExpertParallelForward:
         down = _local(self.down_proj, self.ep_size).unbind(0)
         if not tokens.shape[0]:
             # Keep every local expert, and the (empty) received rows, in the graph: every rank's backward then
-            # reduces the same gradients and runs its collectives in the same order (hpkit.models.moe says why).
+            # reduces the same gradients and runs its collectives in the same order (hpkit.models.llama.moe says why).
             zero = sum(g.sum() for g in gate_up) + sum(d.sum() for d in down) + tokens.sum()
             return tokens.new_zeros((0, tokens.shape[-1])) + 0 * zero
         outs = []

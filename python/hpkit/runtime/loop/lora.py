@@ -34,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from hpkit.errors import SpecError
-from hpkit.runtime.adapters import ModelAdapter
+from hpkit.models.adapters import ModelAdapter
 from hpkit.runtime.config import LORA_TARGETS, LoraSpec
 
 ADAPTER_SUFFIXES = (".lora_A.weight", ".lora_B.weight")

@@ -1,6 +1,6 @@
 """The Trainer: one training run's model, optimizer and data on an initialised process group.
 
-The model comes from its family's adapter (hpkit.runtime.adapters, looked up by `model.name`), which the
+The model comes from its family's adapter (hpkit.models.adapters, looked up by `model.name`), which the
 parallelisms below ask about the model's structure. Order of construction (as in torchtitan): the model
 is built on the meta device, split into this rank's pipeline stages (`model_parts`: one part, or
 `stages_per_rank` under an interleaved schedule), then tensor parallel -> activation checkpointing ->
@@ -26,11 +26,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
-from hpkit.arch.families import family_for, hf_family
-from hpkit.arch.pipeline import stages_problem
 from hpkit.errors import SpecError
-from hpkit.models.moe import MoE
-from hpkit.runtime.adapters import adapter_for
+from hpkit.layout_rules.pipeline import stages_problem
+from hpkit.models.adapters import adapter_for
+from hpkit.models.families import family_for, hf_family
+from hpkit.models.llama.moe import MoE
 from hpkit.runtime.checkpoints.checkpoint import Checkpointer, ModelState, OptimizerState
 from hpkit.runtime.checkpoints.memory_checkpoint import MemoryCheckpointer
 from hpkit.runtime.config import RunConfig, resolve_mixed_precision
@@ -136,7 +136,7 @@ class Trainer:
     def _init_model_config(self, cfg: RunConfig) -> None:
         """The model family's adapter, the model's shape (from init_from's config.json when given) and LoRA's
         record."""
-        # The model family's adapter builds, splits and parallelises the model (hpkit.runtime.adapters).
+        # The model family's adapter builds, splits and parallelises the model (hpkit.models.adapters).
         family = (
             hf_family(cfg.model.init_from)
             if cfg.model.init_from
@@ -146,7 +146,7 @@ class Trainer:
         # A Hugging Face checkpoint (model.init_from) gives the shape; its weights are loaded by
         # load_pretrained once resuming has found no checkpoint of this run.
         self.hf = self._hf_model() if cfg.model.init_from else None
-        self.model_cfg = self.hf.cfg if self.hf else self.adapter.config(cfg.model)
+        self.model_cfg = self.hf.cfg if self.hf else self.adapter.config(cfg.model.named_shape())
         # LoRA: the adapters' settings and the base's identity, recorded in every checkpoint.
         self.lora = (
             lora_record(

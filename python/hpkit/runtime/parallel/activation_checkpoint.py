@@ -13,7 +13,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from hpkit.runtime.adapters import ModelAdapter, adapter_of
+from hpkit.models.adapters import ModelAdapter, adapter_of
 
 # The expensive ops whose outputs are worth their memory; everything else (norms, activations,
 # rotary math) is cheap to recompute.

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from hpkit.errors import SpecError
-from hpkit.runtime.adapters import ModelAdapter, adapter_of
+from hpkit.models.adapters import ModelAdapter, adapter_of
 
 # Measured with torch 2.13.0 on CPU: compile + TP crashes in backward (1-D TP) or silently gives
 # wrong gradients (FSDP x TP). The override is for a device where tests/integration proves it right.

@@ -3,7 +3,7 @@
 The experts' 3-D weights become DTensors sharded along dim 0 (the expert index) on the ep mesh, so each
 rank allocates only its experts and a checkpoint still holds one [E, ...] tensor per weight, which DCP
 reshards to any other ep degree. The experts' forward then exchanges tokens with all-to-all over the ep
-group (hpkit.models.moe.GroupedExperts).
+group (hpkit.models.llama.moe.GroupedExperts).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from hpkit.arch.parallel import ep_problem
 from hpkit.errors import SpecError
-from hpkit.runtime.adapters import ModelAdapter, adapter_of
+from hpkit.layout_rules.parallel import ep_problem
+from hpkit.models.adapters import ModelAdapter, adapter_of
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh, adapter: ModelAdapter | None = None) -> int:

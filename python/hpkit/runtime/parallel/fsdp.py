@@ -10,7 +10,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from hpkit.runtime.adapters import ModelAdapter, adapter_of
+from hpkit.models.adapters import ModelAdapter, adapter_of
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 

@@ -4,7 +4,7 @@ pp ranks hold `stages_per_rank` stages each (torchtitan's `model_parts`): one wi
 one or more with interleaved 1F1B (stage i on rank i % pp, "loop" placement), exactly two with
 zero bubble (torch's ZBVZeroBubble: rank r holds stages r and 2*pp-1-r, "V" placement).
 
-Which stages a rank holds and which blocks a stage holds are hpkit.arch.pipeline's (the planner's too).
+Which stages a rank holds and which blocks a stage holds are hpkit.layout_rules.pipeline's (the planner's too).
 The split deletes what a stage does not own from a full (meta-device) model, keeping the owned
 modules' names, so that checkpoints are keyed the same in every layout and DCP can reshard them.
 """
@@ -18,19 +18,19 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hpkit.arch.pipeline import (
+from hpkit.errors import SpecError
+from hpkit.layout_rules.pipeline import (
     MULTI_STAGE_SCHEDULES,
     TORCH_CLASSES,
     microbatch_problem,
     stage_ids,
     stage_layers,
 )
-from hpkit.errors import SpecError
-from hpkit.runtime.adapters import ModelAdapter, adapter_of
+from hpkit.models.adapters import ModelAdapter, adapter_of
 
 
 def schedule_class(schedule: str) -> type:
-    """torch's class that runs `schedule` (hpkit.arch.pipeline.TORCH_CLASSES): those of MULTI_STAGE_SCHEDULES take a
+    """torch's class that runs `schedule` (hpkit.layout_rules.pipeline.TORCH_CLASSES): those of MULTI_STAGE_SCHEDULES take a
     list of stages, the others one stage. Imported when a pipeline is built, not with this module:
     torch.distributed.pipelining imports torch._dynamo (0.5 CPU-s more for every rank, measured on CPU here),
     which only pipeline-parallel runs use."""

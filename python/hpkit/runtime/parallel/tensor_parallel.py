@@ -1,8 +1,8 @@
-"""Tensor parallel: the model family's plan (hpkit.runtime.adapters) applied to the whole model or to the
+"""Tensor parallel: the model family's plan (hpkit.models.adapters) applied to the whole model or to the
 units `parallelism.tp_modules` chooses, and when sequence parallel is on by default.
 
 The plans themselves (which projections are column- or row-parallel, how the residual stream is laid out
-between blocks) belong to each family: Llama's is in hpkit.runtime.adapters.llama.
+between blocks) belong to each family: Llama's is in hpkit.models.llama.adapter.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hpkit.errors import SpecError
-from hpkit.runtime.adapters import ModelAdapter, adapter_of
-from hpkit.runtime.tp_styles import ReplicateParallel, select_units
+from hpkit.models.adapters import ModelAdapter, adapter_of
+from hpkit.models.tp_styles import ReplicateParallel, select_units
 
 __all__ = [
     "ReplicateParallel",

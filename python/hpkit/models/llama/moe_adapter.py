@@ -1,4 +1,4 @@
-"""The mixture-of-experts family's adapter: Llama blocks whose FFN is hpkit.models.moe.MoE in every
+"""The mixture-of-experts family's adapter: Llama blocks whose FFN is hpkit.models.llama.moe.MoE in every
 `moe.every`-th block. Everything but the FFN is Llama's, so this adapter is Llama's with three changes:
 the configuration carries `model.moe`, FSDP and expert parallel find the experts, and tensor parallel
 runs a MoE block's FFN replicated on the tp ranks.
@@ -17,16 +17,16 @@ from torch.distributed.tensor import Placement, Replicate
 from torch.distributed.tensor.parallel import PrepareModuleInputOutput
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from hpkit.hf import config as hf_config
-from hpkit.models import llama
-from hpkit.models.moe import MoE
-from hpkit.runtime.adapters.llama import LlamaAdapter
-from hpkit.runtime.tp_styles import ReplicateParallel
+from hpkit.models.llama import hf_format
+from hpkit.models.llama import model as llama
+from hpkit.models.llama.adapter import LlamaAdapter
+from hpkit.models.llama.moe import MoE
+from hpkit.models.tp_styles import ReplicateParallel
 
 
 class MoEAdapter(LlamaAdapter):
     family = "moe"
-    hf = hf_config.MIXTRAL  # MixtralForCausalLM: loads (model.init_from); export is not written yet
+    hf = hf_format.MIXTRAL  # MixtralForCausalLM: loads (model.init_from); export is not written yet
 
     def owns(self, model: nn.Module) -> bool:
         return isinstance(model, llama.Llama) and model.cfg.moe is not None

@@ -1,4 +1,4 @@
-"""Tensor-parallel pieces that every model family's plan may use (hpkit.runtime.adapters): a style for
+"""Tensor-parallel pieces that every model family's plan may use (hpkit.models.<family>.adapter): a style for
 modules each rank runs whole, and the matching of `parallelism.tp_modules` patterns against unit names."""
 
 from __future__ import annotations

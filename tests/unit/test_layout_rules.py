@@ -1,11 +1,10 @@
-"""hpkit.arch: the one home of the layout rules the trainer and the planner both apply. Each rule is tested
+"""hpkit.layout_rules: the one home of the layout rules the trainer and the planner both apply. Each rule is tested
 here once, on its own function; the planner and the runtime call that function rather than a copy of it."""
 
 from __future__ import annotations
 
-from hpkit.arch.llama.shape import shape_named
-from hpkit.arch.parallel import ep_problem, tp_problem
-from hpkit.arch.pipeline import (
+from hpkit.layout_rules.parallel import ep_problem, tp_problem
+from hpkit.layout_rules.pipeline import (
     MULTI_STAGE_SCHEDULES,
     SCHEDULES,
     microbatch_problem,
@@ -14,6 +13,7 @@ from hpkit.arch.pipeline import (
     stage_layers,
     stages_problem,
 )
+from hpkit.models.llama.shape import shape_named
 from hpkit.plan.layout import Layout
 from hpkit.plan.search import TRIED_SCHEDULES, runtime_problem
 

@@ -1,44 +1,20 @@
 """Hugging Face Llama config.json <-> the runtime's LlamaConfig, and the tensor names between them.
 
-config.json is read by hpkit.arch.llama.hf (the planner's parser too), which refuses in one line naming the
+config.json is read by hpkit.models.llama.config_json (the planner's parser too), which refuses in one line naming the
 field what the runtime cannot represent; this module turns what it reads into a LlamaConfig, and writes an
 export's config.json.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpkit.arch.llama import hf as arch_hf
-from hpkit.arch.llama.hf import CONFIG_NAME, load_config_json
 from hpkit.errors import SpecError
-from hpkit.models.llama import LlamaConfig, config_of_shape
-
-
-@dataclass(frozen=True)
-class HfModel:
-    """A Hugging Face Llama as the runtime sees it: its shape, tying, and the fields passed through."""
-
-    cfg: LlamaConfig
-    tied: bool = False
-    extras: dict[str, Any] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class HfMapping:
-    """A model family's Hugging Face format: its config.json both ways, and the tensor names between them.
-    A family's adapter (hpkit.runtime.adapters) names its mapping; Llama's is `LLAMA` below."""
-
-    read_config: Callable[[str | Path, int], HfModel]  # (directory, seq_len) -> shape, tying, extras
-    tensor_name: Callable[[str], str]  # hpkit parameter name -> Hugging Face tensor name
-    rotary_heads: Callable[[str, Any], int | None]  # heads whose rows change rotary layout, or None
-    to_config: Callable[[Any, dict[str, Any], str], dict[str, Any]]  # (cfg, extras, dtype) -> config.json
-    # Weights the runtime holds as one [E, ...] tensor and Hugging Face as one tensor per expert:
-    # (hpkit parameter name, expert j) -> that expert's tensor name, or None for every other parameter.
-    expert_tensor: Callable[[str, int], str | None] | None = None
+from hpkit.models.adapter import HfMapping, HfModel
+from hpkit.models.llama import config_json
+from hpkit.models.llama.config_json import CONFIG_NAME, load_config_json
+from hpkit.models.llama.model import LlamaConfig, config_of_shape
 
 
 def read_hf_config(directory: str | Path, seq_len: int) -> HfModel:
@@ -52,8 +28,8 @@ def read_hf_config(directory: str | Path, seq_len: int) -> HfModel:
 
 
 def parse_hf_config(data: dict[str, Any], seq_len: int, where: str = "config.json") -> HfModel:
-    """hpkit.arch's reading of a config.json, as the runtime's LlamaConfig (its max_seq_len: seq_len)."""
-    hf = arch_hf.parse_hf_config(data, seq_len, where)
+    """hpkit.layout_rules's reading of a config.json, as the runtime's LlamaConfig (its max_seq_len: seq_len)."""
+    hf = config_json.parse_hf_config(data, seq_len, where)
     cfg = config_of_shape(
         hf.shape,
         max_seq_len=seq_len,

@@ -1,8 +1,8 @@
 """The model families `hpkit train` can build and the shape names each answers to: `model.name` is one of them.
 
 Torch-free, so that a login node validates a spec without importing a model. The runtime finds a family's
-adapter (how to build, split, parallelise and convert that family: `hpkit.runtime.adapters`) by the family
-named here. A family's shape names come from its folder's table (hpkit.arch.llama.named for both Llama
+adapter (how to build, split, parallelise and convert that family: `hpkit.models.adapters`) by the family
+named here. A family's shape names come from its folder's table (hpkit.models.llama.named for both Llama
 families: a shape with a `moe` block is a mixture of experts).
 """
 
@@ -11,13 +11,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from hpkit.arch.llama.hf import CONFIG_NAME, HF_FAMILIES
-from hpkit.arch.llama.named import SHAPE_TABLE
+from hpkit.models.llama.config_json import CONFIG_NAME, HF_FAMILIES
+from hpkit.models.llama.named import SHAPE_TABLE
 
 # family -> shape names, in the order they are listed to users.
 FAMILIES: dict[str, tuple[str, ...]] = {
     "llama": tuple(name for name, fields in SHAPE_TABLE.items() if "moe" not in fields),
-    # Llama blocks whose FFNs are mixtures of experts (hpkit.models.moe); model.moe on any shape makes one.
+    # Llama blocks whose FFNs are mixtures of experts (hpkit.models.llama.moe); model.moe on any shape makes one.
     "moe": tuple(name for name, fields in SHAPE_TABLE.items() if "moe" in fields),
 }
 

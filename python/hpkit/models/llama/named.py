@@ -1,9 +1,9 @@
 """The Llama family's named shapes (`model.name`), as plain numbers: the one table that both the model
-(hpkit.models.llama, which imports torch) and the planner (hpkit.plan, which runs on login nodes without torch)
-read, through hpkit.arch.llama.shape.shape_named.
+(hpkit.models.llama.model, which imports torch) and the planner (hpkit.plan, which runs on login nodes without torch)
+read, through hpkit.models.llama.shape.shape_named.
 
 Each entry gives the ModelShape fields; `moe`, where present, the MoE fields (a shape with one belongs to the
-`moe` family: hpkit.arch.families).
+`moe` family: hpkit.models.families).
 """
 
 from __future__ import annotations

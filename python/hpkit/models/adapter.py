@@ -9,6 +9,9 @@ family's plan, and the trainer builds, initialises, counts FLOPs and loads Huggi
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -16,12 +19,33 @@ if TYPE_CHECKING:
     from torch import nn
     from torch.distributed.device_mesh import DeviceMesh
 
-    from hpkit.hf.config import HfMapping
-    from hpkit.runtime.config import ModelSpec
+
+@dataclass(frozen=True)
+class HfModel:
+    """A Hugging Face model as the runtime sees it: its shape, tying, and the fields passed through."""
+
+    cfg: Any  # the family's model config (hpkit.models.llama.model.LlamaConfig for Llama and its MoE)
+    tied: bool = False
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HfMapping:
+    """A model family's Hugging Face format: its config.json both ways, and the tensor names between them.
+    A family's adapter (ModelAdapter.hf) names its mapping: Llama's is hpkit.models.llama.hf_format.LLAMA."""
+
+    read_config: Callable[[str | Path, int], HfModel]  # (directory, seq_len) -> shape, tying, extras
+    tensor_name: Callable[[str], str]  # hpkit parameter name -> Hugging Face tensor name
+    rotary_heads: Callable[[str, Any], int | None]  # heads whose rows change rotary layout, or None
+    to_config: Callable[[Any, dict[str, Any], str], dict[str, Any]]  # (cfg, extras, dtype) -> config.json
+    # Weights the runtime holds as one [E, ...] tensor and Hugging Face as one tensor per expert:
+    # (hpkit parameter name, expert j) -> that expert's tensor name, or None for every other parameter.
+    expert_tensor: Callable[[str, int], str | None] | None = None
 
 
 class ModelAdapter(ABC):
-    """One model family. Subclasses implement every abstract method; `family` is its name in hpkit.arch.families."""
+    """One model family. Subclasses implement every abstract method; `family` is its name in
+    hpkit.models.families."""
 
     family: str = ""
     # The family's Hugging Face format (model.init_from, `hpkit ckpt export --hf`); None: it has none.
@@ -30,9 +54,10 @@ class ModelAdapter(ABC):
     # ---- configuration ---------------------------------------------------------------------------
 
     @abstractmethod
-    def config(self, spec: ModelSpec) -> Any:
-        """The model's configuration from the spec's model block (a named shape and its overrides);
-        SpecError naming the field when it does not make a model."""
+    def config(self, shape: Any) -> Any:
+        """The model's configuration from the spec's model block resolved to the family's torch-free shape
+        (`ModelSpec.named_shape()`: a named shape and its overrides, hpkit.models.llama.shape.ModelShape for
+        Llama); SpecError naming the field when it does not make a model."""
         raise NotImplementedError
 
     @abstractmethod

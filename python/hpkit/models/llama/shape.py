@@ -1,7 +1,7 @@
 """A Llama-style decoder's shape as plain numbers: its parameter and FLOP counts, the rules a shape must meet,
 and a named shape with a spec's overrides.
 
-The one home of these numbers: the runtime's LlamaConfig (hpkit.models.llama) counts and checks through
+The one home of these numbers: the runtime's LlamaConfig (hpkit.models.llama.model) counts and checks through
 ModelShape, and the planner (hpkit.plan) plans with it.
 """
 
@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from hpkit.arch.llama.named import DEFAULT_MAX_SEQ_LEN, SHAPE_TABLE
 from hpkit.errors import SpecError
+from hpkit.models.llama.named import DEFAULT_MAX_SEQ_LEN, SHAPE_TABLE
 
-# The MoE fields a model.moe block leaves unset on a dense shape (hpkit.models.moe.MoEConfig's defaults).
+# The MoE fields a model.moe block leaves unset on a dense shape (hpkit.models.llama.moe.MoEConfig's defaults).
 MOE_DEFAULTS: dict[str, Any] = {
     "experts": 8,
     "top_k": 2,
@@ -106,7 +106,7 @@ class ModelShape:
         return self.is_moe and (index + 1) % (self.every or 1) == 0
 
     def tp_dims(self) -> dict[str, int]:
-        """The dimensions tensor parallel splits (hpkit.arch.parallel.tp_problem's keywords)."""
+        """The dimensions tensor parallel splits (hpkit.layout_rules.parallel.tp_problem's keywords)."""
         return {
             "n_heads": self.n_heads,
             "n_kv_heads": self.n_kv_heads,

@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hpkit.arch.llama.named import DEFAULT_MAX_SEQ_LEN, SHAPE_TABLE
-from hpkit.arch.llama.shape import MOE_DEFAULTS, ModelShape, RopeScaling, check_shape, shape_named
-from hpkit.models.moe import MoE, MoEConfig
+from hpkit.models.llama.moe import MoE, MoEConfig
+from hpkit.models.llama.named import DEFAULT_MAX_SEQ_LEN, SHAPE_TABLE
+from hpkit.models.llama.shape import MOE_DEFAULTS, ModelShape, RopeScaling, check_shape, shape_named
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None
     # Hugging Face configs may give a head size other than dim / n_heads; None: dim / n_heads.
     attn_head_dim: int | None = None
-    # Mixture of experts: some blocks' FFN becomes routed experts (hpkit.models.moe); None: dense.
+    # Mixture of experts: some blocks' FFN becomes routed experts (hpkit.models.llama.moe); None: dense.
     moe: MoEConfig | None = None
 
     @property
@@ -47,7 +47,7 @@ class LlamaConfig:
 
     @property
     def shape(self) -> ModelShape:
-        """The shape as plain numbers (hpkit.arch): what the counts below and the planner read."""
+        """The shape as plain numbers (hpkit.layout_rules): what the counts below and the planner read."""
         moe = asdict(self.moe) if self.moe is not None else {}
         return ModelShape(
             dim=self.dim,
@@ -102,7 +102,7 @@ def config_of_shape(shape: ModelShape, max_seq_len: int | None = None, **setting
     )
 
 
-# The named shapes (hpkit.arch.llama.named), as the runtime's configurations.
+# The named shapes (hpkit.models.llama.named), as the runtime's configurations.
 SHAPES: dict[str, LlamaConfig] = {
     name: config_of_shape(shape_named(name, DEFAULT_MAX_SEQ_LEN)) for name in SHAPE_TABLE
 }
@@ -120,7 +120,7 @@ def config_for(
     ffn_dim: int | None = None,
     moe: MoEConfig | None = None,
 ) -> LlamaConfig:
-    """A named shape with overrides (hpkit.arch.llama.shape.shape_named's rules), `moe` replacing the shape's
+    """A named shape with overrides (hpkit.models.llama.shape.shape_named's rules), `moe` replacing the shape's
     MoE settings; SpecError naming the field when they make no model."""
     shape = shape_named(
         name,

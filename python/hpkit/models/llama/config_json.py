@@ -1,6 +1,6 @@
 """Hugging Face's config.json of a Llama or Mixtral checkpoint, read into a shape: the one parser.
 
-The runtime (hpkit.hf.config: model.init_from, `hpkit ckpt export --hf`) builds its LlamaConfig from what this
+The runtime (hpkit.models.llama.hf_format: model.init_from, `hpkit ckpt export --hf`) builds its LlamaConfig from what this
 reads, and the planner (`hpkit plan FOLDER`, a spec's init_from) plans the same shape. A config the runtime
 cannot represent (biases, another activation, another rope scaling) is refused with one line naming the
 config.json field, before any weight is read. Both spellings of the rotary settings are read: transformers 4's
@@ -15,11 +15,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpkit.arch.llama.shape import ModelShape, RopeScaling, count_limit
 from hpkit.errors import SpecError
+from hpkit.models.llama.shape import ModelShape, RopeScaling, count_limit
 
 CONFIG_NAME = "config.json"
-# config.json's model_type -> the family (hpkit.arch.families) that loads it: model.init_from, `hpkit plan FOLDER`.
+# config.json's model_type -> the family (hpkit.models.families) that loads it: model.init_from, `hpkit plan FOLDER`.
 HF_FAMILIES = {"llama": "llama", "mixtral": "moe"}
 # Carried from the source config into the checkpoint record and back into an export's config.json:
 # they mean nothing to training but everything to generation.

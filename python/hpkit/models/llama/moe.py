@@ -28,12 +28,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hpkit.arch.llama.shape import MOE_DEFAULTS
+from hpkit.models.llama.shape import MOE_DEFAULTS
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The MoE settings of a LlamaConfig; defaults: hpkit.arch.llama.shape.MOE_DEFAULTS."""
+    """The MoE settings of a LlamaConfig; defaults: hpkit.models.llama.shape.MOE_DEFAULTS."""
 
     experts: int = MOE_DEFAULTS["experts"]
     top_k: int = MOE_DEFAULTS["top_k"]

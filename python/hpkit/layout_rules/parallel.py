@@ -1,5 +1,5 @@
 """The divisibility rules of tensor and expert parallel: what a degree must divide for the runtime to shard
-a model. The runtime raises their lines (hpkit.runtime.adapters, hpkit.runtime.parallel.expert_parallel, the spec's
+a model. The runtime raises their lines (hpkit.models.adapters, hpkit.runtime.parallel.expert_parallel, the spec's
 validators) and the planner rejects layouts with them (hpkit.plan.search): one rule, one wording.
 """
 

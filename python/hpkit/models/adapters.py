@@ -1,17 +1,17 @@
-"""Model families as plug-ins: one adapter each (hpkit.runtime.adapters.base), found by family or shape name.
+"""Model families as plug-ins: one adapter each (hpkit.models.adapter), found by family or shape name.
 
-A new family is a model module (hpkit.models), an adapter here, a line in ADAPTERS and its shape names in
-hpkit.arch.families (the torch-free table that validates `model.name`).
+A new family is a folder beside hpkit.models.llama (its shapes, model and adapter), a line in ADAPTERS and its
+shape names in hpkit.models.families (the torch-free table that validates `model.name`).
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from hpkit.arch.families import FAMILIES, family_of
-from hpkit.runtime.adapters.base import ModelAdapter
-from hpkit.runtime.adapters.llama import LlamaAdapter
-from hpkit.runtime.adapters.moe import MoEAdapter
+from hpkit.models.adapter import ModelAdapter
+from hpkit.models.families import FAMILIES, family_of
+from hpkit.models.llama.adapter import LlamaAdapter
+from hpkit.models.llama.moe_adapter import MoEAdapter
 
 ADAPTERS: dict[str, ModelAdapter] = {adapter.family: adapter for adapter in (LlamaAdapter(), MoEAdapter())}
 

@@ -1,4 +1,4 @@
-"""The Llama family's adapter: hpkit.models.llama built, split, tensor-parallelised and converted.
+"""The Llama family's adapter: hpkit.models.llama.model built, split, tensor-parallelised and converted.
 
 Tensor parallel (Megatron-style): attention and MLP are column- then row-parallel. With sequence parallel
 the norms and the residual stream run sharded along the sequence between blocks, as torchtitan does: each
@@ -30,23 +30,23 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
-from hpkit.arch.parallel import tp_problem
 from hpkit.errors import SpecError
-from hpkit.hf import config as hf_config
-from hpkit.models import llama
-from hpkit.runtime.adapters.base import ModelAdapter
-from hpkit.runtime.config import ModelSpec
-from hpkit.runtime.tp_styles import ReplicateParallel
+from hpkit.layout_rules.parallel import tp_problem
+from hpkit.models.adapter import ModelAdapter
+from hpkit.models.llama import hf_format
+from hpkit.models.llama import model as llama
+from hpkit.models.llama.shape import ModelShape
+from hpkit.models.tp_styles import ReplicateParallel
 
 
 class LlamaAdapter(ModelAdapter):
     family = "llama"
-    hf = hf_config.LLAMA
+    hf = hf_format.LLAMA
 
     # ---- configuration ---------------------------------------------------------------------------
 
-    def config(self, spec: ModelSpec) -> llama.LlamaConfig:
-        return llama.config_of_shape(spec.named_shape())
+    def config(self, shape: ModelShape) -> llama.LlamaConfig:
+        return llama.config_of_shape(shape)
 
     def config_to_dict(self, cfg: llama.LlamaConfig) -> dict[str, Any]:
         return llama.config_to_dict(cfg)
