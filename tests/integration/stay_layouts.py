@@ -35,6 +35,18 @@ def launch(rank: int, attempt: int, node: str, fault: str | None = None) -> None
         os.environ["HPKIT_FAULT"] = fault
 
 
+def gloo_threads() -> int:
+    """This process's threads that a gloo process group runs (its workers and its transport's loop)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sum(1 for name in names if "gloo" in name)
+
+
 def main() -> int:
     from hpkit.runtime.run import run
     from hpkit.runtime.stay import forget_the_run, group_broke
@@ -61,6 +73,7 @@ def main() -> int:
         print("stays: the first run did not fail", flush=True)
         return 3
     forget_the_run()
+    print(f"threads of the broken group: {gloo_threads()}", flush=True)
     launch(0, 1, "node-b")  # the next step's rank 0 on this node took the process over
     return run(load_run_config(config))
 

@@ -51,7 +51,7 @@ def test_a_rank_that_stays_and_comes_back_as_another_rank_trains_and_saves_as_a_
     """The survivor was rank 1 and comes back as rank 0 beside a new rank 1 (torchrun's rendezvous orders ranks
     anew): it resumes from the in-memory tier, every save of its run completes, and every loss equals the
     uninterrupted run's. Without forget_the_run it saved its shards at rank 1's offsets (DTensor's caches gave
-    its new parameters the old run's mesh), and every save failed."""
+    its new parameters the old run's mesh), and every save failed; and it kept the old run's gloo threads."""
     (tmp_path / "plain").mkdir()
     plain_cfg = config(tmp_path / "plain", "plain")
     (tmp_path / "stay").mkdir()
@@ -76,6 +76,9 @@ def test_a_rank_that_stays_and_comes_back_as_another_rank_trains_and_saves_as_a_
         assert proc.returncode == 0, (name, outs[name])
     assert "stays: " in outs["survivor"] and "stays: None" not in outs["survivor"], outs["survivor"]
     assert "resumed from memory:step-" in outs["survivor"], outs["survivor"]
+    # The first run's group is gone with its threads before the second starts: nothing of torch's (a default
+    # argument, a cache keyed by its mesh) holds it, so a rank that stays through many steps keeps none of them.
+    assert "threads of the broken group: 0" in outs["survivor"], outs["survivor"]
     assert "not completed" not in outs["survivor"] + outs["spare"], outs["survivor"]
     reference, got = losses(tmp_path / "plain" / "plain.jsonl"), losses(tmp_path / "stay" / "stay.jsonl")
     assert sorted(got) == list(range(1, STEPS + 1)), got

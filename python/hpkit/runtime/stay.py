@@ -11,11 +11,13 @@ when the step ends; any other error ends the rank as before."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import os
 import sys
 import threading
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -145,7 +147,35 @@ def forget_the_run() -> None:
             value.clear()
     debug._clear_sharding_prop_cache()
     _redistribute.clear_redistribute_planner_cache()
-    _redistribute._gen_transform_infos.cache_clear()
+    clear_distributed_lru_caches()
+    gc.collect()  # what the caches held, cycles included (a mesh and its groups), goes now, not at some later pass
+
+
+def clear_distributed_lru_caches() -> int:
+    """Empty every functools cache of torch.distributed's loaded modules and their classes; how many. Some are keyed
+    by DeviceMesh (_redistribute._gen_transform_infos, MeshTopoInfo.build_from_mesh, ...), so besides answering the
+    next run with the old mesh, they hold it, and the mesh its process groups: a rank that stayed kept the broken
+    run's groups, their threads and sockets (9 gloo threads per step stayed through in test_stay_in_process, whose
+    run has three groups). Every cache, not a list of them: a torch release that adds one is covered, and an
+    emptied cache only recomputes."""
+    cleared = 0
+    with (
+        warnings.catch_warnings()
+    ):  # a deprecated module attribute (torch.distributed.reduce_op) warns when looked at
+        warnings.simplefilter("ignore")
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith("torch.distributed"):
+                continue
+            for value in list(vars(module).values()):
+                owners = [value, *vars(value).values()] if isinstance(value, type) else [value]
+                for owner in owners:
+                    function = owner.__func__ if isinstance(owner, (staticmethod, classmethod)) else owner
+                    if isinstance(
+                        function, functools._lru_cache_wrapper
+                    ):  # functools.cache and lru_cache alike
+                        function.cache_clear()
+                        cleared += 1
+    return cleared
 
 
 def _threads_left(within_s: float) -> list[str]:
