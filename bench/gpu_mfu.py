@@ -1,4 +1,4 @@
-"""Tokens/s, TFLOP/s and MFU of the ~1B reference model (python/hpkit/models/llama.py, shape "1B") on one GPU.
+"""Tokens/s, TFLOP/s and MFU of the ~1B reference model (python/hpkit/models/llama/model.py, shape "1B") on one GPU.
 
 bf16 autocast over fp32 master weights, fused AdamW, synthetic tokens; the FLOP count is the model's
 own `flops_per_token` (6 per weight plus causal attention) and the peak comes from the runtime's
