@@ -21,8 +21,8 @@ import pytest
 import yaml
 from _gpu import TINY_MODEL, series, single_process_env, worst_relative
 
-from hpkit.render import zygote_command
 from hpkit.slurm.job import SlurmJob
+from hpkit.slurm.script import zygote_command
 
 pytestmark = pytest.mark.gpu
 

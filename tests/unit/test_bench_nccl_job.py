@@ -70,10 +70,10 @@ def test_container_and_hostile_values_stay_literal(tmp_path):
 
 
 def test_an_oci_container_gets_the_same_block_as_a_training_jobs(tmp_path):
-    """One container block for every job kind (hpkit.render.container_block). The nccl-tests script had its own
+    """One container block for every job kind (hpkit.slurm.script.container_block). The nccl-tests script had its own
     copy of the pyxis values and no runtime: with `container.runtime: oci` it asked srun for pyxis's
     --container-image, which a cluster without pyxis refuses."""
-    from hpkit.render import container_block
+    from hpkit.slurm.script import container_block
 
     job = spec(container={"image": "/fsx/img.tar", "runtime": "oci"})
     script = render_nccl_tests(job, NcclTestsArgs())

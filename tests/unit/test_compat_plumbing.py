@@ -12,7 +12,8 @@ import pytest
 
 from hpkit.compat import SHIM_DIR
 from hpkit.errors import SpecError
-from hpkit.render import compat_step, render
+from hpkit.render import render
+from hpkit.slurm.script import compat_step
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 

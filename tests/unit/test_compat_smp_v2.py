@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from hpkit.errors import SpecError
-from hpkit.render import compat_step
 from hpkit.sagemaker.convert import convert
 from hpkit.sagemaker.estimator import Estimator
+from hpkit.slurm.script import compat_step
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 

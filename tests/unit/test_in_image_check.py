@@ -13,8 +13,8 @@ import pytest
 from hpkit.checks import container
 from hpkit.checks.context import Context, Roots
 from hpkit.checks.result import Status
-from hpkit.render import in_image_step
 from hpkit.slurm.job import ContainerSpec
+from hpkit.slurm.script import in_image_step
 
 
 def root_id(path: Path) -> str:

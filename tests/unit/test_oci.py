@@ -12,7 +12,8 @@ import pytest
 
 from hpkit import image, oci
 from hpkit.errors import SpecError
-from hpkit.render import render, runtime_notes
+from hpkit.render import render
+from hpkit.slurm.script import runtime_notes
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 

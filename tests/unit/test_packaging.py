@@ -6,7 +6,7 @@ from pathlib import Path
 
 import tomllib
 
-from hpkit import render
+from hpkit.slurm import script
 
 REPO = Path(__file__).resolve().parents[2]
 SETUPTOOLS = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["setuptools"]
@@ -25,7 +25,7 @@ def test_templates_have_one_home_and_no_link_into_it() -> None:
     assert not (REPO / "python" / "hpkit" / "templates").exists()
     links = [p for p in (REPO / "python").rglob("*") if p.is_symlink()]
     assert links == []
-    assert render.TEMPLATE_DIR == REPO / "slurm" / "templates"
+    assert script.TEMPLATE_DIR == REPO / "slurm" / "templates"
     shipped = SETUPTOOLS["package-data"]["hpkit.templates"]
     assert sorted(p.name for p in (REPO / "slurm" / "templates").iterdir()) == sorted(
         p.name for pattern in shipped for p in (REPO / "slurm" / "templates").glob(pattern)

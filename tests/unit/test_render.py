@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpkit.render import ArrayPlan, render
+from hpkit.render import render
+from hpkit.slurm.script import ArrayPlan
 from hpkit.spec import JobSpec
 from hpkit.validation import load_document, parse_document
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hpkit.render import user_command
 from hpkit.slurm.job import SlurmJob
+from hpkit.slurm.script import user_command
 from hpkit.validation import parse_document
 
 REPO = Path(__file__).resolve().parents[2]

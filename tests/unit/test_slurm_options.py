@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpkit.errors import SpecError
-from hpkit.render import render, sbatch_directives, srun_options
+from hpkit.render import render
 from hpkit.slurm.options import (
     PYXIS_OPTIONS,
     SBATCH_OPTIONS,
@@ -19,6 +19,7 @@ from hpkit.slurm.options import (
     SRUN_OPTIONS,
     SRUN_OPTIONS_SINCE_24_11,
 )
+from hpkit.slurm.script import sbatch_directives, srun_options
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 

@@ -9,13 +9,13 @@ from pathlib import Path
 import pytest
 
 from hpkit.errors import SpecError
-from hpkit.render import sbatch_directives, tasks_per_node
 from hpkit.slurm.options import (
     SBATCH_OPTIONS,
     SBATCH_OPTIONS_SINCE_24_11,
     SRUN_OPTIONS,
     SRUN_OPTIONS_SINCE_24_11,
 )
+from hpkit.slurm.script import sbatch_directives, tasks_per_node
 from hpkit.spec import JobSpec
 from hpkit.validation import parse_document
 

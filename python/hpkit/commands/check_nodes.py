@@ -115,8 +115,8 @@ def validate(req: Request) -> None:
 
 
 def render_script(req: Request, nodes: int) -> str:
-    """The check job's script: render.py's directives, then one srun step per check, each task into its own file."""
-    from hpkit.render import sbatch_directives, template_environment
+    """The check job's script: hpkit.slurm.script's directives, then one srun step per check, each task into its own file."""
+    from hpkit.slurm.script import sbatch_directives, template_environment
 
     job = slurm_job(req, nodes)
     out = req.output_dir

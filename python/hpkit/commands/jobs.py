@@ -115,7 +115,8 @@ def main(argv: list[str], prog: str = "hpkit") -> int:
 
 def _render(args: argparse.Namespace) -> int:
     from hpkit.jobs.submission import write_new
-    from hpkit.render import render, runtime_notes
+    from hpkit.render import render
+    from hpkit.slurm.script import runtime_notes
     from hpkit.spec import JobSpec
     from hpkit.validation import load_document
 
@@ -152,8 +153,8 @@ def _sweep_of(args: argparse.Namespace):
 
 def _submit(args: argparse.Namespace) -> int:
     from hpkit.jobs.submission import give_job_path, prepare, submit
-    from hpkit.render import runtime_notes
     from hpkit.slurm import get_backend
+    from hpkit.slurm.script import runtime_notes
 
     submission = prepare(args.spec, _sweep_of(args))
     for note in runtime_notes(submission.spec.job):

@@ -1,6 +1,6 @@
 """SageMaker's distributed-training APIs on hpkit's runtime, opt-in per job (`compat: [smp, smddp]`).
 
-A job that opts in gets SHIM_DIR first on its tasks' PYTHONPATH (render.py). SHIM_DIR holds a top-level
+A job that opts in gets SHIM_DIR first on its tasks' PYTHONPATH (hpkit.slurm.script). SHIM_DIR holds a top-level
 `smdistributed` package whose modules are thin: they re-export hpkit.compat.smp / hpkit.compat.smddp, so
 that `import smdistributed.modelparallel.torch as smp` or `import smdistributed.dataparallel.torch.torch_smddp`
 runs a SageMaker script unchanged. Where SageMaker's own libraries are installed they win: the shim's

@@ -26,7 +26,7 @@ from hpkit.slurm import job_record
 
 SPEC_EXPORT = "export HPKIT_SPEC="
 SWEEP_EXPORT = "export HPKIT_SWEEP="
-# In a job array's script, each task's spec snapshot is named by its number (hpkit.render.ARRAY_TASK_SHELL).
+# In a job array's script, each task's spec snapshot is named by its number (hpkit.slurm.script.ARRAY_TASK_SHELL).
 TASK_VARIABLE = "$SLURM_ARRAY_TASK_ID"
 
 

@@ -21,9 +21,10 @@ from hpkit.job_events import task_name
 from hpkit.jobs.index import JobNote, remember
 from hpkit.jobs.sweep import Sweep, SweepTask, expand, sweep_manifest
 from hpkit.oci import check_container
-from hpkit.render import ArrayPlan, render
+from hpkit.render import render
 from hpkit.slurm import Backend, get_backend, slurm_version
 from hpkit.slurm.job import SlurmJob, oci_launcher_problem, oci_warm_problem
+from hpkit.slurm.script import ArrayPlan
 from hpkit.spec import SNAPSHOT_HEADER, JobSpec
 from hpkit.validation import load_document, read_document
 

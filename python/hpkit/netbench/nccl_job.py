@@ -1,7 +1,7 @@
 """Render the nccl-tests sbatch script (slurm/templates/nccl-tests.sbatch.j2).
 
 Resources, placement, container, srun options and environment are a SlurmJob, so they are validated
-exactly as a training job's are and reach the script through render.py's directives, srun options,
+exactly as a training job's are and reach the script through hpkit.slurm.script's directives, srun options,
 container block (slurm/templates/_container.sbatch.j2, shared with the training template), start-up
 check and quoting; only the nccl-tests arguments are decided here.
 """
@@ -12,7 +12,9 @@ from dataclasses import dataclass
 
 from hpkit import __version__
 from hpkit.errors import SpecError
-from hpkit.render import (
+from hpkit.sizes import human
+from hpkit.slurm.job import SlurmJob
+from hpkit.slurm.script import (
     ContainerBlock,
     container_block,
     sbatch_directives,
@@ -22,8 +24,6 @@ from hpkit.render import (
     task_wrapper,
     template_environment,
 )
-from hpkit.sizes import human
-from hpkit.slurm.job import SlurmJob
 
 TESTS = (
     "all_reduce_perf",
@@ -107,7 +107,7 @@ def build_context(spec: SlurmJob, args: NcclTestsArgs, script_name: str) -> Nccl
         bin_dir=shell_quote(args.bin_dir),
         tests=" ".join(shell_quote(t) for t in args.tests),
         args=" ".join(shell_quote(w) for w in args.words()),
-        # The same srun options and container as a training job's: render.py decides both.
+        # The same srun options and container as a training job's: hpkit.slurm.script decides both.
         # No --label: only rank 0 prints, each line whole, and `hpkit bench nccl --parse` reads it as is.
         srun_options=srun_options(spec, label=False),
         task_wrapper="".join(

@@ -183,7 +183,7 @@ class SlurmJob(JobIdentity):
 
     A training job (hpkit.spec.JobSpec) holds one (its `job`) beside the training blocks; nccl-tests and the
     all-nodes check are SlurmJobs themselves, so every job kind is validated by these fields and rendered by
-    render.py.
+    hpkit.slurm.script.
     """
 
     document_shape: ClassVar[str] = "a Slurm job is a mapping of keys (name, nodes, ...)"
