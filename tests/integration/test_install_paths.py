@@ -221,7 +221,9 @@ def test_core_checks_and_renders_from_the_wheel(
     assert checks and done.returncode == (1 if "FAIL" in checks.values() else 0)
 
     # The templates come from the installed package: nothing of the checkout is on this venv's path.
-    template_dir = Path(venv.ok("python", "-c", "import hpkit.slurm.script as s; print(s.TEMPLATE_DIR)").strip())
+    template_dir = Path(
+        venv.ok("python", "-c", "import hpkit.slurm.script as s; print(s.TEMPLATE_DIR)").strip()
+    )
     assert template_dir.is_relative_to(venv.root) and (template_dir / "train.sbatch.j2").is_file()
     script = venv.ok("hpkit", "render", str(REPO / "slurm" / "jobs" / "demo.yaml"))
     assert script.startswith("#!/bin/bash\n# Run with: sbatch demo.sbatch\n")
