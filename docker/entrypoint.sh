@@ -4,7 +4,7 @@
 # instance metadata fails here, with the fix, instead of an hour into a job. "The image, not the host": hpkit's job
 # scripts export the host's root as HPKIT_HOST_ROOT, and the in-image check compares it with the root seen here;
 # a task that srun ran on the host never reaches this file (the image has it), and the job's own task step stops
-# it with one line instead (hpkit.render.in_image_step).
+# it with one line instead (hpkit.slurm.script.in_image_step).
 #
 #   HPKIT_SKIP_STARTUP_CHECK=1        do not run the check at all
 #   HPKIT_STARTUP_CHECK_WARN_ONLY=1   run it, but only warn when it fails

@@ -26,7 +26,7 @@ from hpkit.slurm.script import zygote_command
 
 pytestmark = pytest.mark.gpu
 
-# What a job's zygote preloads for `python -m hpkit train`: render's own list (render.zygote_command).
+# What a job's zygote preloads for `python -m hpkit train`: the script's own list (hpkit.slurm.script.zygote_command).
 PRELOAD = re.search(
     r"--preload=([^\s']+)",
     zygote_command(

@@ -51,7 +51,7 @@ def test_without_the_hosts_word_it_cannot_tell(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("mode", ["fail", "warn"])
 def test_task_guard_on_the_host_and_in_another_root(tmp_path: Path, mode: str) -> None:
-    """The shell each task runs first (render.in_image_step), run here: with HPKIT_HOST_ROOT this machine's root
+    """The shell each task runs first (hpkit.slurm.script.in_image_step), run here: with HPKIT_HOST_ROOT this machine's root
     (the task is on the host) it prints one line naming the image and the fix, and stops unless warn."""
     step = in_image_step(ContainerSpec(image="nvcr.io#nvidia/pytorch:24.07-py3", startup_check=mode))
     script = f"{step}; echo GOT-TO-THE-PROGRAM"

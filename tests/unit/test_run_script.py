@@ -1,4 +1,4 @@
-"""Users' Python programs run through `python -m hpkit.run_script` (render.user_command): exactly as run
+"""Users' Python programs run through `python -m hpkit.run_script` (hpkit.slurm.script.user_command): exactly as run
 directly, plus the exit hook."""
 
 from __future__ import annotations
