@@ -41,14 +41,20 @@ def _tree(out: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(out.iterdir())}
 
 
+# Shards the prepare may finish between the kill's shard appearing and the kill landing: the watcher polls, and on
+# a loaded host the workers run ahead of it (ci58: two more shards were recorded than the one watched for).
+SLACK = 3
+
+
 def _mid_document_boundaries(reference: Path, eos: int) -> list[int]:
-    """Shard numbers k whose start (k*SHARD) falls inside a document, as does the next shard's start."""
+    """Shard numbers k whose start (k*SHARD) falls inside a document, as do the starts of the SLACK shards after
+    it: wherever among them the kill lands, the resume starts inside a document."""
     index = json.loads((reference / "index.json").read_text())
     stream = np.concatenate(
         [np.fromfile(reference / s["name"], dtype=index["dtype"]) for s in index["shards"]]
     )
     inside = {k for k in range(1, len(index["shards"])) if stream[k * SHARD - 1] != eos}
-    return [k for k in sorted(inside) if k + 1 in inside]
+    return [k for k in sorted(inside) if all(k + j in inside for j in range(1, SLACK + 1))]
 
 
 def test_kill_9_when_a_shard_appears_then_resume_gives_the_uninterrupted_output(tmp_path):
@@ -86,7 +92,7 @@ def test_kill_9_when_a_shard_appears_then_resume_gives_the_uninterrupted_output(
     assert proc.returncode == -signal.SIGKILL, f"ran to the end before the kill: {err.decode()[-2000:]}"
     assert not (out / "index.json").exists()
     state = json.loads((out / STATE_NAME).read_text())
-    assert len(state["shards"]) in (candidates[0], candidates[0] + 1)
+    assert candidates[0] <= len(state["shards"]) <= candidates[0] + SLACK, "the kill landed near its shard"
     assert state["cursor"]["skip"] > 0, "the kill landed where the next shard starts inside a document"
 
     done = subprocess.run(_cmd(inputs, tok, out, 2), env=_env(), capture_output=True, text=True, timeout=300)
