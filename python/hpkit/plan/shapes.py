@@ -1,7 +1,7 @@
 """Where the planner finds a model's shape (hpkit.models.llama.shape.ModelShape): a shape name, a spec's `model:`
 block (a named shape with overrides, or `init_from`), or a Hugging Face config.json folder (Llama, Mixtral).
 
-Each is read by the function the runtime reads it with (ModelSpec.named_shape, hpkit.layout_rules's config.json
+Each is read by the function the runtime reads it with (ModelSpec.named_shape, hpkit.models.llama.config_json's config.json
 parser), so the planner and the trainer cannot disagree on a shape.
 """
 

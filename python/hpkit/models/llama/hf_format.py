@@ -28,7 +28,7 @@ def read_hf_config(directory: str | Path, seq_len: int) -> HfModel:
 
 
 def parse_hf_config(data: dict[str, Any], seq_len: int, where: str = "config.json") -> HfModel:
-    """hpkit.layout_rules's reading of a config.json, as the runtime's LlamaConfig (its max_seq_len: seq_len)."""
+    """hpkit.models.llama.config_json's reading of a config.json, as the runtime's LlamaConfig (its max_seq_len: seq_len)."""
     hf = config_json.parse_hf_config(data, seq_len, where)
     cfg = config_of_shape(
         hf.shape,

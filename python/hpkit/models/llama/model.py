@@ -47,7 +47,7 @@ class LlamaConfig:
 
     @property
     def shape(self) -> ModelShape:
-        """The shape as plain numbers (hpkit.layout_rules): what the counts below and the planner read."""
+        """The shape as plain numbers (hpkit.models.llama.shape): what the counts below and the planner read."""
         moe = asdict(self.moe) if self.moe is not None else {}
         return ModelShape(
             dim=self.dim,
