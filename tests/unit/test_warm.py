@@ -810,14 +810,15 @@ def test_a_parked_rank_another_command_asks_for_is_left_and_ended_later(short_pa
     wait_gone(pid)
 
 
-def lingering_rank_whose_client_died(root: Path, script: Path) -> int:
-    """A rank that offered to stay and is blocked (STAYING_RANK's "linger"), its client then killed: its pid."""
+def rank_whose_client_died(root: Path, script: Path, doing: str = "linger") -> int:
+    """A STAYING_RANK that offered to stay and is `doing` ("linger": blocked; "train-on": its group still works),
+    its client then killed: its pid."""
     first = client(root, [PY, str(script)])
     pid, _ = rank_line(first)
     assert first.stdin is not None and first.stdout is not None
-    first.stdin.write("linger\n")
+    first.stdin.write(f"{doing}\n")
     first.stdin.flush()
-    assert first.stdout.readline().strip() == "lingering"
+    assert first.stdout.readline().strip() == {"linger": "lingering", "train-on": "training"}[doing]
     first.kill()
     first.wait(timeout=60)
     return pid
@@ -830,7 +831,7 @@ def test_a_rank_that_may_stay_but_does_not_park_is_killed_after_the_window(tmp_p
     with park_zygote(tmp_path, 2) as (_, root, lines):
         script = tmp_path / "stay.py"
         script.write_text(STAYING_RANK)
-        pid = lingering_rank_whose_client_died(root, script)
+        pid = rank_whose_client_died(root, script)
         zygote_said(lines, f"(process {pid}, attempt ?) had not left its step 2 s after the step ended")
         wait_gone(pid)
 
@@ -843,7 +844,7 @@ def test_a_rank_still_leaving_its_step_is_killed_when_the_next_one_starts_on_its
     _, root, lines = short_park
     script = tmp_path / "stay.py"
     script.write_text(STAYING_RANK)
-    pid = lingering_rank_whose_client_died(root, script)
+    pid = rank_whose_client_died(root, script)
     second = client(root, [PY, str(script)])
     new_pid, _ = rank_line(second)
     zygote_said(
@@ -863,14 +864,7 @@ def test_a_rank_whose_client_goes_while_it_trains_on_is_told_its_step_ended_and_
     _, root, _ = short_park
     script = tmp_path / "stay.py"
     script.write_text(STAYING_RANK)
-    first = client(root, [PY, str(script)])
-    pid, _ = rank_line(first)
-    assert first.stdin is not None and first.stdout is not None
-    first.stdin.write("train-on\n")
-    first.stdin.flush()
-    assert first.stdout.readline().strip() == "training"
-    first.kill()
-    first.wait(timeout=60)
+    pid = rank_whose_client_died(root, script, "train-on")
     wait_parked(pid)
     second = client(root, [PY, str(script)], env={"WHO": "next"})
     out, _ = second.communicate(timeout=60)
